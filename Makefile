@@ -1,0 +1,34 @@
+# The two commands a newcomer runs (as root, on Debian 12): `make run` and
+# `make test`. Both install and start what they need and are safe to repeat.
+SHELL := /bin/bash
+GO ?= go
+BIN := bin
+export GOFLAGS ?= -mod=mod
+
+.PHONY: run test build lint unit bench clean-test-projects
+
+build:
+	@mkdir -p $(BIN)
+	$(GO) build -o $(BIN)/incus-provider ./cmd/incus-provider
+	$(GO) build -o $(BIN)/lsconform ./cmd/lsconform
+
+# Brings up a local Incus, builds and imports the development guest image,
+# and runs the provider in the foreground on 127.0.0.1:8480.
+run: build
+	@deploy/dev/incus-up.sh
+	@deploy/guest/build-image.sh >/dev/null
+	PROVIDER_TEMPLATES=$${PROVIDER_TEMPLATES:-deploy/templates.dev.yaml} $(BIN)/incus-provider
+
+# The whole suite: lint, unit, integration on the real Incus, conformance
+# against a running provider.
+test:
+	@deploy/dev/test.sh
+
+lint:
+	@deploy/dev/lint.sh
+
+bench:
+	@deploy/dev/bench.sh
+
+clean-test-projects:
+	@deploy/dev/clean-test-projects.sh

@@ -1,0 +1,136 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/caarlos0/env/v11"
+
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+)
+
+// config is every setting, from the environment. README.md documents each
+// variable with its default; keep the two in step.
+type config struct {
+	Listen            string        `env:"PROVIDER_LISTEN" envDefault:"127.0.0.1:8480"`
+	TLSCert           string        `env:"PROVIDER_TLS_CERT"`
+	TLSKey            string        `env:"PROVIDER_TLS_KEY"`
+	CredentialFile    string        `env:"PROVIDER_CREDENTIAL_FILE"`
+	MetricsListen     string        `env:"PROVIDER_METRICS_LISTEN" envDefault:"127.0.0.1:9480"`
+	Templates         string        `env:"PROVIDER_TEMPLATES" envDefault:"/etc/incus-provider/templates.yaml"`
+	MaxInFlight       int           `env:"PROVIDER_MAX_IN_FLIGHT" envDefault:"64"`
+	GracefulStop      time.Duration `env:"PROVIDER_GRACEFUL_STOP" envDefault:"10s"`
+	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s"`
+	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"netns"`
+	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests"`
+	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info"`
+	IncusSocket       string        `env:"INCUS_SOCKET" envDefault:"/var/lib/incus/unix.socket"`
+	IncusURL          string        `env:"INCUS_URL"`
+	IncusClientCert   string        `env:"INCUS_CLIENT_CERT"`
+	IncusClientKey    string        `env:"INCUS_CLIENT_KEY"`
+	IncusServerCert   string        `env:"INCUS_SERVER_CERT"`
+	IncusProject      string        `env:"INCUS_PROJECT" envDefault:"default"`
+}
+
+// loadConfig reads and checks the environment. Every refusal is one
+// sentence naming the variable, the value and what is allowed.
+func loadConfig() (config, error) {
+	var c config
+	if err := env.Parse(&c); err != nil {
+		var agg env.AggregateError
+		if errors.As(err, &agg) && len(agg.Errors) > 0 {
+			err = agg.Errors[0]
+		}
+		var pe env.ParseError
+		if errors.As(err, &pe) {
+			return c, fmt.Errorf("%s=%q is not valid: %s expected (%v)", varName(pe.Name), os.Getenv(varName(pe.Name)), pe.Type, pe.Err)
+		}
+		return c, fmt.Errorf("configuration: %w", err)
+	}
+	return c, c.check()
+}
+
+func varName(field string) string {
+	names := map[string]string{"MaxInFlight": "PROVIDER_MAX_IN_FLIGHT", "GracefulStop": "PROVIDER_GRACEFUL_STOP",
+		"ReconcileInterval": "PROVIDER_RECONCILE_INTERVAL"}
+	if n, ok := names[field]; ok {
+		return n
+	}
+	return field
+}
+
+func (c config) check() error {
+	bad := func(name, value, allowed string) error {
+		return fmt.Errorf("%s=%q is not valid: %s", name, value, allowed)
+	}
+	if err := checkListen(c.Listen); err != nil {
+		return bad("PROVIDER_LISTEN", c.Listen, err.Error())
+	}
+	if c.MetricsListen != "off" {
+		if err := checkListen(c.MetricsListen); err != nil || strings.HasPrefix(c.MetricsListen, "unix:") {
+			return bad("PROVIDER_METRICS_LISTEN", c.MetricsListen, "use host:port (such as 127.0.0.1:9480), or off")
+		}
+	}
+	if (c.TLSCert == "") != (c.TLSKey == "") {
+		return bad("PROVIDER_TLS_CERT", c.TLSCert, "set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither")
+	}
+	for name, path := range map[string]string{"PROVIDER_TLS_CERT": c.TLSCert, "PROVIDER_TLS_KEY": c.TLSKey,
+		"PROVIDER_CREDENTIAL_FILE": c.CredentialFile, "PROVIDER_TEMPLATES": c.Templates} {
+		if path == "" {
+			continue
+		}
+		if _, err := os.Stat(path); err != nil {
+			return bad(name, path, "it must name a readable file ("+err.Error()+")")
+		}
+	}
+	if c.MaxInFlight < jsonrpc.MinInFlight || c.MaxInFlight > 4096 {
+		return bad("PROVIDER_MAX_IN_FLIGHT", fmt.Sprint(c.MaxInFlight), "use a whole number from 16 (the protocol's floor) to 4096")
+	}
+	if c.GracefulStop < time.Second || c.GracefulStop > 10*time.Minute {
+		return bad("PROVIDER_GRACEFUL_STOP", c.GracefulStop.String(), "use a duration from 1s to 10m (Incus caps a graceful stop at 10 minutes)")
+	}
+	if c.ReconcileInterval < time.Second || c.ReconcileInterval > time.Hour {
+		return bad("PROVIDER_RECONCILE_INTERVAL", c.ReconcileInterval.String(), "use a duration from 1s to 1h")
+	}
+	switch c.GuestDialer {
+	case "netns", "proxy":
+	default:
+		return bad("PROVIDER_GUEST_DIALER", c.GuestDialer, "use netns or proxy")
+	}
+	switch c.LogLevel {
+	case "debug", "info", "warn", "error":
+	default:
+		return bad("PROVIDER_LOG_LEVEL", c.LogLevel, "use debug, info, warn or error")
+	}
+	if c.IncusURL != "" {
+		if !strings.HasPrefix(c.IncusURL, "https://") {
+			return bad("INCUS_URL", c.IncusURL, "use an https:// URL, or leave it empty to use INCUS_SOCKET")
+		}
+		for name, path := range map[string]string{"INCUS_CLIENT_CERT": c.IncusClientCert, "INCUS_CLIENT_KEY": c.IncusClientKey, "INCUS_SERVER_CERT": c.IncusServerCert} {
+			if path == "" {
+				return bad(name, path, "INCUS_URL needs INCUS_CLIENT_CERT, INCUS_CLIENT_KEY and INCUS_SERVER_CERT (the pinned server certificate)")
+			}
+		}
+	}
+	if c.IncusProject == "" {
+		return bad("INCUS_PROJECT", c.IncusProject, "name an Incus project, such as default")
+	}
+	return nil
+}
+
+func checkListen(addr string) error {
+	if path, ok := strings.CutPrefix(addr, "unix:"); ok {
+		if !strings.HasPrefix(path, "/") {
+			return errors.New("a unix listener needs an absolute path, as unix:/run/incus-provider.sock")
+		}
+		return nil
+	}
+	if _, port, err := net.SplitHostPort(addr); err != nil || port == "" {
+		return errors.New("use host:port (such as 127.0.0.1:8480) or unix:/absolute/path")
+	}
+	return nil
+}

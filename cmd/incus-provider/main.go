@@ -1,0 +1,284 @@
+// Command incus-provider serves Lightspeed's controller plane on Incus: see
+// README.md for its configuration.
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+func main() {
+	cfg, err := loadConfig()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
+		os.Exit(2)
+	}
+	log, err := newLogger(cfg.LogLevel)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, cfg, log); err != nil {
+		log.Error("incus-provider stopped", zap.Error(err))
+		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
+		_ = log.Sync()
+		os.Exit(1)
+	}
+	_ = log.Sync()
+}
+
+func newLogger(level string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, fmt.Errorf("PROVIDER_LOG_LEVEL=%q is not valid: %w", level, err)
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	zc.Sampling = nil
+	zc.EncoderConfig.TimeKey = "time"
+	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	l, err := zc.Build()
+	if err != nil {
+		return nil, fmt.Errorf("build logger: %w", err)
+	}
+	return l, nil
+}
+
+func run(ctx context.Context, cfg config, log *zap.Logger) error {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	incusMetrics := newIncusMetrics(reg)
+
+	client, err := incus.New(incus.Config{
+		Socket: cfg.IncusSocket, URL: cfg.IncusURL, ClientCert: cfg.IncusClientCert, ClientKey: cfg.IncusClientKey,
+		ServerCert: cfg.IncusServerCert, Project: cfg.IncusProject, Observe: incusMetrics.observe,
+	})
+	if err != nil {
+		return fmt.Errorf("incus client: %w", err)
+	}
+	catalog, err := templates.Load(cfg.Templates)
+	if err != nil {
+		return err
+	}
+	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if _, err := client.GetServer(startCtx); err != nil {
+		return fmt.Errorf("incus is not reachable (%s): %w", incusWhere(cfg), err)
+	}
+	if err := catalog.Resolve(startCtx, imageResolver{client}); err != nil {
+		return err
+	}
+	cancel()
+
+	dialer, err := guest.New(cfg.GuestDialer, func(ctx context.Context, instance string) (int, error) {
+		st, err := client.GetInstanceState(ctx, instance)
+		if err != nil {
+			return 0, fmt.Errorf("read instance state: %w", err)
+		}
+		return int(st.Pid), nil
+	}, cfg.GuestSocketDir)
+	if err != nil {
+		return fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err)
+	}
+	credential, err := bearer.Load(cfg.CredentialFile)
+	if err != nil {
+		return fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err)
+	}
+
+	svc := targets.New(client, catalog, dialer, log.Named("targets"), targets.Config{
+		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval,
+	})
+	srvCtx, cancelServe := context.WithCancel(ctx)
+	defer cancelServe()
+	ctrl := controller.NewHandler(srvCtx, controller.Options{
+		Backend:     svc,
+		Credential:  credential,
+		MaxInFlight: cfg.MaxInFlight,
+		Metrics:     controller.NewMetrics(reg),
+		Log:         log.Named("controller"),
+	})
+
+	mux := http.NewServeMux()
+	mux.Handle("/control", ctrl)
+	main := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, ErrorLog: zap.NewStdLog(log.Named("http"))}
+	ln, scheme, err := listen(cfg)
+	if err != nil {
+		return err
+	}
+
+	var wg sync.WaitGroup
+	errc := make(chan error, 3)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := svc.Run(srvCtx); err != nil {
+			errc <- fmt.Errorf("reconciler: %w", err)
+		}
+	}()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var err error
+		if cfg.TLSCert != "" {
+			err = main.ServeTLS(ln, cfg.TLSCert, cfg.TLSKey)
+		} else {
+			err = main.Serve(ln)
+		}
+		if err != nil && !errors.Is(err, http.ErrServerClosed) {
+			errc <- fmt.Errorf("controller listener: %w", err)
+		}
+	}()
+	var metricsSrv *http.Server
+	if cfg.MetricsListen != "off" {
+		mmux := http.NewServeMux()
+		mmux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+		mmux.HandleFunc("/readyz", readyz(client, catalog))
+		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
+		mln, err := net.Listen("tcp", cfg.MetricsListen)
+		if err != nil {
+			return fmt.Errorf("PROVIDER_METRICS_LISTEN=%q cannot be bound: %w", cfg.MetricsListen, err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := metricsSrv.Serve(mln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("metrics listener: %w", err)
+			}
+		}()
+	}
+
+	ids := make([]string, 0, len(catalog.All()))
+	for _, t := range catalog.All() {
+		ids = append(ids, t.Wire.TemplateID)
+	}
+	url := controlURL(cfg, scheme)
+	log.Info("incus-provider is serving", zap.String("controller", url), zap.Strings("templates", ids),
+		zap.String("guestDialer", dialer.Name()), zap.String("incusProject", cfg.IncusProject),
+		zap.Bool("credential", credential.Enabled()), zap.String("metrics", cfg.MetricsListen))
+	fmt.Printf("controller URL: %s\ntemplates: %s\n", url, strings.Join(ids, ", "))
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case runErr = <-errc:
+	}
+	log.Info("shutting down")
+	shutdownCtx, cancelShutdown := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancelShutdown()
+	_ = main.Shutdown(shutdownCtx)
+	if metricsSrv != nil {
+		_ = metricsSrv.Shutdown(shutdownCtx)
+	}
+	cancelServe() // ends WebSocket connections (hijacked, so Shutdown does not) and the reconciler
+	wg.Wait()
+	return runErr
+}
+
+func incusWhere(cfg config) string {
+	if cfg.IncusURL != "" {
+		return "INCUS_URL=" + cfg.IncusURL
+	}
+	return "INCUS_SOCKET=" + cfg.IncusSocket
+}
+
+func listen(cfg config) (net.Listener, string, error) {
+	if path, ok := strings.CutPrefix(cfg.Listen, "unix:"); ok {
+		if fi, err := os.Lstat(path); err == nil && fi.Mode()&fs.ModeSocket != 0 {
+			_ = os.Remove(path) // a stale socket from an earlier run
+		}
+		ln, err := net.Listen("unix", path)
+		if err != nil {
+			return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err)
+		}
+		if err := os.Chmod(path, 0o660); err != nil {
+			return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q: restrict socket permissions: %w", cfg.Listen, err)
+		}
+		return ln, "unix", nil
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err)
+	}
+	if cfg.TLSCert != "" {
+		// Fail at start-up, not at the first handshake, on a bad pair.
+		if _, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey); err != nil {
+			_ = ln.Close()
+			return nil, "", fmt.Errorf("PROVIDER_TLS_CERT=%q / PROVIDER_TLS_KEY: not a usable pair: %w", cfg.TLSCert, err)
+		}
+		return ln, "wss", nil
+	}
+	return ln, "ws", nil
+}
+
+func controlURL(cfg config, scheme string) string {
+	if scheme == "unix" {
+		return "unix://" + strings.TrimPrefix(cfg.Listen, "unix:")
+	}
+	return scheme + "://" + cfg.Listen + "/control"
+}
+
+type imageResolver struct{ c *incus.Client }
+
+func (r imageResolver) ImageAliasTarget(ctx context.Context, alias string) (string, error) {
+	fp, err := r.c.GetImageAlias(ctx, alias)
+	if err != nil {
+		return "", fmt.Errorf("get image alias: %w", err)
+	}
+	return fp, nil
+}
+
+func (r imageResolver) ImageExists(ctx context.Context, fingerprint string) (bool, error) {
+	_, err := r.c.GetImage(ctx, fingerprint)
+	if errors.Is(err, incus.ErrNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("get image: %w", err)
+	}
+	return true, nil
+}
+
+func readyz(client *incus.Client, catalog *templates.Catalog) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
+		defer cancel()
+		if _, err := client.GetServer(ctx); err != nil {
+			http.Error(w, "incus: unreachable", http.StatusServiceUnavailable)
+			return
+		}
+		for _, t := range catalog.All() {
+			if _, err := client.GetImage(ctx, t.Fingerprint); err != nil {
+				http.Error(w, "template "+t.Wire.TemplateID+": image missing", http.StatusServiceUnavailable)
+				return
+			}
+		}
+		_, _ = w.Write([]byte("ok\n"))
+	}
+}

@@ -1,0 +1,220 @@
+// Package controller serves the controller plane (protocol version 4) over
+// WebSocket JSON-RPC: its wire types, the handshake, the methods' dispatch
+// and their limits. What a method does to infrastructure lives behind the
+// Backend interface; this package never touches Incus.
+package controller
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"time"
+
+	"github.com/gorilla/websocket"
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+)
+
+// Backend is what the controller plane asks of the infrastructure. Each
+// method answers within a few seconds; a returned *jsonrpc.Error is sent as
+// is, any other error is `internal`.
+type Backend interface {
+	ListTemplates(ctx context.Context, universeID string) ([]Template, error)
+	CreateTarget(ctx context.Context, p CreateParams) (Observation, error)
+	GetTarget(ctx context.Context, ref TargetRef) (Observation, error)
+	SetPower(ctx context.Context, ref TargetRef, power Power) (Observation, error)
+	CloseTarget(ctx context.Context, ref TargetRef) (Observation, error)
+	EnsureIngress(ctx context.Context, ref TargetRef) (Observation, error)
+	RemoveIngress(ctx context.Context, ref TargetRef) (Observation, error)
+}
+
+// Options configure the controller endpoint.
+type Options struct {
+	Backend      Backend
+	Capabilities Capabilities
+	Credential   bearer.Credential
+	// MaxInFlight bounds concurrent requests per connection (at least 16).
+	MaxInFlight int
+	Metrics     *Metrics
+	Log         *zap.Logger
+	// ServerName is serverInfo.name.
+	ServerName string
+}
+
+// Handler serves /control.
+type Handler struct {
+	opts     Options
+	rpc      *jsonrpc.Server
+	upgrader websocket.Upgrader
+	info     BuildInfo
+	ctx      context.Context
+}
+
+// NewHandler builds the endpoint. ctx bounds every connection it serves:
+// cancel it to end them all at shutdown.
+func NewHandler(ctx context.Context, opts Options) *Handler {
+	if opts.Log == nil {
+		opts.Log = zap.NewNop()
+	}
+	if opts.ServerName == "" {
+		opts.ServerName = "incus-provider"
+	}
+	b := buildinfo.Read()
+	h := &Handler{
+		opts: opts,
+		ctx:  ctx,
+		info: BuildInfo{Name: opts.ServerName, Version: b.Version, GitSha: b.GitSha, Target: b.Target},
+		upgrader: websocket.Upgrader{
+			HandshakeTimeout: 10 * time.Second,
+			ReadBufferSize:   64 << 10,
+			WriteBufferSize:  64 << 10,
+			// The runtime is not a browser and sends no Origin; a browser
+			// page from elsewhere must not ride on an operator's network position.
+			CheckOrigin: sameOriginOrNone,
+		},
+	}
+	h.rpc = &jsonrpc.Server{
+		Plane:           Plane,
+		ProtocolVersion: ProtocolVersion,
+		Initialize:      h.initialize,
+		Methods:         h.methods(),
+		MaxInFlight:     opts.MaxInFlight,
+	}
+	if opts.Metrics != nil {
+		h.rpc.Observe = opts.Metrics.observe
+	}
+	return h
+}
+
+// ServeHTTP checks the credential, then upgrades and serves the plane.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	h.opts.Credential.Require(http.HandlerFunc(h.serve), func(*http.Request) {
+		if h.opts.Metrics != nil {
+			h.opts.Metrics.unauthorized.Inc()
+		}
+	}).ServeHTTP(w, r)
+}
+
+func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
+	ws, err := h.upgrader.Upgrade(w, r, nil)
+	if err != nil {
+		return // the upgrader has answered the HTTP error
+	}
+	if m := h.opts.Metrics; m != nil {
+		m.connections.Inc()
+		defer m.connections.Dec()
+	}
+	defer func() { _ = ws.Close() }()
+	if err := h.rpc.ServeConn(h.ctx, ws); err != nil {
+		h.opts.Log.Debug("controller connection ended", zap.Error(err))
+	}
+}
+
+func sameOriginOrNone(r *http.Request) bool {
+	origin := r.Header.Get("Origin")
+	if origin == "" {
+		return true
+	}
+	return origin == "http://"+r.Host || origin == "https://"+r.Host
+}
+
+func (h *Handler) initialize(_ context.Context, params json.RawMessage) (any, error) {
+	var p InitializeParams
+	if err := jsonrpc.DecodeParams(params, &p); err != nil {
+		return nil, err
+	}
+	return InitializeResult{
+		ProtocolVersion: ProtocolVersion,
+		Plane:           Plane,
+		ServerInfo:      h.info,
+		Capabilities:    h.opts.Capabilities,
+	}, nil
+}
+
+// Method names, as the manifest spells them.
+const (
+	MethodInitialize    = "initialize"
+	MethodTemplateList  = "template/list"
+	MethodTargetCreate  = "target/create"
+	MethodTargetGet     = "target/get"
+	MethodTargetSet     = "target/setPower"
+	MethodTargetClose   = "target/close"
+	MethodIngressEnsure = "ingress/ensure"
+	MethodIngressRemove = "ingress/remove"
+)
+
+// Methods lists every controller method this package knows, initialize included.
+func Methods() []string {
+	return []string{MethodInitialize, MethodTemplateList, MethodTargetCreate, MethodTargetGet,
+		MethodTargetSet, MethodTargetClose, MethodIngressEnsure, MethodIngressRemove}
+}
+
+func (h *Handler) methods() map[string]jsonrpc.Method {
+	b := h.opts.Backend
+	caps := h.opts.Capabilities
+	return map[string]jsonrpc.Method{
+		MethodTemplateList: func(ctx context.Context, raw json.RawMessage) (any, error) {
+			var p TemplateListParams
+			if err := jsonrpc.DecodeParams(raw, &p); err != nil {
+				return nil, err
+			}
+			ts, err := b.ListTemplates(ctx, p.UniverseID)
+			if err != nil {
+				return nil, err
+			}
+			return TemplateListResult{Templates: ts}, nil
+		},
+		MethodTargetCreate: func(ctx context.Context, raw json.RawMessage) (any, error) {
+			var p CreateParams
+			if err := jsonrpc.DecodeParams(raw, &p); err != nil {
+				return nil, err
+			}
+			return observed(b.CreateTarget(ctx, p))
+		},
+		MethodTargetGet: targetMethod(b.GetTarget),
+		MethodTargetSet: func(ctx context.Context, raw json.RawMessage) (any, error) {
+			if !caps.Power {
+				return nil, jsonrpc.CapabilityUnavailable("power", "This provider does not serve target/setPower: its initialize answer does not advertise the power capability.")
+			}
+			var p SetPowerParams
+			if err := jsonrpc.DecodeParams(raw, &p); err != nil {
+				return nil, err
+			}
+			return observed(b.SetPower(ctx, p.Target, p.Power))
+		},
+		MethodTargetClose: targetMethod(b.CloseTarget),
+		MethodIngressEnsure: capabilityGuard(caps.Ingress, "ingress", MethodIngressEnsure,
+			targetMethod(b.EnsureIngress)),
+		MethodIngressRemove: capabilityGuard(caps.Ingress, "ingress", MethodIngressRemove,
+			targetMethod(b.RemoveIngress)),
+	}
+}
+
+func targetMethod(f func(context.Context, TargetRef) (Observation, error)) jsonrpc.Method {
+	return func(ctx context.Context, raw json.RawMessage) (any, error) {
+		var p TargetParams
+		if err := jsonrpc.DecodeParams(raw, &p); err != nil {
+			return nil, err
+		}
+		return observed(f(ctx, p.Target))
+	}
+}
+
+func capabilityGuard(served bool, capability, method string, m jsonrpc.Method) jsonrpc.Method {
+	if served {
+		return m
+	}
+	return func(context.Context, json.RawMessage) (any, error) {
+		return nil, jsonrpc.CapabilityUnavailable(capability, "This provider does not serve %s: its initialize answer does not advertise the %s capability.", method, capability)
+	}
+}
+
+func observed(o Observation, err error) (any, error) {
+	if err != nil {
+		return nil, err
+	}
+	return TargetResult{Target: o}, nil
+}

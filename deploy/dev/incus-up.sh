@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Makes sure a local Incus answers on its unix socket, installing and
+# starting it when it does not. Safe to run again: it changes nothing that
+# is already in place and never touches an instance.
+#
+# On a machine where this script started incusd it writes the daemon's PID to
+# $STATE_DIR/incusd.pid; deploy/dev/incus-down.sh stops exactly that daemon.
+# Debian 12 (bookworm), as root; Incus 6.0 LTS comes from bookworm-backports.
+set -euo pipefail
+
+STATE_DIR=${STATE_DIR:-/run/incus-provider-dev}
+SOCKET=${INCUS_SOCKET:-/var/lib/incus/unix.socket}
+LOG=${INCUSD_LOG:-/var/log/incusd.log}
+say() { printf 'incus-up: %s\n' "$*" >&2; }
+
+if [ "$(id -u)" != 0 ]; then
+  say "run me as root: installing and starting Incus needs it."
+  exit 1
+fi
+
+mkdir -p "$STATE_DIR"
+if ! command -v curl >/dev/null 2>&1; then
+  apt-get update >>"$STATE_DIR/apt.log" 2>&1
+  DEBIAN_FRONTEND=noninteractive apt-get install -y curl >>"$STATE_DIR/apt.log" 2>&1
+fi
+answering() { curl -fsS --max-time 3 --unix-socket "$SOCKET" http://incus/1.0 >/dev/null 2>&1; }
+
+if ! command -v incusd >/dev/null 2>&1 && [ ! -x /usr/libexec/incus/incusd ]; then
+  say "installing Incus from bookworm-backports (about 30 s)"
+  if [ ! -f /etc/apt/sources.list.d/bookworm-backports.sources ] && ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d; then
+    cat > /etc/apt/sources.list.d/bookworm-backports.sources <<'SRC'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+  fi
+  apt-get update >>"$STATE_DIR/apt.log" 2>&1 || apt-get update >>"$STATE_DIR/apt.log" 2>&1
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -t bookworm-backports incus >>"$STATE_DIR/apt.log" 2>&1 || {
+    say "apt-get install incus failed; see $STATE_DIR/apt.log"; exit 1; }
+fi
+if ! answering; then
+  INCUSD=$(command -v incusd || echo /usr/libexec/incus/incusd)
+  [ -x "$INCUSD" ] || INCUSD=/usr/libexec/incus/incusd
+  say "starting incusd (log: $LOG)"
+  # Its own session, and no inherited output: a daemon holding the caller's
+  # pipe open would keep a CI run from ever ending.
+  setsid "$INCUSD" --group root --logfile "$LOG" </dev/null >>"$LOG.out" 2>&1 &
+  echo $! > "$STATE_DIR/incusd.pid"
+  if ! incus admin waitready --timeout=60 >/dev/null 2>&1; then
+    say "incusd did not become ready within 60 s; see $LOG"
+    exit 1
+  fi
+fi
+
+# Storage: `incus admin init --minimal` cannot pick a bridge subnet here, and
+# the provider needs no bridge (guests are reached through their own
+# namespace), so only a pool and the default profile's root disk are made.
+if ! incus storage show default >/dev/null 2>&1; then
+  incus storage create default dir >/dev/null
+fi
+if ! incus profile device show default 2>/dev/null | grep -q '^root:'; then
+  incus profile device add default root disk path=/ pool=default >/dev/null
+fi
+say "Incus answers on $SOCKET"

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The whole test suite on this machine: lint, unit and integration tests
+# against a real incusd with the development guest image, then the
+# conformance suite against a provider process started here. Installs and
+# starts what it needs; stops what it started; leaves nothing behind.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export GOFLAGS=${GOFLAGS:--mod=mod}
+STATE_DIR=${STATE_DIR:-/run/incus-provider-dev}
+step() { printf '\n== %s\n' "$*"; }
+
+started_incus=0
+[ -f "$STATE_DIR/incusd.pid" ] || started_incus=1
+provider_pid=""
+conform_project="lsconform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+work=$(mktemp -d)
+cleanup() {
+  status=$?
+  if [ -n "$provider_pid" ]; then kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; fi
+  if incus project show "$conform_project" >/dev/null 2>&1; then
+    for i in $(incus list --project "$conform_project" --format csv -c n); do incus delete --force --project "$conform_project" "$i" >/dev/null 2>&1 || true; done
+    incus project delete "$conform_project" >/dev/null 2>&1 || true
+  fi
+  rm -rf "$work"
+  if [ "$started_incus" = 1 ] && [ -f "$STATE_DIR/incusd.pid" ]; then deploy/dev/incus-down.sh || true; fi
+  exit $status
+}
+trap cleanup EXIT
+
+step "Incus"
+deploy/dev/incus-up.sh
+[ -f "$STATE_DIR/incusd.pid" ] || started_incus=0
+
+step "development guest image"
+deploy/guest/build-image.sh
+
+step "lint"
+deploy/dev/lint.sh
+
+step "unit and integration tests (real Incus)"
+mkdir -p bin
+go build -o bin/incus-provider ./cmd/incus-provider
+go build -o bin/lsconform ./cmd/lsconform
+INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -timeout 25m ./...
+
+step "conformance against a running provider"
+incus project create "$conform_project" -c features.images=false -c features.profiles=false >/dev/null
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
+PROVIDER_LISTEN=127.0.0.1:18480 PROVIDER_METRICS_LISTEN=127.0.0.1:19480 \
+  PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
+  INCUS_PROJECT="$conform_project" PROVIDER_GRACEFUL_STOP=5s \
+  bin/incus-provider >"$work/provider.out" 2>"$work/provider.log" &
+provider_pid=$!
+for _ in $(seq 1 100); do grep -q '^controller URL' "$work/provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/provider.log" >&2; exit 1; }; sleep 0.1; done
+bin/lsconform -url ws://127.0.0.1:18480/control -credential-file "$work/credential" -universe u-conformance || {
+  echo "provider log:" >&2; tail -n 50 "$work/provider.log" >&2; exit 1; }

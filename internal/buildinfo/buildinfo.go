@@ -1,0 +1,38 @@
+// Package buildinfo stamps what this binary is: its version, the git
+// revision it was built from, and the platform it targets.
+package buildinfo
+
+import (
+	"runtime"
+	"runtime/debug"
+)
+
+// Version is set by the build (-ldflags "-X …buildinfo.Version=…"); it
+// falls back to the module version Go recorded.
+var Version = ""
+
+// Info is a build's description.
+type Info struct {
+	Version string
+	GitSha  string
+	Target  string
+}
+
+// Read returns this binary's build facts.
+func Read() Info {
+	info := Info{Version: Version, Target: runtime.GOOS + "/" + runtime.GOARCH}
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		if info.Version == "" && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+			info.Version = bi.Main.Version
+		}
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" {
+				info.GitSha = s.Value
+			}
+		}
+	}
+	if info.Version == "" {
+		info.Version = "0.0.0-dev"
+	}
+	return info
+}

@@ -1,0 +1,270 @@
+package jsonrpc
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
+)
+
+// PingInterval is how often a client pings while it waits for an answer: the
+// spec asks for at least every 20 seconds.
+const PingInterval = 15 * time.Second
+
+// ErrClosed is returned by calls on a client whose connection has ended.
+var ErrClosed = errors.New("jsonrpc: connection closed")
+
+// Client pipelines requests over one connection and matches answers by id.
+type Client struct {
+	ws      *websocket.Conn
+	writeMu sync.Mutex
+
+	mu      sync.Mutex
+	nextID  uint64
+	pending map[string]chan *inbound
+	err     error // why the connection ended; set once
+	done    chan struct{}
+}
+
+type inbound struct {
+	result json.RawMessage
+	err    *Error
+}
+
+// NewClient takes over the connection: it reads every message from now on.
+func NewClient(ws *websocket.Conn) *Client {
+	ws.SetReadLimit(MaxMessageBytes)
+	c := &Client{ws: ws, pending: map[string]chan *inbound{}, done: make(chan struct{})}
+	go c.readLoop()
+	go c.pingLoop()
+	return c
+}
+
+// Call sends one request and decodes the result strictly into result (which
+// may be nil to discard it). An error answer comes back as *Error.
+func (c *Client) Call(ctx context.Context, method string, params any, result any) error {
+	if params == nil {
+		params = struct{}{}
+	}
+	rawParams, err := json.Marshal(params)
+	if err != nil {
+		return fmt.Errorf("jsonrpc: encode %s params: %w", method, err)
+	}
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return c.err
+	}
+	c.nextID++
+	id := strconv.FormatUint(c.nextID, 10)
+	ch := make(chan *inbound, 1)
+	c.pending[id] = ch
+	c.mu.Unlock()
+	defer func() {
+		c.mu.Lock()
+		delete(c.pending, id)
+		c.mu.Unlock()
+	}()
+
+	frame, err := json.Marshal(struct {
+		JSONRPC string          `json:"jsonrpc"`
+		ID      json.RawMessage `json:"id"`
+		Method  string          `json:"method"`
+		Params  json.RawMessage `json:"params"`
+	}{"2.0", json.RawMessage(id), method, rawParams})
+	if err != nil {
+		return fmt.Errorf("jsonrpc: encode %s: %w", method, err)
+	}
+	if len(frame) > MaxMessageBytes {
+		return &Error{Kind: KindPayloadTooLarge, LimitBytes: u64(MaxMessageBytes),
+			Message: fmt.Sprintf("The %s request would be %d bytes, over the %d-byte message limit.", method, len(frame), MaxMessageBytes)}
+	}
+	if err := c.write(ctx, websocket.TextMessage, frame); err != nil {
+		return fmt.Errorf("jsonrpc: send %s: %w", method, err)
+	}
+	select {
+	case in := <-ch:
+		if in.err != nil {
+			return in.err
+		}
+		if result == nil {
+			return nil
+		}
+		if err := wire.Decode(in.result, result); err != nil {
+			return fmt.Errorf("jsonrpc: %s answered a result that does not decode: %w", method, err)
+		}
+		return nil
+	case <-c.done:
+		return c.closedErr()
+	case <-ctx.Done():
+		return fmt.Errorf("jsonrpc: %s: %w", method, ctx.Err())
+	}
+}
+
+// Notify sends a notification, which is never answered.
+func (c *Client) Notify(ctx context.Context, method string, params any) error {
+	if params == nil {
+		// Params are an object or absent; a null would make the server drop it.
+		params = struct{}{}
+	}
+	raw, err := json.Marshal(struct {
+		JSONRPC string `json:"jsonrpc"`
+		Method  string `json:"method"`
+		Params  any    `json:"params"`
+	}{"2.0", method, params})
+	if err != nil {
+		return fmt.Errorf("jsonrpc: encode %s: %w", method, err)
+	}
+	if len(raw) > MaxMessageBytes {
+		return &Error{Kind: KindPayloadTooLarge, LimitBytes: u64(MaxMessageBytes),
+			Message: fmt.Sprintf("The %s notification would be %d bytes, over the %d-byte message limit.", method, len(raw), MaxMessageBytes)}
+	}
+	if err := c.write(ctx, websocket.TextMessage, raw); err != nil {
+		return fmt.Errorf("jsonrpc: send %s: %w", method, err)
+	}
+	return nil
+}
+
+func (c *Client) write(ctx context.Context, kind int, frame []byte) error {
+	c.writeMu.Lock()
+	defer c.writeMu.Unlock()
+	// A write that times out leaves the connection unusable, so a context
+	// that has already ended must not reach the socket.
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		deadline = time.Now().Add(30 * time.Second)
+	}
+	_ = c.ws.SetWriteDeadline(deadline)
+	if err := c.ws.WriteMessage(kind, frame); err != nil {
+		// gorilla refuses every write after a failed one: end the
+		// connection so that pending and later calls fail at once.
+		c.fail(fmt.Errorf("write: %w", err))
+		_ = c.ws.Close()
+		return err
+	}
+	return nil
+}
+
+// Done is closed when the connection has ended.
+func (c *Client) Done() <-chan struct{} { return c.done }
+
+// Close ends the connection with a normal close frame.
+func (c *Client) Close() error {
+	_ = c.ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
+	err := c.ws.Close()
+	<-c.done
+	return err
+}
+
+func (c *Client) closedErr() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+func (c *Client) fail(err error) {
+	c.mu.Lock()
+	if c.err == nil {
+		c.err = fmt.Errorf("%w: %w", ErrClosed, err)
+		close(c.done)
+	}
+	c.mu.Unlock()
+}
+
+type responseEnvelope struct {
+	JSONRPC string          `json:"jsonrpc" wire:"enum=2.0"`
+	ID      json.RawMessage `json:"id"`
+	Result  json.RawMessage `json:"result,omitempty"`
+	Error   json.RawMessage `json:"error,omitempty"`
+}
+
+func (c *Client) readLoop() {
+	for {
+		kind, data, err := c.ws.ReadMessage()
+		if err != nil {
+			c.fail(err)
+			_ = c.ws.Close()
+			return
+		}
+		if kind != websocket.TextMessage {
+			// Binary frames are not part of any plane: a client closes.
+			c.fail(errors.New("server sent a binary frame"))
+			_ = c.ws.Close()
+			return
+		}
+		var env responseEnvelope
+		err = wire.Decode(data, &env)
+		if err == nil && (env.Result == nil) == (env.Error == nil) {
+			err = errors.New("a response carries exactly one of result and error")
+		}
+		if err != nil {
+			if refusal := unattributedRefusal(data); refusal != nil {
+				// A null id: the server could not read a frame of ours, so
+				// some call will never be answered.
+				c.fail(fmt.Errorf("the server refused a frame of this client: %w", refusal))
+			} else {
+				// The server never sends requests or notifications on these planes.
+				c.fail(fmt.Errorf("server sent a message that is not a response: %w", err))
+			}
+			_ = c.ws.Close()
+			return
+		}
+		in := &inbound{result: env.Result}
+		if env.Error != nil {
+			var e Error
+			if err := json.Unmarshal(env.Error, &e); err != nil {
+				e = Error{Kind: KindInternal, Message: fmt.Sprintf("the server's error object does not decode: %v", err)}
+			}
+			in.err = &e
+		}
+		c.mu.Lock()
+		ch := c.pending[string(env.ID)]
+		// One answer per id: a repeated answer finds no channel rather
+		// than blocking this loop on a full one.
+		delete(c.pending, string(env.ID))
+		c.mu.Unlock()
+		if ch != nil {
+			ch <- in
+		}
+	}
+}
+
+// unattributedRefusal returns the error of a response whose id is null.
+func unattributedRefusal(data []byte) *Error {
+	var env struct {
+		ID    json.RawMessage `json:"id"`
+		Error *Error          `json:"error"`
+	}
+	if json.Unmarshal(data, &env) != nil || string(env.ID) != "null" || env.Error == nil {
+		return nil
+	}
+	return env.Error
+}
+
+func (c *Client) pingLoop() {
+	t := time.NewTicker(PingInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-c.done:
+			return
+		case <-t.C:
+			c.mu.Lock()
+			waiting := len(c.pending) > 0
+			c.mu.Unlock()
+			if waiting {
+				_ = c.ws.WriteControl(websocket.PingMessage, nil, time.Now().Add(5*time.Second))
+			}
+		}
+	}
+}

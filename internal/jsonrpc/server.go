@@ -1,0 +1,456 @@
+// Package jsonrpc is the protocol's JSON-RPC 2.0 envelope over WebSocket,
+// shared by every plane this project serves or dials: the controller server,
+// the development guest daemon, and the provider's own data-plane client.
+//
+// It owns the rules the spec states once for all planes (framing errors,
+// the handshake, pipelining, the 16 MiB limit, typed errors) so that no
+// plane can drift from them.
+package jsonrpc
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
+)
+
+// MaxMessageBytes is the protocol's limit on every message, and so on every
+// frame, on every hop.
+const MaxMessageBytes = 16 << 20
+
+// MinInFlight is the protocol's floor on requests a server accepts in flight
+// per connection.
+const MinInFlight = 16
+
+// Method serves one request. A returned *Error is sent as is; any other
+// error is a defect and goes out as `internal`.
+type Method func(ctx context.Context, params json.RawMessage) (any, error)
+
+// Server serves one plane on WebSocket connections.
+type Server struct {
+	Plane           string
+	ProtocolVersion uint64
+	// Initialize runs after the server has checked that this is the first
+	// initialize and that protocolVersion is present and equal to ours.
+	Initialize Method
+	Methods    map[string]Method
+	// Notifications handle client notifications by method; others are dropped.
+	Notifications map[string]func(ctx context.Context, params json.RawMessage)
+	// MaxInFlight bounds concurrent requests per connection (at least MinInFlight).
+	MaxInFlight int
+	// Observe, when set, sees every answered request: the method (or
+	// "unknown" for a name not served, to keep label sets bounded), the
+	// error kind sent ("" on success) and the time taken. It is called
+	// from several goroutines at once.
+	Observe func(method string, kind Kind, d time.Duration)
+	// WriteTimeout bounds one message write to a slow reader (default 30 s).
+	WriteTimeout time.Duration
+	// OnInternal, when set, sees the cause of every `internal` answer the
+	// server makes up itself: an error that is not an *Error, a panic (with
+	// its stack), or a result that does not encode. The client only ever
+	// sees a fixed sentence.
+	OnInternal func(method string, err error)
+}
+
+type ctxKey struct{}
+
+// RequestID is the id of the request a Method is serving.
+func RequestID(ctx context.Context) (json.RawMessage, bool) {
+	id, ok := ctx.Value(ctxKey{}).(json.RawMessage)
+	return id, ok
+}
+
+var nullID = json.RawMessage("null")
+
+type conn struct {
+	srv     *Server
+	ws      *websocket.Conn
+	writeMu sync.Mutex
+	slots   chan struct{}
+	wg      sync.WaitGroup
+
+	initMu      sync.Mutex
+	initialized bool
+}
+
+// ServeConn runs the connection until it closes or ctx ends. Requests are
+// dispatched concurrently and answered in any order; the ctx handed to a
+// Method ends when the connection does.
+func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	most := s.MaxInFlight
+	if most < MinInFlight {
+		most = MinInFlight
+	}
+	c := &conn{srv: s, ws: ws, slots: make(chan struct{}, most)}
+	ws.SetReadLimit(MaxMessageBytes)
+	// Pongs go out with WriteControl, which gorilla interleaves between the
+	// frames of a message being written; reply writes large answers in
+	// several frames so that a pong never waits for a whole 16 MiB answer.
+	// gorilla's default handler gives up on a pong after one second.
+	ws.SetPingHandler(func(appData string) error {
+		_ = ws.WriteControl(websocket.PongMessage, []byte(appData), time.Now().Add(c.writeTimeout()))
+		return nil
+	})
+	stop := context.AfterFunc(ctx, func() { _ = ws.Close() })
+	defer stop()
+	defer c.wg.Wait()
+	defer cancel()
+	for {
+		msgType, data, err := ws.ReadMessage()
+		if err != nil {
+			if websocket.IsCloseError(err, websocket.CloseNormalClosure, websocket.CloseGoingAway, websocket.CloseNoStatusReceived) || ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("jsonrpc: read: %w", err)
+		}
+		if msgType != websocket.TextMessage {
+			c.reply("", nullID, nil, Errorf(KindInvalidRequest, "Binary frames are not part of the protocol; send each message as one text frame."))
+			continue
+		}
+		c.handle(ctx, data)
+	}
+}
+
+type envelope struct {
+	id       json.RawMessage // nil when absent
+	method   string
+	params   json.RawMessage
+	hasParam bool
+}
+
+func (c *conn) handle(ctx context.Context, data []byte) {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.UseNumber()
+	var generic any
+	if err := dec.Decode(&generic); err != nil || !atEOF(dec) {
+		c.reply("", nullID, nil, Errorf(KindParseError, "The frame is not one JSON value: send exactly one JSON-RPC message per text frame."))
+		return
+	}
+	if _, isBatch := generic.([]any); isBatch {
+		c.reply("", nullID, nil, Errorf(KindInvalidRequest, "Batches are not supported; send each request in its own frame."))
+		return
+	}
+	obj, ok := generic.(map[string]any)
+	if !ok {
+		c.reply("", nullID, nil, Errorf(KindInvalidRequest, "A JSON-RPC message must be an object."))
+		return
+	}
+	env, idOK := parseID(obj)
+	method, methodIsString := obj["method"].(string)
+	if !idOK {
+		if _, present := obj["id"]; present {
+			c.reply("", nullID, nil, Errorf(KindInvalidRequest, "The id must be an integer or a string."))
+			return
+		}
+		// No id: a notification, well-formed or not, is never answered.
+		if methodIsString {
+			c.notify(ctx, obj, method)
+			return
+		}
+		c.reply("", nullID, nil, Errorf(KindInvalidRequest, "A request needs an id and a string method."))
+		return
+	}
+	env.method = method
+	if problem := envelopeProblem(obj); problem != "" {
+		c.finish(env, time.Now(), nil, Errorf(KindInvalidRequest, "%s", problem))
+		return
+	}
+	if raw, present := obj["params"]; present {
+		env.hasParam = true
+		if _, isObject := raw.(map[string]any); !isObject {
+			c.finish(env, time.Now(), nil, InvalidParams("", "The params must be an object of named members, not %s.", describe(raw)))
+			return
+		}
+		env.params, _ = json.Marshal(raw)
+	} else {
+		env.params = json.RawMessage("{}")
+	}
+	c.request(ctx, env)
+}
+
+// atEOF reports whether nothing but white space follows the decoded value.
+// (Decoder.More is not enough: it reports false before a stray ']' or '}'.)
+func atEOF(dec *json.Decoder) bool {
+	_, err := dec.Token()
+	return errors.Is(err, io.EOF)
+}
+
+// parseID reads the id: an integer or a string. ok is false when it is absent or malformed.
+func parseID(obj map[string]any) (envelope, bool) {
+	raw, present := obj["id"]
+	if !present {
+		return envelope{}, false
+	}
+	switch v := raw.(type) {
+	case string:
+		b, _ := json.Marshal(v)
+		return envelope{id: b}, true
+	case json.Number:
+		if _, err := v.Int64(); err != nil {
+			return envelope{}, false
+		}
+		return envelope{id: json.RawMessage(v.String())}, true
+	}
+	return envelope{}, false
+}
+
+func envelopeProblem(obj map[string]any) string {
+	for k := range obj {
+		switch k {
+		case "jsonrpc", "id", "method", "params":
+		default:
+			return fmt.Sprintf("The envelope member %q is not part of a JSON-RPC request.", k)
+		}
+	}
+	if v, _ := obj["jsonrpc"].(string); v != "2.0" {
+		return `The member jsonrpc must be the string "2.0".`
+	}
+	if _, ok := obj["method"].(string); !ok {
+		return "A request needs a string method."
+	}
+	return ""
+}
+
+func describe(v any) string {
+	switch v.(type) {
+	case nil:
+		return "null"
+	case []any:
+		return "an array"
+	case string:
+		return "a string"
+	case bool:
+		return "a boolean"
+	case json.Number:
+		return "a number"
+	default:
+		return fmt.Sprintf("%T", v)
+	}
+}
+
+func (c *conn) notify(ctx context.Context, obj map[string]any, method string) {
+	if envelopeProblem(obj) != "" || !c.isInitialized() {
+		return
+	}
+	h, ok := c.srv.Notifications[method]
+	if !ok {
+		return
+	}
+	params := json.RawMessage("{}")
+	if raw, present := obj["params"]; present {
+		if _, isObject := raw.(map[string]any); !isObject {
+			return
+		}
+		params, _ = json.Marshal(raw)
+	}
+	h(ctx, params)
+}
+
+func (c *conn) isInitialized() bool {
+	c.initMu.Lock()
+	defer c.initMu.Unlock()
+	return c.initialized
+}
+
+func (c *conn) request(ctx context.Context, env envelope) {
+	start := time.Now()
+	if env.method == "initialize" {
+		// Inline, so requests pipelined behind initialize see its outcome.
+		result, err := c.initialize(ctx, env.params)
+		c.finish(env, start, result, err)
+		return
+	}
+	if !c.isInitialized() {
+		c.finish(env, start, nil, Errorf(KindNotInitialized, "Call initialize on this connection before %s.", env.method))
+		return
+	}
+	m, ok := c.srv.Methods[env.method]
+	if !ok {
+		c.finish(env, start, nil, Errorf(KindMethodNotFound, "The %s plane has no method %q.", c.srv.Plane, env.method))
+		return
+	}
+	select {
+	case c.slots <- struct{}{}:
+	default:
+		e := WithReason(KindBusy, "requestLimit", "This connection already has %d requests in flight; wait for an answer before sending more.", cap(c.slots))
+		c.finish(env, start, nil, e)
+		return
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		result, err := c.call(context.WithValue(ctx, ctxKey{}, env.id), m, env.params)
+		// The slot is free before the answer leaves: a client that sends
+		// its next request as soon as it reads this answer must find room.
+		<-c.slots
+		c.finish(env, start, result, err)
+	}()
+}
+
+func (c *conn) call(ctx context.Context, m Method, params json.RawMessage) (result any, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("panic: %v\n%s", p, debug.Stack())
+		}
+	}()
+	return m(ctx, params)
+}
+
+func (c *conn) initialize(ctx context.Context, params json.RawMessage) (any, error) {
+	c.initMu.Lock()
+	defer c.initMu.Unlock()
+	if c.initialized {
+		return nil, Errorf(KindInvalidRequest, "This connection is already initialized; initialize is sent once per connection.")
+	}
+	var head map[string]json.RawMessage
+	if err := json.Unmarshal(params, &head); err != nil {
+		return nil, InvalidParams("", "The params must be an object.")
+	}
+	rawVersion, present := head["protocolVersion"]
+	if !present {
+		return nil, InvalidParams("protocolVersion", "The member protocolVersion is required: state the %s plane version you speak (this server speaks %d).", c.srv.Plane, c.srv.ProtocolVersion)
+	}
+	var version uint64
+	if err := wire.Decode(rawVersion, &version); err != nil {
+		return nil, InvalidParams("protocolVersion", "The member protocolVersion must be an unsigned whole number below 2^53.")
+	}
+	if version != c.srv.ProtocolVersion {
+		return nil, &Error{Kind: KindVersionMismatch, Expected: u64(c.srv.ProtocolVersion), Received: u64(version),
+			Message: fmt.Sprintf("This server speaks %s protocol version %d, not %d; upgrade or downgrade the client to match.", c.srv.Plane, c.srv.ProtocolVersion, version)}
+	}
+	result, err := c.call(ctx, c.srv.Initialize, params)
+	if err == nil {
+		c.initialized = true
+	}
+	return result, err
+}
+
+type response struct {
+	JSONRPC string          `json:"jsonrpc"`
+	ID      json.RawMessage `json:"id"`
+	Result  json.RawMessage `json:"result,omitempty"`
+	Error   *Error          `json:"error,omitempty"`
+}
+
+func (c *conn) finish(env envelope, start time.Time, result any, err error) {
+	method := env.method
+	if _, known := c.srv.Methods[method]; !known && method != "initialize" {
+		method = "unknown"
+	}
+	rpcErr := c.asError(method, err)
+	kind := c.reply(method, env.id, result, rpcErr)
+	if obs := c.srv.Observe; obs != nil {
+		obs(method, kind, time.Since(start))
+	}
+}
+
+func (c *conn) asError(method string, err error) *Error {
+	if err == nil {
+		return nil
+	}
+	var e *Error
+	if errors.As(err, &e) {
+		return e
+	}
+	c.defect(method, err)
+	return Errorf(KindInternal, "The server failed while serving this request (a defect in the server). Retry later.")
+}
+
+func (c *conn) defect(method string, err error) {
+	if h := c.srv.OnInternal; h != nil {
+		h(method, err)
+	}
+}
+
+func (c *conn) writeTimeout() time.Duration {
+	if c.srv.WriteTimeout > 0 {
+		return c.srv.WriteTimeout
+	}
+	return 30 * time.Second
+}
+
+// writeChunk is the most reply puts in one frame of a message, so that a pong
+// can go out between two frames of a large answer.
+const writeChunk = 64 << 10
+
+// reply sends one response and returns the kind of error it carried ("" for a result).
+func (c *conn) reply(method string, id json.RawMessage, result any, rpcErr *Error) Kind {
+	resp := response{JSONRPC: "2.0", ID: id}
+	if rpcErr != nil {
+		resp.Error = rpcErr
+	} else {
+		raw, err := json.Marshal(result)
+		switch {
+		case err != nil:
+			c.defect(method, fmt.Errorf("encode result: %w", err))
+			resp.Error = Errorf(KindInternal, "The server could not encode its answer (a defect in the server).")
+		case string(raw) == "null":
+			// The protocol has no null but the id's; a result with no members is {}.
+			resp.Result = json.RawMessage("{}")
+		default:
+			resp.Result = raw
+		}
+	}
+	frame, err := json.Marshal(resp)
+	if err == nil && len(frame) > MaxMessageBytes {
+		resp.Result, resp.Error = nil, &Error{Kind: KindPayloadTooLarge, LimitBytes: u64(MaxMessageBytes),
+			Message: fmt.Sprintf("The answer would be %d bytes, over the %d-byte message limit; ask for less.", len(frame), MaxMessageBytes)}
+		frame, err = json.Marshal(resp)
+	}
+	var kind Kind
+	if resp.Error != nil {
+		kind = resp.Error.object().Data.Kind
+	}
+	if err != nil {
+		c.defect(method, fmt.Errorf("encode response: %w", err))
+		return kind
+	}
+	c.writeMu.Lock()
+	defer c.writeMu.Unlock()
+	_ = c.ws.SetWriteDeadline(time.Now().Add(c.writeTimeout()))
+	if err := c.writeFrames(frame); err != nil {
+		// A failed or timed-out write leaves the connection unusable (gorilla
+		// refuses every later write): end it rather than read requests that
+		// can never be answered.
+		_ = c.ws.Close()
+	}
+	return kind
+}
+
+func (c *conn) writeFrames(message []byte) error {
+	w, err := c.ws.NextWriter(websocket.TextMessage)
+	if err != nil {
+		return err
+	}
+	for len(message) > 0 {
+		n := min(len(message), writeChunk)
+		if _, err := w.Write(message[:n]); err != nil {
+			return err
+		}
+		message = message[n:]
+	}
+	return w.Close()
+}
+
+// DecodeParams decodes params strictly into v; a refusal is invalidParams
+// naming the member.
+func DecodeParams(params json.RawMessage, v any) error {
+	if len(params) == 0 {
+		params = json.RawMessage("{}")
+	}
+	if err := wire.Decode(params, v); err != nil {
+		return FromFieldError(err)
+	}
+	return nil
+}

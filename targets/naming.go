@@ -1,0 +1,109 @@
+// Package targets maps the controller plane's targets onto Incus instances:
+// one instance per owner, named deterministically from the owner, carrying
+// its ownership and intent in user.lightspeed.* metadata, so the provider
+// keeps no database. It implements controller.Backend and runs the
+// reconciler that drives every instance to where its metadata says it
+// should be, which is how a restarted provider finishes what it started.
+package targets
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"regexp"
+	"strconv"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+// namePrefix marks every instance this provider names; the rest of a name
+// is a digest, so no tenant id ever appears in Incus names or logs.
+const namePrefix = "ls-"
+
+// nameKind separates this derivation from any other use of the same hash
+// (the older provider used other kinds), so names can never collide across them.
+const nameKind = "lightspeed/controller-v4/target"
+
+var namePattern = regexp.MustCompile(`^ls-[0-9a-f]{20}$`)
+
+// Name derives the owner's instance name: "ls-" and 20 hex digits (80 bits)
+// of SHA-256 over the kind and each id, each id length-prefixed so that
+// ("a","bc") and ("ab","c") differ. The name is the lock: Incus lets exactly
+// one create of it win, across goroutines, processes and replicas.
+func Name(o controller.Owner) string {
+	h := sha256.New()
+	h.Write([]byte(nameKind))
+	for _, part := range []string{o.UniverseID, o.EnvironmentID} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
+		h.Write(n[:])
+		h.Write([]byte(part))
+	}
+	return namePrefix + hex.EncodeToString(h.Sum(nil)[:10])
+}
+
+// looksLikeTargetID says whether an id could be one of our names; anything
+// else is answered notFound without asking Incus about someone else's instance.
+func looksLikeTargetID(id string) bool { return namePattern.MatchString(id) }
+
+// Metadata keys. Everything here is readable by the guest through
+// /dev/incus, so nothing secret is ever stored in them.
+const (
+	keySchema      = "user.lightspeed.schema"
+	keyUniverse    = "user.lightspeed.universe"
+	keyEnvironment = "user.lightspeed.environment"
+	keyTemplate    = "user.lightspeed.template"
+	keyImage       = "user.lightspeed.image"
+	keyDisplayName = "user.lightspeed.display_name"
+	keyIdle        = "user.lightspeed.idle"
+	keyDaemonPort  = "user.lightspeed.daemon_port"
+	keyCreatedAt   = "user.lightspeed.created_at_ms"
+	// keyBooted is set once the instance first ran; before it, a stopped
+	// instance is still being provisioned (and the reconciler starts it).
+	keyBooted = "user.lightspeed.booted_at_ms"
+	// keyClosing records a close: the reconciler stops and deletes the
+	// instance, and resumes that after a restart.
+	keyClosing = "user.lightspeed.closing_since_ms"
+	// keyFailure records why the provider gave up on an instance.
+	keyFailure = "user.lightspeed.failure"
+	// KeyIdleSince is the instant idleness began for a target the provider
+	// powered down, so its idle clock runs on while it cannot answer.
+	KeyIdleSince = "user.lightspeed.idle_since_ms"
+)
+
+const schemaVersion = "1"
+
+// ownerOf reads an instance's owner. ok is false for an instance that is not
+// one of ours: missing metadata, or a name that its metadata does not derive
+// (a renamed copy or clone is never taken for a target).
+func ownerOf(inst *incus.Instance) (controller.Owner, bool) {
+	if inst.Config[keySchema] == "" {
+		return controller.Owner{}, false
+	}
+	o := controller.Owner{UniverseID: inst.Config[keyUniverse], EnvironmentID: inst.Config[keyEnvironment]}
+	if o.UniverseID == "" || o.EnvironmentID == "" || Name(o) != inst.Name {
+		return controller.Owner{}, false
+	}
+	return o, true
+}
+
+// DaemonPort is the guest daemon's port recorded on the instance.
+func DaemonPort(inst *incus.Instance) int {
+	p, err := strconv.Atoi(inst.Config[keyDaemonPort])
+	if err != nil || p <= 0 || p > 65535 {
+		return 0
+	}
+	return p
+}
+
+func msString(t time.Time) string { return strconv.FormatInt(t.UnixMilli(), 10) }
+
+func parseMs(s string) (time.Time, bool) {
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n <= 0 {
+		return time.Time{}, false
+	}
+	return time.UnixMilli(n), true
+}

@@ -1,0 +1,330 @@
+package targets
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+// Run drives every instance to where its metadata says it should be: at
+// start-up, every ReconcileInterval, and whenever a method kicks one. It
+// returns when ctx ends, after the background work it started has stopped.
+func (s *Service) Run(ctx context.Context) error {
+	defer s.work.stop()
+	t := time.NewTicker(s.cfg.ReconcileInterval)
+	defer t.Stop()
+	for {
+		if err := s.pass(ctx); err != nil && ctx.Err() == nil {
+			s.log.Warn("reconcile pass failed; retrying on the next tick", zap.Error(err))
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// pass lists the project's instances once and kicks every one of ours that
+// still has work to do.
+func (s *Service) pass(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	list, err := s.incus.ListInstances(ctx)
+	if err != nil {
+		return err
+	}
+	for i := range list {
+		inst := &list[i]
+		if _, ok := ownerOf(inst); !ok {
+			continue
+		}
+		if needsWork(inst) {
+			s.work.kick(inst.Name)
+		}
+	}
+	return nil
+}
+
+func needsWork(inst *incus.Instance) bool {
+	if inst.Config[keyClosing] != "" {
+		return true
+	}
+	if inst.Config[keyFailure] != "" {
+		return false
+	}
+	_, booted := parseMs(inst.Config[keyBooted])
+	return !booted
+}
+
+// converge takes one idempotent step towards the instance's intent. It is
+// never run twice at once for one name (see worker).
+func (s *Service) converge(ctx context.Context, name string) {
+	inst, err := s.lookup(ctx, name)
+	if err != nil {
+		s.log.Warn("converge: read failed", zap.String("instance", name), zap.Error(err))
+		return
+	}
+	if inst == nil {
+		s.dialer.Forget(name)
+		return
+	}
+	if _, ok := ownerOf(inst); !ok {
+		return
+	}
+	switch {
+	case inst.Config[keyClosing] != "":
+		if err := s.closeInstance(ctx, inst); err != nil && ctx.Err() == nil {
+			s.log.Warn("close step failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
+		}
+	case inst.Config[keyFailure] != "":
+	default:
+		if _, booted := parseMs(inst.Config[keyBooted]); !booted {
+			s.bringUp(ctx, inst)
+		}
+	}
+}
+
+// bringUp starts a created instance that never ran and marks it booted.
+func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
+	name := inst.Name
+	switch inst.Status {
+	case "Running", "Ready", "Frozen", "Freezing", "Thawed":
+		s.markBooted(ctx, name)
+		return
+	case "Stopped":
+	default:
+		return // in transition; the next pass looks again
+	}
+	if pending, err := s.createPending(ctx, name); err != nil || pending {
+		return // Incus is still creating (and starting) it
+	}
+	op, err := s.incus.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: "start"})
+	if err == nil {
+		_, err = s.wait(ctx, op, time.Minute)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return
+		}
+		s.failMu.Lock()
+		s.startFailures[name]++
+		n := s.startFailures[name]
+		s.failMu.Unlock()
+		s.log.Warn("starting a new instance failed", zap.String("instance", name), zap.Int("attempt", n), zap.Error(err))
+		if n >= s.cfg.StartAttempts {
+			msg := "The instance could not be started after several attempts; the provider's log has the details."
+			if perr := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyFailure: msg}); perr != nil {
+				s.log.Warn("recording the failure failed", zap.String("instance", name), zap.Error(perr))
+			}
+		}
+		return
+	}
+	s.failMu.Lock()
+	delete(s.startFailures, name)
+	s.failMu.Unlock()
+	s.markBooted(ctx, name)
+}
+
+func (s *Service) markBooted(ctx context.Context, name string) {
+	if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyBooted: msString(s.now())}); err != nil {
+		s.log.Warn("marking the instance booted failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
+	}
+}
+
+// closeInstance stops the instance gracefully within what is left of the
+// grace period since the close was recorded, then forcibly, then deletes it.
+func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error {
+	name := inst.Name
+	s.dialer.Forget(name)
+	if inst.Status == "Frozen" || inst.Status == "Freezing" {
+		// A frozen guest cannot shut itself down.
+		if op, err := s.incus.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}); err == nil {
+			_, _ = s.wait(ctx, op, 30*time.Second)
+		}
+	}
+	if inst.Status != "Stopped" {
+		since, ok := parseMs(inst.Config[keyClosing])
+		if !ok {
+			since = s.now()
+		}
+		remaining := s.cfg.GracefulStop - s.now().Sub(since)
+		stopped := false
+		if remaining >= time.Second {
+			op, err := s.incus.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: "stop", Timeout: int(remaining / time.Second)})
+			if err == nil {
+				_, err = s.wait(ctx, op, remaining+10*time.Second)
+			}
+			stopped = err == nil
+		}
+		if !stopped {
+			op, err := s.incus.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: "stop", Force: true})
+			if err == nil {
+				_, err = s.wait(ctx, op, time.Minute)
+			}
+			if err != nil && !isAlreadyStopped(err) {
+				return err
+			}
+		}
+	}
+	op, err := s.incus.DeleteInstance(ctx, name)
+	if errors.Is(err, incus.ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	_, err = s.wait(ctx, op, time.Minute)
+	if errors.Is(err, incus.ErrNotFound) {
+		return nil
+	}
+	return err
+}
+
+func isAlreadyStopped(err error) bool {
+	var oe *incus.OperationError
+	var ie *incus.Error
+	return errors.As(err, &oe) && containsFold(oe.Err, "already stopped") ||
+		errors.As(err, &ie) && containsFold(ie.Message, "already stopped")
+}
+
+func (s *Service) wait(ctx context.Context, op *incus.Operation, most time.Duration) (*incus.Operation, error) {
+	ctx, cancel := context.WithTimeout(ctx, most)
+	defer cancel()
+	return s.incus.Wait(ctx, op)
+}
+
+// keyedMutex serializes work per instance name within this process; across
+// processes the instance name itself is the lock.
+type keyedMutex struct {
+	mu    sync.Mutex
+	locks map[string]*keyedEntry
+}
+
+type keyedEntry struct {
+	mu   sync.Mutex
+	refs int
+}
+
+func (k *keyedMutex) lock(key string) (unlock func()) {
+	k.mu.Lock()
+	if k.locks == nil {
+		k.locks = map[string]*keyedEntry{}
+	}
+	e := k.locks[key]
+	if e == nil {
+		e = &keyedEntry{}
+		k.locks[key] = e
+	}
+	e.refs++
+	k.mu.Unlock()
+	e.mu.Lock()
+	return func() {
+		e.mu.Unlock()
+		k.mu.Lock()
+		e.refs--
+		if e.refs == 0 {
+			delete(k.locks, key)
+		}
+		k.mu.Unlock()
+	}
+}
+
+// worker runs one converge per name at a time; a kick during a run asks for
+// one more run after it. It owns every goroutine it starts.
+type worker struct {
+	fn     func(ctx context.Context, name string)
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu   sync.Mutex
+	jobs map[string]*job
+}
+
+type job struct {
+	again bool
+	done  chan struct{} // closed when the run that covers the latest kick ends
+	next  chan struct{}
+}
+
+func newWorker(fn func(ctx context.Context, name string)) *worker {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &worker{fn: fn, ctx: ctx, cancel: cancel, jobs: map[string]*job{}}
+}
+
+// kick schedules a converge of name and returns a channel closed once a run
+// that started after this kick has finished.
+func (w *worker) kick(name string) <-chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if j, running := w.jobs[name]; running {
+		j.again = true
+		if j.next == nil {
+			j.next = make(chan struct{})
+		}
+		return j.next
+	}
+	if w.ctx.Err() != nil {
+		closed := make(chan struct{})
+		close(closed)
+		return closed
+	}
+	j := &job{done: make(chan struct{})}
+	w.jobs[name] = j
+	w.wg.Add(1)
+	go w.run(name, j)
+	return j.done
+}
+
+func (w *worker) run(name string, j *job) {
+	defer w.wg.Done()
+	for {
+		w.fn(w.ctx, name)
+		w.mu.Lock()
+		close(j.done)
+		if !j.again || w.ctx.Err() != nil {
+			if j.next != nil {
+				close(j.next)
+			}
+			delete(w.jobs, name)
+			w.mu.Unlock()
+			return
+		}
+		j.again, j.done, j.next = false, j.next, nil
+		w.mu.Unlock()
+	}
+}
+
+// kickAfter converges name once op has ended (or after its bound).
+func (w *worker) kickAfter(name string, op *incus.Operation, wait func(ctx context.Context, op *incus.Operation) error) {
+	w.mu.Lock()
+	if w.ctx.Err() != nil {
+		w.mu.Unlock()
+		return
+	}
+	w.wg.Add(1)
+	w.mu.Unlock()
+	go func() {
+		defer w.wg.Done()
+		_ = wait(w.ctx, op)
+		w.kick(name)
+	}()
+}
+
+func (w *worker) stop() {
+	w.mu.Lock()
+	w.cancel()
+	w.mu.Unlock()
+	w.wg.Wait()
+}
+
+func containsFold(s, sub string) bool {
+	return strings.Contains(strings.ToLower(s), strings.ToLower(sub))
+}

@@ -1,0 +1,402 @@
+package targets
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+// Config tunes the service; zero values take the defaults.
+type Config struct {
+	// GracefulStop bounds a close's graceful stop before it is forced.
+	GracefulStop time.Duration
+	// ReconcileInterval is the period of the full reconcile pass.
+	ReconcileInterval time.Duration
+	// AnswerWithin bounds how long a method waits on Incus before it answers
+	// with the transitional observation; the work goes on in the background.
+	AnswerWithin time.Duration
+	// StartAttempts is how often the reconciler tries to start a new
+	// instance before it records it as failed.
+	StartAttempts int
+}
+
+func (c *Config) defaults() {
+	if c.GracefulStop <= 0 {
+		c.GracefulStop = 10 * time.Second
+	}
+	if c.ReconcileInterval <= 0 {
+		c.ReconcileInterval = 10 * time.Second
+	}
+	if c.AnswerWithin <= 0 {
+		c.AnswerWithin = 1500 * time.Millisecond
+	}
+	if c.StartAttempts <= 0 {
+		c.StartAttempts = 3
+	}
+}
+
+// Service implements controller.Backend on Incus.
+type Service struct {
+	incus   *incus.Client
+	catalog *templates.Catalog
+	dialer  guest.Dialer
+	log     *zap.Logger
+	cfg     Config
+	now     func() time.Time
+
+	locks keyedMutex
+	work  *worker
+	// startFailures counts failed starts of not-yet-booted instances; the
+	// count lives in memory because a restart deserves fresh attempts.
+	failMu        sync.Mutex
+	startFailures map[string]int
+}
+
+// New builds the service. Call Run to start its reconciler.
+func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, log *zap.Logger, cfg Config) *Service {
+	cfg.defaults()
+	if log == nil {
+		log = zap.NewNop()
+	}
+	s := &Service{incus: client, catalog: catalog, dialer: dialer, log: log, cfg: cfg, now: time.Now,
+		startFailures: map[string]int{}}
+	s.work = newWorker(s.converge)
+	return s
+}
+
+var _ controller.Backend = (*Service)(nil)
+
+// retryAfter is what an unavailable answer asks the runtime to wait.
+const retryAfter = 2000
+
+// incusError turns a failed Incus call into the protocol's answer.
+func (s *Service) incusError(what string, err error) error {
+	if errors.Is(err, context.DeadlineExceeded) || incus.IsRetryable(err) {
+		return jsonrpc.Unavailable(retryAfter, "Incus did not answer while %s; retry shortly.", what)
+	}
+	s.log.Error("incus call failed", zap.String("while", what), zap.Error(err))
+	return jsonrpc.Errorf(jsonrpc.KindInternal, "Incus refused a call while %s; the provider's log has the details.", what)
+}
+
+// ListTemplates answers template/list: every universe sees the whole catalog.
+func (s *Service) ListTemplates(_ context.Context, _ string) ([]controller.Template, error) {
+	return s.catalog.Wire(), nil
+}
+
+// lookup reads the instance at name; nil without error when there is none.
+func (s *Service) lookup(ctx context.Context, name string) (*incus.Instance, error) {
+	inst, _, err := s.incus.GetInstance(ctx, name)
+	if errors.Is(err, incus.ErrNotFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return inst, nil
+}
+
+func ownerMismatch(id string) error {
+	return jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ownerMismatch",
+		"The target %s does not belong to this owner; a target is reached only through its own owner.", id)
+}
+
+// checkOwned refuses an instance whose recorded owner is not the caller.
+func checkOwned(inst *incus.Instance, owner controller.Owner) error {
+	got, ok := ownerOf(inst)
+	if !ok || got != owner {
+		return ownerMismatch(inst.Name)
+	}
+	return nil
+}
+
+// resolve finds the owner's instance. A targetId other than the owner's own
+// name is checked for another owner's target (ownerMismatch) before anything
+// else, and is otherwise not the owner's: notFound.
+func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name string, inst *incus.Instance, err error) {
+	name = Name(ref.Owner)
+	if ref.TargetID != "" && ref.TargetID != name {
+		if looksLikeTargetID(ref.TargetID) {
+			other, err := s.lookup(ctx, ref.TargetID)
+			if err != nil {
+				return "", nil, s.incusError("looking up a target", err)
+			}
+			if other != nil {
+				if _, ours := ownerOf(other); ours {
+					return "", nil, ownerMismatch(ref.TargetID)
+				}
+			}
+		}
+		return "", nil, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target %q for this owner.", ref.TargetID)
+	}
+	inst, err = s.lookup(ctx, name)
+	if err != nil {
+		return "", nil, s.incusError("looking up the owner's target", err)
+	}
+	if inst != nil {
+		if err := checkOwned(inst, ref.Owner); err != nil {
+			return "", nil, err
+		}
+	}
+	return name, inst, nil
+}
+
+// GetTarget is a pure read.
+func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	_, inst, err := s.resolve(ctx, ref)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	if inst == nil {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+	}
+	return Observe(inst, ref.Owner), nil
+}
+
+// CreateTarget is idempotent per owner: the owner's existing target is
+// observed without any policy check; otherwise the template's policy applies
+// and Incus creates and starts the instance in the background.
+func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (controller.Observation, error) {
+	name := Name(p.Owner)
+	unlock := s.locks.lock(name)
+	defer unlock()
+	inst, err := s.lookup(ctx, name)
+	if err != nil {
+		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	if inst != nil {
+		if err := checkOwned(inst, p.Owner); err != nil {
+			return controller.Observation{}, err
+		}
+		return Observe(inst, p.Owner), nil
+	}
+	tmpl, ok := s.catalog.Get(p.TemplateID)
+	if !ok {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q is offered; template/list names the ones this provider serves.", p.TemplateID)
+	}
+	if tmpl.Wire.Deprecated {
+		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated",
+			"The template %q is deprecated and creates no new targets; choose another from template/list.", p.TemplateID)
+	}
+	req, err := s.instanceRequest(name, p, tmpl)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	op, err := s.incus.CreateInstance(ctx, req)
+	if err != nil {
+		// Created-but-answer-lost and lost races both end here: whatever
+		// Incus now holds under the name is the answer.
+		again, lerr := s.lookup(ctx, name)
+		if lerr == nil && again != nil {
+			if err := checkOwned(again, p.Owner); err != nil {
+				return controller.Observation{}, err
+			}
+			return Observe(again, p.Owner), nil
+		}
+		return controller.Observation{}, s.incusError("creating the instance", err)
+	}
+	// Wait until Incus holds the instance record, so a close or a restart
+	// that follows this answer finds it; the start goes on in the background.
+	if err := s.awaitRecord(ctx, name, op); err != nil {
+		return controller.Observation{}, err
+	}
+	s.work.kickAfter(name, op, func(ctx context.Context, op *incus.Operation) error {
+		_, err := s.wait(ctx, op, 2*time.Minute)
+		return err
+	})
+	return controller.Observation{TargetID: name, Owner: p.Owner, Phase: controller.PhaseProvisioning,
+		Message: "Creating and starting the instance."}, nil
+}
+
+// awaitRecord waits, within the answer bound, for the instance to exist or
+// the create operation to end.
+func (s *Service) awaitRecord(ctx context.Context, name string, op *incus.Operation) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
+	defer cancel()
+	for delay := 10 * time.Millisecond; ; delay = min(delay*2, 200*time.Millisecond) {
+		inst, err := s.lookup(ctx, name)
+		if err == nil && inst != nil {
+			return nil
+		}
+		if cur, err := s.incus.GetOperation(ctx, op.ID); err == nil && cur.StatusCode >= 200 {
+			if cur.StatusCode >= 400 {
+				// Lost a race to another replica, or Incus refused: read again.
+				if again, _ := s.lookup(ctx, name); again != nil {
+					return nil
+				}
+				s.log.Error("instance create failed", zap.String("instance", name), zap.String("incus", cur.Err))
+				return jsonrpc.Unavailable(retryAfter, "Incus could not create the instance; the provider's log has the details. Retry shortly.")
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			// Still going: Incus finishes the operation whatever we do, and
+			// the owner's next create or get observes it.
+			return nil
+		case <-time.After(delay):
+		}
+	}
+}
+
+func (s *Service) instanceRequest(name string, p controller.CreateParams, t *templates.Template) (incus.InstancesPost, error) {
+	config := map[string]string{
+		keySchema:      schemaVersion,
+		keyUniverse:    p.Owner.UniverseID,
+		keyEnvironment: p.Owner.EnvironmentID,
+		keyTemplate:    t.Wire.TemplateID,
+		keyImage:       t.Fingerprint,
+		keyDaemonPort:  strconv.Itoa(t.DaemonPort),
+		keyCreatedAt:   msString(s.now()),
+	}
+	if p.DisplayName != "" {
+		config[keyDisplayName] = p.DisplayName
+	}
+	policy := p.Idle
+	if policy == nil {
+		policy = t.Wire.Idle
+	}
+	if policy != nil {
+		raw, err := json.Marshal(policy)
+		if err != nil {
+			return incus.InstancesPost{}, fmt.Errorf("encode idle policy: %w", err)
+		}
+		config[keyIdle] = string(raw)
+	}
+	devices := map[string]map[string]string{}
+	if r := t.Wire.Resources; r != nil {
+		if r.VCPUs != nil {
+			config["limits.cpu"] = strconv.FormatUint(uint64(*r.VCPUs), 10)
+		}
+		if r.MemoryBytes != nil {
+			config["limits.memory"] = strconv.FormatUint(*r.MemoryBytes, 10) + "B"
+		}
+		if r.DiskBytes != nil {
+			devices["root"] = map[string]string{"type": "disk", "path": "/", "pool": t.StoragePool,
+				"size": strconv.FormatUint(*r.DiskBytes, 10) + "B"}
+		}
+	}
+	for _, pw := range t.Wire.PowerStates {
+		if pw == controller.PowerSuspended {
+			config["migration.stateful"] = "true"
+		}
+	}
+	for k, d := range s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort}) {
+		devices[k] = d
+	}
+	return incus.InstancesPost{
+		Name:     name,
+		Type:     t.InstanceType,
+		Source:   incus.InstanceSource{Type: "image", Fingerprint: t.Fingerprint},
+		Config:   config,
+		Devices:  devices,
+		Profiles: t.Profiles,
+		Start:    true,
+	}, nil
+}
+
+// CloseTarget records the close in the instance's metadata and lets the
+// reconciler stop and delete it, answering closing until nothing remains.
+func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	name := Name(ref.Owner)
+	if ref.TargetID != "" && ref.TargetID != name {
+		// Another owner's id is refused; an id that is no one's does not stop
+		// the owner's own target from being closed.
+		if _, _, err := s.resolve(ctx, ref); err != nil {
+			var rpcErr *jsonrpc.Error
+			if errors.As(err, &rpcErr) && rpcErr.Kind != jsonrpc.KindNotFound {
+				return controller.Observation{}, err
+			}
+		}
+		ref.TargetID = ""
+	}
+	unlock := s.locks.lock(name)
+	_, inst, err := s.resolve(ctx, ref)
+	if err != nil {
+		unlock()
+		return controller.Observation{}, err
+	}
+	if inst == nil {
+		unlock()
+		pending, err := s.createPending(ctx, name)
+		if err != nil {
+			return controller.Observation{}, s.incusError("checking for a create in progress", err)
+		}
+		if pending {
+			return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
+				Message: "A create is still in progress in Incus; the close follows it."}, nil
+		}
+		return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
+	}
+	if inst.Config[keyClosing] == "" {
+		if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+			unlock()
+			return controller.Observation{}, s.incusError("recording the close", err)
+		}
+	}
+	unlock()
+	done := s.work.kick(name)
+	wait, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
+	defer cancel()
+	select {
+	case <-done:
+	case <-wait.Done():
+	}
+	after, err := s.lookup(ctx, name)
+	if err != nil {
+		return controller.Observation{}, s.incusError("observing the close", err)
+	}
+	if after == nil {
+		return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
+	}
+	return Observe(after, ref.Owner), nil
+}
+
+// createPending reports an Incus operation still creating the named instance.
+func (s *Service) createPending(ctx context.Context, name string) (bool, error) {
+	ops, err := s.incus.ListOperations(ctx)
+	if err != nil {
+		return false, err
+	}
+	want := "/1.0/instances/" + name
+	for _, op := range ops {
+		if op.StatusCode >= 200 {
+			continue
+		}
+		for _, urls := range op.Resources {
+			for _, u := range urls {
+				if u == want || (len(u) > len(want) && u[:len(want)+1] == want+"?") {
+					return true, nil
+				}
+			}
+		}
+	}
+	return false, nil
+}
+
+// SetPower is served by the power issue's work; until then the capability
+// is not advertised and the controller answers capabilityUnavailable.
+func (s *Service) SetPower(_ context.Context, _ controller.TargetRef, _ controller.Power) (controller.Observation, error) {
+	return controller.Observation{}, jsonrpc.CapabilityUnavailable("power", "This provider does not serve target/setPower yet.")
+}
+
+// EnsureIngress is not served by this build (the ingress capability is not advertised).
+func (s *Service) EnsureIngress(_ context.Context, _ controller.TargetRef) (controller.Observation, error) {
+	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "This provider does not serve public ingress yet.")
+}
+
+// RemoveIngress is not served by this build (the ingress capability is not advertised).
+func (s *Service) RemoveIngress(_ context.Context, _ controller.TargetRef) (controller.Observation, error) {
+	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "This provider does not serve public ingress yet.")
+}

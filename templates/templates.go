@@ -1,0 +1,280 @@
+// Package templates loads the provider's template catalog: the wire
+// templates a universe may create targets from, and what building each one's
+// Incus instance needs (image, instance type, profiles, daemon port).
+// Callers never choose any of these; the operator does, in this file.
+package templates
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
+)
+
+// DefaultDaemonPort is where the guest daemon listens on the guest's loopback.
+const DefaultDaemonPort = 19091
+
+// Entry is one template as the file states it: the spec's template fields
+// plus the instance recipe.
+type Entry struct {
+	controller.Template
+	// ImageAlias is resolved once at start-up and pinned by fingerprint.
+	ImageAlias       string `json:"imageAlias,omitempty" wire:"opaque"`
+	ImageFingerprint string `json:"imageFingerprint,omitempty" wire:"opaque"`
+	// InstanceType is "container" (default) or "virtual-machine".
+	InstanceType string   `json:"instanceType,omitempty" wire:"enum=container|virtual-machine"`
+	Profiles     []string `json:"profiles,omitempty"`
+	// DaemonPort is the guest daemon's port on the guest loopback.
+	DaemonPort uint16 `json:"daemonPort,omitempty"`
+	// IngressPort is the one guest port public ingress may reach.
+	IngressPort uint16 `json:"ingressPort,omitempty"`
+	// StoragePool holds the root disk when resources.diskBytes sizes it.
+	StoragePool string `json:"storagePool,omitempty" wire:"opaque"`
+}
+
+// CheckWire states the rules that span members.
+func (e *Entry) CheckWire() *wire.FieldError {
+	if fe := e.Template.CheckWire(); fe != nil {
+		return fe
+	}
+	if (e.ImageAlias == "") == (e.ImageFingerprint == "") {
+		return &wire.FieldError{Path: "imageAlias", Problem: "or imageFingerprint must be set, and not both"}
+	}
+	if e.ImageFingerprint != "" && !isFingerprint(e.ImageFingerprint) {
+		return &wire.FieldError{Path: "imageFingerprint", Problem: "must be a full 64-character lowercase hex SHA-256 (a prefix could match another image)"}
+	}
+	if e.PublicIngress != (e.IngressPort != 0) {
+		return &wire.FieldError{Path: "ingressPort", Problem: "must be set exactly when publicIngress is true"}
+	}
+	if e.IngressPort != 0 && e.IngressPort == e.daemonPort() {
+		return &wire.FieldError{Path: "ingressPort", Problem: "must differ from daemonPort: public ingress never reaches the guest daemon"}
+	}
+	for _, p := range e.PowerStates {
+		if p == controller.PowerSuspended && e.instanceType() != "virtual-machine" {
+			return &wire.FieldError{Path: "powerStates", Problem: "cannot include suspended for a container: a stateful stop needs a virtual machine with migration.stateful, and CRIU-based container checkpoints are not offered"}
+		}
+	}
+	if e.Resources != nil && e.Resources.DiskBytes != nil && e.StoragePool == "" {
+		return &wire.FieldError{Path: "storagePool", Problem: "is required when resources.diskBytes sizes the root disk"}
+	}
+	for i, p := range e.Profiles {
+		if problem := wire.CheckGrammar(wire.GrammarOpaque, p); problem != "" {
+			return &wire.FieldError{Path: fmt.Sprintf("profiles[%d]", i), Problem: problem}
+		}
+	}
+	return nil
+}
+
+func (e *Entry) daemonPort() uint16 {
+	if e.DaemonPort == 0 {
+		return DefaultDaemonPort
+	}
+	return e.DaemonPort
+}
+
+func (e *Entry) instanceType() string {
+	if e.InstanceType == "" {
+		return "container"
+	}
+	return e.InstanceType
+}
+
+func isFingerprint(s string) bool {
+	if len(s) != 64 {
+		return false
+	}
+	for _, r := range s {
+		if (r < '0' || r > '9') && (r < 'a' || r > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+type file struct {
+	Templates []Entry `json:"templates"`
+}
+
+// Template is one catalog entry ready to build instances from.
+type Template struct {
+	Wire         controller.Template
+	Fingerprint  string // pinned image
+	ImageAlias   string // what the operator named, if an alias
+	InstanceType string
+	Profiles     []string
+	DaemonPort   int
+	IngressPort  int
+	StoragePool  string
+}
+
+// Catalog is the loaded, validated set of templates.
+type Catalog struct {
+	list []*Template
+	byID map[string]*Template
+	path string
+}
+
+// Load reads and validates a JSON or YAML templates file. A refusal is one
+// sentence naming the file, the template and the member.
+func Load(path string) (*Catalog, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("templates file %s cannot be read: %w", path, err)
+	}
+	var generic any
+	switch strings.ToLower(filepath.Ext(path)) {
+	case ".json":
+		var f file
+		if err := wire.Decode(raw, &f); err != nil {
+			return nil, refusal(path, nil, err)
+		}
+		return build(path, f)
+	default:
+		if err := yaml.Unmarshal(raw, &generic); err != nil {
+			return nil, fmt.Errorf("templates file %s is neither valid YAML nor JSON: %w", path, err)
+		}
+	}
+	var f file
+	if err := wire.DecodeValue(normalizeYAML(generic), &f); err != nil {
+		return nil, refusal(path, generic, err)
+	}
+	return build(path, f)
+}
+
+func build(path string, f file) (*Catalog, error) {
+	if len(f.Templates) == 0 {
+		return nil, fmt.Errorf("templates file %s lists no templates; add at least one under templates", path)
+	}
+	c := &Catalog{byID: map[string]*Template{}, path: path}
+	for i := range f.Templates {
+		e := f.Templates[i]
+		if _, dup := c.byID[e.TemplateID]; dup {
+			return nil, fmt.Errorf("templates file %s: template %q (templates[%d]) repeats a templateId; each must be unique", path, e.TemplateID, i)
+		}
+		profiles := e.Profiles
+		if len(profiles) == 0 {
+			profiles = []string{"default"}
+		}
+		t := &Template{
+			Wire:         e.Template,
+			Fingerprint:  e.ImageFingerprint,
+			ImageAlias:   e.ImageAlias,
+			InstanceType: e.instanceType(),
+			Profiles:     profiles,
+			DaemonPort:   int(e.daemonPort()),
+			IngressPort:  int(e.IngressPort),
+			StoragePool:  e.StoragePool,
+		}
+		c.byID[e.TemplateID] = t
+		c.list = append(c.list, t)
+	}
+	return c, nil
+}
+
+// refusal names the file, the template (by id when it could be read) and the member.
+func refusal(path string, generic any, err error) error {
+	var fe *wire.FieldError
+	if !errors.As(err, &fe) {
+		return fmt.Errorf("templates file %s is refused: %w", path, err)
+	}
+	which := ""
+	var index int
+	if n, _ := fmt.Sscanf(fe.Path, "templates[%d]", &index); n == 1 {
+		which = fmt.Sprintf("template #%d", index)
+		if id := templateIDAt(generic, index); id != "" {
+			which = fmt.Sprintf("template %q", id)
+		}
+		return fmt.Errorf("templates file %s: %s: member %s %s", path, which, fe.Path, fe.Problem)
+	}
+	return fmt.Errorf("templates file %s: member %s %s", path, fe.Path, fe.Problem)
+}
+
+func templateIDAt(generic any, index int) string {
+	top, _ := generic.(map[string]any)
+	list, _ := top["templates"].([]any)
+	if index < 0 || index >= len(list) {
+		return ""
+	}
+	entry, _ := list[index].(map[string]any)
+	id, _ := entry["templateId"].(string)
+	return id
+}
+
+// normalizeYAML turns YAML's decoded shapes into the JSON shapes wire expects.
+func normalizeYAML(v any) any {
+	switch t := v.(type) {
+	case map[string]any:
+		out := make(map[string]any, len(t))
+		for k, val := range t {
+			out[k] = normalizeYAML(val)
+		}
+		return out
+	case []any:
+		out := make([]any, len(t))
+		for i, val := range t {
+			out[i] = normalizeYAML(val)
+		}
+		return out
+	default:
+		return v
+	}
+}
+
+// ImageResolver is what Resolve needs from Incus.
+type ImageResolver interface {
+	ImageAliasTarget(ctx context.Context, alias string) (fingerprint string, err error)
+	ImageExists(ctx context.Context, fingerprint string) (bool, error)
+}
+
+// Resolve pins every alias to its current fingerprint and checks that every
+// image is present, so a target is always built from what start-up saw.
+func (c *Catalog) Resolve(ctx context.Context, r ImageResolver) error {
+	for _, t := range c.list {
+		if t.ImageAlias != "" {
+			fp, err := r.ImageAliasTarget(ctx, t.ImageAlias)
+			if err != nil {
+				return fmt.Errorf("templates file %s: template %q: image alias %q cannot be resolved in Incus: %w", c.path, t.Wire.TemplateID, t.ImageAlias, err)
+			}
+			t.Fingerprint = fp
+		} else {
+			ok, err := r.ImageExists(ctx, t.Fingerprint)
+			if err != nil {
+				return fmt.Errorf("templates file %s: template %q: image %s cannot be checked in Incus: %w", c.path, t.Wire.TemplateID, t.Fingerprint, err)
+			}
+			if !ok {
+				return fmt.Errorf("templates file %s: template %q: image %s is not in Incus; import it or fix imageFingerprint", c.path, t.Wire.TemplateID, t.Fingerprint)
+			}
+		}
+		if t.Wire.Metadata == nil {
+			t.Wire.Metadata = map[string]string{}
+		}
+		t.Wire.Metadata["imageFingerprint"] = t.Fingerprint
+		t.Wire.Metadata["instanceType"] = t.InstanceType
+	}
+	return nil
+}
+
+// Get finds a template by id.
+func (c *Catalog) Get(id string) (*Template, bool) {
+	t, ok := c.byID[id]
+	return t, ok
+}
+
+// All lists the templates in file order.
+func (c *Catalog) All() []*Template { return c.list }
+
+// Wire lists the templates as template/list answers them.
+func (c *Catalog) Wire() []controller.Template {
+	out := make([]controller.Template, 0, len(c.list))
+	for _, t := range c.list {
+		out = append(out, t.Wire)
+	}
+	return out
+}
