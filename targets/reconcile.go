@@ -318,6 +318,21 @@ func (w *worker) kickAfter(name string, op *incus.Operation, wait func(ctx conte
 	}()
 }
 
+// spawn runs fn on a goroutine the worker owns; false when it is stopping.
+func (w *worker) spawn(fn func(ctx context.Context)) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.ctx.Err() != nil {
+		return false
+	}
+	w.wg.Add(1)
+	go func() {
+		defer w.wg.Done()
+		fn(w.ctx)
+	}()
+	return true
+}
+
 func (w *worker) stop() {
 	w.mu.Lock()
 	w.cancel()

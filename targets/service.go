@@ -56,8 +56,9 @@ type Service struct {
 	cfg     Config
 	now     func() time.Time
 
-	locks keyedMutex
-	work  *worker
+	locks  keyedMutex
+	work   *worker
+	relays Relays
 	// startFailures counts failed starts of not-yet-booted instances; the
 	// count lives in memory because a restart deserves fresh attempts.
 	failMu        sync.Mutex
@@ -71,7 +72,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 		log = zap.NewNop()
 	}
 	s := &Service{incus: client, catalog: catalog, dialer: dialer, log: log, cfg: cfg, now: time.Now,
-		startFailures: map[string]int{}}
+		startFailures: map[string]int{}, relays: noRelays{}}
 	s.work = newWorker(s.converge)
 	return s
 }
@@ -383,12 +384,6 @@ func (s *Service) createPending(ctx context.Context, name string) (bool, error) 
 		}
 	}
 	return false, nil
-}
-
-// SetPower is served by the power issue's work; until then the capability
-// is not advertised and the controller answers capabilityUnavailable.
-func (s *Service) SetPower(_ context.Context, _ controller.TargetRef, _ controller.Power) (controller.Observation, error) {
-	return controller.Observation{}, jsonrpc.CapabilityUnavailable("power", "This provider does not serve target/setPower yet.")
 }
 
 // EnsureIngress is not served by this build (the ingress capability is not advertised).
