@@ -23,20 +23,22 @@ import (
 // harness is one provider process's worth of targets.Service on the real
 // Incus, in a throwaway project.
 type harness struct {
-	t       *testing.T
+	t       testing.TB
 	client  *incus.Client
 	catalog *templates.Catalog
 	dialer  guest.Dialer
 }
 
-func newHarness(t *testing.T) *harness {
+func newHarness(t *testing.T) *harness { return newHarnessB(t) }
+
+func newHarnessB(t testing.TB) *harness {
 	t.Helper()
 	client := incustest.Client(t)
 	image := incustest.Image(t)
 	return &harness{t: t, client: client, catalog: loadCatalog(t, client, image, false), dialer: netnsDialer(t, client)}
 }
 
-func netnsDialer(t *testing.T, client *incus.Client) guest.Dialer {
+func netnsDialer(t testing.TB, client *incus.Client) guest.Dialer {
 	d, err := guest.New("netns", func(ctx context.Context, instance string) (int, error) {
 		st, err := client.GetInstanceState(ctx, instance)
 		if err != nil {
@@ -50,7 +52,7 @@ func netnsDialer(t *testing.T, client *incus.Client) guest.Dialer {
 	return d
 }
 
-func loadCatalog(t *testing.T, client *incus.Client, image string, deprecated bool) *templates.Catalog {
+func loadCatalog(t testing.TB, client *incus.Client, image string, deprecated bool) *templates.Catalog {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "templates.yaml")
 	body := fmt.Sprintf(`templates:

@@ -9,8 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
-	"strings"
 
 	"go.yaml.in/yaml/v3"
 
@@ -128,18 +126,10 @@ func Load(path string) (*Catalog, error) {
 	if err != nil {
 		return nil, fmt.Errorf("templates file %s cannot be read: %w", path, err)
 	}
+	// JSON is YAML, so one parser serves both; it also refuses repeated keys.
 	var generic any
-	switch strings.ToLower(filepath.Ext(path)) {
-	case ".json":
-		var f file
-		if err := wire.Decode(raw, &f); err != nil {
-			return nil, refusal(path, nil, err)
-		}
-		return build(path, f)
-	default:
-		if err := yaml.Unmarshal(raw, &generic); err != nil {
-			return nil, fmt.Errorf("templates file %s is neither valid YAML nor JSON: %w", path, err)
-		}
+	if err := yaml.Unmarshal(raw, &generic); err != nil {
+		return nil, fmt.Errorf("templates file %s is neither valid YAML nor JSON: %w", path, err)
 	}
 	var f file
 	if err := wire.DecodeValue(normalizeYAML(generic), &f); err != nil {

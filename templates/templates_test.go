@@ -1,0 +1,70 @@
+package templates
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func write(t *testing.T, name, body string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+const good = `templates:
+  - templateId: a
+    displayName: A
+    powerStates: [running, paused, stopped]
+    idle: {pauseAfterMs: 1000, closeAfterMs: 5000}
+    resources: {vcpus: 2, memoryBytes: 1073741824}
+    imageAlias: img
+`
+
+func TestLoadGoodFileInYAMLAndJSON(t *testing.T) {
+	c, err := Load(write(t, "t.yaml", good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tm, ok := c.Get("a")
+	if !ok || tm.DaemonPort != DefaultDaemonPort || tm.InstanceType != "container" || tm.Profiles[0] != "default" {
+		t.Fatalf("defaults not applied: %+v", tm)
+	}
+	j := `{"templates": [{"templateId": "j", "displayName": "J", "imageFingerprint": "` + strings.Repeat("ab", 32) + `"}]}`
+	if _, err := Load(write(t, "t.json", j)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestLoadRefusesWithOneSentenceNamingFileTemplateAndMember(t *testing.T) {
+	cases := map[string]struct{ body, want string }{
+		"unknown member":    {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    colour: red", 1), `template "a": member templates[0].colour is not a known member`},
+		"no image":          {strings.Replace(good, "    imageAlias: img\n", "", 1), `templates[0].imageAlias or imageFingerprint must be set`},
+		"bad idle order":    {strings.Replace(good, "closeAfterMs: 5000", "closeAfterMs: 500", 1), `templates[0].idle.closeAfterMs must not be smaller than pauseAfterMs`},
+		"zero idle":         {strings.Replace(good, "pauseAfterMs: 1000", "pauseAfterMs: 0", 1), `templates[0].idle.pauseAfterMs must be positive`},
+		"huge number":       {strings.Replace(good, "pauseAfterMs: 1000", "pauseAfterMs: 9007199254740992", 1), `templates[0].idle.pauseAfterMs must be below 2^53`},
+		"bad power":         {strings.Replace(good, "paused, stopped", "paused, asleep", 1), `templates[0].powerStates[2] must be one of`},
+		"suspended ctr":     {strings.Replace(good, "paused, stopped", "suspended", 1), `templates[0].powerStates cannot include suspended for a container`},
+		"ingress no port":   {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    publicIngress: true", 1), `templates[0].ingressPort must be set exactly when publicIngress is true`},
+		"short fingerprint": {strings.Replace(good, "imageAlias: img", "imageFingerprint: abc123", 1), `templates[0].imageFingerprint must be a full 64-character`},
+		"duplicate id":      {good + strings.TrimPrefix(good, "templates:\n"), `template "a" (templates[1]) repeats a templateId`},
+		"null":              {strings.Replace(good, "displayName: A", "displayName: null", 1), `templates[0].displayName must not be null`},
+		"empty":             {"templates: []\n", "lists no templates"},
+	}
+	for name, c := range cases {
+		path := write(t, "templates.yaml", c.body)
+		_, err := Load(path)
+		if err == nil {
+			t.Errorf("%s: accepted", name)
+			continue
+		}
+		msg := err.Error()
+		if !strings.Contains(msg, path) || !strings.Contains(msg, c.want) || strings.Contains(msg, "\n") {
+			t.Errorf("%s: got %q, want one line naming %s and containing %q", name, msg, path, c.want)
+		}
+	}
+}
