@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# Builds the Lightspeed development guest image and imports it into Incus.
+#
+# The image is a BusyBox root filesystem with lsenvd-dev (cmd/lsenvd-dev, the
+# development data-plane daemon, listening on the guest's 127.0.0.1:19091)
+# and deploy/guest/init.sh as /sbin/init.
+#
+# Usage: deploy/guest/build-image.sh
+#
+# Environment:
+#   GUEST_IMAGE_ALIAS  image alias to (re)point (default lightspeed-dev-guest)
+#   INCUS_PROJECT      Incus project to import into (default: the default project)
+#   BUSYBOX            static BusyBox binary to use (default /bin/busybox; when it
+#                      is missing and this runs as root, busybox-static is installed)
+#   GO                 Go toolchain command (default go)
+#
+# Re-runs are cheap: the image carries the SHA-256 of everything that went
+# into it (daemon binary, init, BusyBox, this script) as the property
+# lightspeed.content_hash, and when the alias already points at an image with
+# the same hash nothing is rebuilt or imported. When the content changed, the
+# new image is imported, the alias is moved to it in one request, and the
+# superseded image is deleted if this script built it, no other alias names
+# it and no instance was created from it. No other image is touched.
+#
+# Output: one line on stdout, "<alias> <fingerprint>". Everything else goes to
+# stderr. On failure: a sentence on stderr and a non-zero exit status.
+
+set -euo pipefail
+
+alias_name=${GUEST_IMAGE_ALIAS:-lightspeed-dev-guest}
+project=${INCUS_PROJECT:-}
+busybox=${BUSYBOX:-/bin/busybox}
+go_cmd=${GO:-go}
+hash_property=lightspeed.content_hash
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+
+exec 3>&1 1>&2 # stdout is for the result line only
+
+fail() {
+	echo "build-image.sh: $*" >&2
+	exit 1
+}
+
+incus_p() {
+	if [ -n "$project" ]; then
+		incus --project "$project" "$@"
+	else
+		incus "$@"
+	fi
+}
+
+# query_path appends the project to a REST path for `incus query`.
+query_path() {
+	local path=$1
+	if [ -n "$project" ]; then
+		case $path in
+		*\?*) path="$path&project=$project" ;;
+		*) path="$path?project=$project" ;;
+		esac
+	fi
+	printf '%s' "$path"
+}
+
+for tool in incus tar gzip sha256sum "$go_cmd"; do
+	command -v "$tool" >/dev/null 2>&1 || fail "the command $tool is needed but not installed."
+done
+incus query /1.0 >/dev/null 2>&1 || fail "Incus does not answer (is incusd running, and may this user use its socket?)."
+if [ -n "$project" ]; then
+	incus query "/1.0/projects/$project" >/dev/null 2>&1 || fail "the Incus project $project (INCUS_PROJECT) does not exist."
+fi
+
+is_static() {
+	if command -v readelf >/dev/null 2>&1; then
+		! readelf -l "$1" 2>/dev/null | grep -q 'program interpreter'
+	elif command -v file >/dev/null 2>&1; then
+		file -L "$1" | grep -q 'statically linked'
+	else
+		dpkg -S "$1" 2>/dev/null | grep -q '^busybox-static:'
+	fi
+}
+
+if [ ! -x "$busybox" ] || ! is_static "$busybox"; then
+	if [ "$busybox" = /bin/busybox ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+		echo "installing busybox-static" >&2
+		DEBIAN_FRONTEND=noninteractive apt-get install -y busybox-static >&2 ||
+			fail "apt-get could not install busybox-static."
+	fi
+	[ -x "$busybox" ] || fail "no BusyBox at $busybox; install busybox-static (as root this script does it) or set BUSYBOX."
+	is_static "$busybox" || fail "$busybox is linked dynamically; the guest needs a static BusyBox (Debian: busybox-static)."
+fi
+
+case $(uname -m) in
+x86_64) goarch=amd64 arch=x86_64 ;;
+aarch64 | arm64) goarch=arm64 arch=aarch64 ;;
+*) fail "this script knows no Go architecture for $(uname -m)." ;;
+esac
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/lightspeed-guest.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+echo "building lsenvd-dev (static, linux/$goarch)" >&2
+(cd "$repo" && CGO_ENABLED=0 GOOS=linux GOARCH=$goarch "$go_cmd" build -trimpath -buildvcs=false \
+	-ldflags '-s -w' -o "$work/lsenvd-dev" ./cmd/lsenvd-dev) >&2 ||
+	fail "go build of cmd/lsenvd-dev failed (output above)."
+
+content_hash=$(
+	cd "$work" && {
+		sha256sum lsenvd-dev
+		sha256sum <"$here/init.sh"
+		sha256sum <"$busybox"
+		sha256sum <"$here/build-image.sh"
+	} | sha256sum | cut -d' ' -f1
+)
+echo "content hash $content_hash" >&2
+
+current=""
+if current_json=$(incus query "$(query_path "/1.0/images/aliases/$alias_name")" 2>/dev/null); then
+	current=$(printf '%s\n' "$current_json" | sed -n 's/^[[:space:]]*"target": "\([0-9a-f]*\)".*/\1/p')
+	[ -n "$current" ] || fail "cannot read the target of the alias $alias_name."
+	if [ "$(incus_p image get-property "$current" "$hash_property" 2>/dev/null || true)" = "$content_hash" ]; then
+		echo "the alias $alias_name already points at an image with this content" >&2
+		echo "$alias_name $current" >&3
+		exit 0
+	fi
+fi
+
+echo "assembling the root filesystem" >&2
+img=$work/img
+root=$img/rootfs
+mkdir -p "$root"/{bin,sbin,etc,proc,sys,dev,tmp,root,run,var/log,var/tmp,usr/bin,usr/sbin,usr/local/bin}
+chmod 1777 "$root/tmp" "$root/var/tmp"
+chmod 0700 "$root/root"
+install -m 0755 "$busybox" "$root/bin/busybox"
+"$busybox" --list-full | while read -r applet; do
+	case $applet in
+	sbin/init | linuxrc | bin/busybox) continue ;;
+	esac
+	[ -e "$root/$applet" ] && continue
+	mkdir -p "$root/$(dirname "$applet")"
+	# A relative link from the applet's directory to /bin/busybox.
+	up=$(dirname "$applet" | sed 's|[^/][^/]*|..|g')
+	ln -s "$up/bin/busybox" "$root/$applet"
+done
+install -m 0755 "$work/lsenvd-dev" "$root/usr/local/bin/lsenvd-dev"
+install -m 0755 "$here/init.sh" "$root/sbin/init"
+printf 'root:x:0:0:root:/root:/bin/sh\n' >"$root/etc/passwd"
+printf 'root:*:0:0:99999:7:::\n' >"$root/etc/shadow"
+chmod 0600 "$root/etc/shadow"
+printf 'root:x:0:\n' >"$root/etc/group"
+printf '127.0.0.1\tlocalhost\n::1\tlocalhost\n' >"$root/etc/hosts"
+
+cat >"$img/metadata.yaml" <<EOF
+architecture: $arch
+creation_date: $(date +%s)
+properties:
+  description: Lightspeed development guest (lsenvd-dev, data plane v5)
+  os: busybox
+  release: "$("$busybox" 2>&1 | head -n1 | sed -n 's/^BusyBox v\([^ ]*\).*/\1/p')"
+  $hash_property: "$content_hash"
+EOF
+
+tar -C "$img" --numeric-owner --owner=0 --group=0 -czf "$work/guest.tar.gz" metadata.yaml rootfs ||
+	fail "packing the image tarball failed."
+
+echo "importing into Incus${project:+ (project $project)}" >&2
+import_out=$(incus_p image import "$work/guest.tar.gz" 2>&1) || fail "incus image import failed: $import_out"
+echo "$import_out" >&2
+fingerprint=$(printf '%s\n' "$import_out" | sed -n 's/.*fingerprint: \([0-9a-f]\{64\}\).*/\1/p' | tail -n1)
+[ -n "$fingerprint" ] || fail "cannot find the fingerprint in the output of incus image import."
+
+# An image left without an alias after a failure here would be garbage nobody owns.
+drop_new_image() {
+	incus_p image delete "$fingerprint" >&2 || true
+}
+body="{\"target\": \"$fingerprint\", \"description\": \"Lightspeed development guest\"}"
+if [ -n "$current" ]; then
+	# One request moves the alias: there is no moment without it.
+	incus query -X PUT "$(query_path "/1.0/images/aliases/$alias_name")" -d "$body" >/dev/null ||
+		{ drop_new_image; fail "cannot point the alias $alias_name at $fingerprint."; }
+else
+	incus query -X POST "$(query_path /1.0/images/aliases)" -d "{\"name\": \"$alias_name\", ${body#\{}" >/dev/null ||
+		{ drop_new_image; fail "cannot create the alias $alias_name for $fingerprint."; }
+fi
+echo "the alias $alias_name now points at $fingerprint" >&2
+
+# Remove the superseded image only when it is ours and nothing else uses it.
+if [ -n "$current" ] && [ "$current" != "$fingerprint" ]; then
+	old_hash=$(incus_p image get-property "$current" "$hash_property" 2>/dev/null || true)
+	old_aliases=$(incus query "$(query_path "/1.0/images/$current")" 2>/dev/null | grep -c '"name":' || true)
+	users=$(incus query "/1.0/instances?recursion=1&all-projects=true" 2>/dev/null |
+		grep -c "\"volatile.base_image\": \"$current\"" || true)
+	if [ -z "$old_hash" ]; then
+		echo "kept the superseded image $current: this script did not build it" >&2
+	elif [ "${old_aliases:-0}" != 0 ]; then
+		echo "kept the superseded image $current: another alias names it" >&2
+	elif [ "${users:-0}" != 0 ]; then
+		echo "kept the superseded image $current: instances were created from it" >&2
+	else
+		incus_p image delete "$current" >&2 || echo "could not delete the superseded image $current" >&2
+		echo "deleted the superseded image $current" >&2
+	fi
+fi
+
+echo "$alias_name $fingerprint" >&3

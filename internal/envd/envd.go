@@ -1,0 +1,291 @@
+// Package envd is the provider's own data-plane client of a guest daemon:
+// the handshake and env/getIdle, which is all the readiness probe and the
+// idle loop need. The connection itself (a network namespace dial, a proxy
+// socket, a guest address) is another package's business; this one speaks
+// WebSocket JSON-RPC over whatever net.Conn it is given.
+//
+// The daemon is not this project's: a real lightspeed-envd may answer
+// members this client does not model. The handshake therefore checks the
+// facts it relies on strictly (plane, protocolVersion, daemonInstanceId,
+// serverInfo) and keeps the rest of the initialize response as raw JSON,
+// and env/getIdle reads idleForMs strictly while accepting any additional
+// unsigned `…Count` member as a diagnostic count: an idle loop that broke
+// on a diagnostic field would keep every target awake forever.
+package envd
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
+)
+
+// ProtocolVersion is the data-plane version this client speaks.
+const ProtocolVersion = 5
+
+// Plane is the plane this client expects the daemon to serve.
+const Plane = "data"
+
+// ClientInfo describes this client's build in initialize (descriptive only).
+type ClientInfo struct {
+	Name    string `json:"name" wire:"info"`
+	Version string `json:"version,omitempty" wire:"info"`
+	GitSha  string `json:"gitSha,omitempty" wire:"info"`
+	Target  string `json:"target,omitempty" wire:"info"`
+}
+
+// ServerInfo describes the daemon's build, as it reported it.
+type ServerInfo = ClientInfo
+
+// InitializeResult holds what the handshake checked, and every member of
+// the response as received.
+type InitializeResult struct {
+	ProtocolVersion  uint64
+	Plane            string
+	DaemonInstanceID string
+	ServerInfo       ServerInfo
+	// Members is the whole response, member by member, for callers that
+	// want capabilities, limits or platform facts.
+	Members map[string]json.RawMessage
+}
+
+// HandshakeError says the daemon answered initialize, but not as a data
+// plane of this version: the client reached the wrong socket or a daemon of
+// another version. (A daemon that refuses our version answers an error
+// instead, returned as a *jsonrpc.Error of kind versionMismatch.)
+type HandshakeError struct {
+	Field    string // "plane" or "protocolVersion"
+	Expected string
+	Received string
+}
+
+func (e *HandshakeError) Error() string {
+	return fmt.Sprintf("envd: the daemon answered initialize with %s %s, but this client needs %s", e.Field, e.Received, e.Expected)
+}
+
+// IsVersionMismatch says whether err is a version disagreement, either way
+// round: the daemon refused our version, or it answered with another one.
+func IsVersionMismatch(err error) bool {
+	var rpc *jsonrpc.Error
+	if errors.As(err, &rpc) && rpc.Kind == jsonrpc.KindVersionMismatch {
+		return true
+	}
+	var he *HandshakeError
+	return errors.As(err, &he) && he.Field == "protocolVersion"
+}
+
+// Session is one initialized data connection.
+type Session struct {
+	client *jsonrpc.Client
+	init   InitializeResult
+}
+
+// Handshake upgrades conn to a WebSocket (URL ws://guest/), then sends the
+// data-plane initialize with protocolVersion 5 and checks the answer's plane
+// and protocolVersion. It is bounded by ctx; on any failure conn is closed.
+func Handshake(ctx context.Context, conn net.Conn, client ClientInfo) (*Session, error) {
+	if problem := wire.CheckGrammar(wire.GrammarInfo, client.Name); problem != "" {
+		conn.Close()
+		return nil, fmt.Errorf("envd: clientInfo.name %s", problem)
+	}
+	// A context without a deadline must still interrupt a stalled peer.
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+
+	used := false
+	dialer := websocket.Dialer{
+		NetDialContext: func(context.Context, string, string) (net.Conn, error) {
+			if used {
+				return nil, errors.New("envd: the connection was already used")
+			}
+			used = true
+			return conn, nil
+		},
+		ReadBufferSize:  64 << 10,
+		WriteBufferSize: 64 << 10,
+	}
+	ws, resp, err := dialer.DialContext(ctx, "ws://guest/", nil)
+	if err != nil {
+		conn.Close()
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("envd: WebSocket upgrade: %w", ctx.Err())
+		}
+		if resp != nil {
+			return nil, fmt.Errorf("envd: WebSocket upgrade refused with HTTP %s: %w", resp.Status, err)
+		}
+		return nil, fmt.Errorf("envd: WebSocket upgrade: %w", err)
+	}
+	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
+	rpc := jsonrpc.NewClient(ws)
+	s, err := initialize(ctx, rpc, client)
+	if err != nil {
+		_ = rpc.Close()
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("envd: handshake: %w", ctx.Err())
+		}
+		return nil, err
+	}
+	if !stop() {
+		// ctx ended just as the handshake finished: the deadline may be set.
+		_ = rpc.Close()
+		return nil, fmt.Errorf("envd: handshake: %w", ctx.Err())
+	}
+	return s, nil
+}
+
+func initialize(ctx context.Context, rpc *jsonrpc.Client, client ClientInfo) (*Session, error) {
+	params := struct {
+		ProtocolVersion uint64     `json:"protocolVersion"`
+		ClientInfo      ClientInfo `json:"clientInfo"`
+	}{ProtocolVersion, client}
+	var members map[string]json.RawMessage
+	if err := rpc.Call(ctx, "initialize", params, &members); err != nil {
+		return nil, err
+	}
+	res, err := checkInitialize(members)
+	if err != nil {
+		return nil, err
+	}
+	return &Session{client: rpc, init: *res}, nil
+}
+
+// checkInitialize reads the members a client relies on: plane and
+// protocolVersion first (before anything else is trusted), then the
+// daemon's identity.
+func checkInitialize(members map[string]json.RawMessage) (*InitializeResult, error) {
+	res := &InitializeResult{Members: members}
+	decode := func(name string, v any) error {
+		raw, ok := members[name]
+		if !ok {
+			return fmt.Errorf("envd: initialize answered without %s", name)
+		}
+		if err := wire.Decode(raw, v); err != nil {
+			var fe *wire.FieldError
+			if errors.As(err, &fe) {
+				return fmt.Errorf("envd: initialize answered a bad %s: %w", name, &wire.FieldError{Path: joinPath(name, fe.Path), Problem: fe.Problem})
+			}
+			return fmt.Errorf("envd: initialize answered a bad %s: %w", name, err)
+		}
+		return nil
+	}
+	if err := decode("protocolVersion", &res.ProtocolVersion); err != nil {
+		return nil, err
+	}
+	if res.ProtocolVersion != ProtocolVersion {
+		return nil, &HandshakeError{Field: "protocolVersion", Expected: strconv.Itoa(ProtocolVersion), Received: strconv.FormatUint(res.ProtocolVersion, 10)}
+	}
+	if err := decode("plane", &res.Plane); err != nil {
+		return nil, err
+	}
+	if res.Plane != Plane {
+		return nil, &HandshakeError{Field: "plane", Expected: strconv.Quote(Plane), Received: strconv.Quote(res.Plane)}
+	}
+	if err := decode("daemonInstanceId", &res.DaemonInstanceID); err != nil {
+		return nil, err
+	}
+	if problem := wire.CheckGrammar(wire.GrammarInfo, res.DaemonInstanceID); problem != "" {
+		return nil, fmt.Errorf("envd: initialize answered a bad daemonInstanceId: %w", &wire.FieldError{Path: "daemonInstanceId", Problem: problem})
+	}
+	if err := decode("serverInfo", &res.ServerInfo); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+func joinPath(a, b string) string {
+	if b == "" {
+		return a
+	}
+	return a + "." + b
+}
+
+// Initialized is what the daemon answered to initialize.
+func (s *Session) Initialized() InitializeResult { return s.init }
+
+// Idle is an env/getIdle answer.
+type Idle struct {
+	IdleForMs uint64
+	// IdleFor is IdleForMs as a duration.
+	IdleFor time.Duration
+	// Counts holds the diagnostic `…Count` members, by wire name.
+	Counts map[string]uint64
+}
+
+// GetIdle asks how long the environment has been unused. It is not use.
+func (s *Session) GetIdle(ctx context.Context) (Idle, error) {
+	var raw json.RawMessage
+	if err := s.client.Call(ctx, "env/getIdle", struct{}{}, &raw); err != nil {
+		return Idle{}, err
+	}
+	idle, err := DecodeIdle(raw)
+	if err != nil {
+		return Idle{}, fmt.Errorf("envd: env/getIdle answered %w", err)
+	}
+	return idle, nil
+}
+
+// DecodeIdle reads an env/getIdle result: idleForMs is required (an
+// unsigned integer below 2^53); every other member must be named `…Count`
+// and hold an unsigned integer below 2^32. Anything else is a
+// *wire.FieldError naming the member.
+func DecodeIdle(raw []byte) (Idle, error) {
+	var members map[string]json.RawMessage
+	if err := wire.Decode(raw, &members); err != nil {
+		return Idle{}, err
+	}
+	idle := Idle{Counts: map[string]uint64{}}
+	rawIdle, ok := members["idleForMs"]
+	if !ok {
+		return Idle{}, &wire.FieldError{Path: "idleForMs", Problem: "is required"}
+	}
+	var err error
+	if idle.IdleForMs, err = unsignedMember("idleForMs", rawIdle, wire.MaxSafeInteger); err != nil {
+		return Idle{}, err
+	}
+	idle.IdleFor = time.Duration(idle.IdleForMs) * time.Millisecond
+	for name, value := range members {
+		if name == "idleForMs" {
+			continue
+		}
+		if !strings.HasSuffix(name, "Count") || len(name) == len("Count") {
+			return Idle{}, &wire.FieldError{Path: name, Problem: "is not a known member (only idleForMs and …Count diagnostics are read)"}
+		}
+		n, err := unsignedMember(name, value, math.MaxUint32)
+		if err != nil {
+			return Idle{}, err
+		}
+		idle.Counts[name] = n
+	}
+	return idle, nil
+}
+
+func unsignedMember(name string, raw json.RawMessage, most uint64) (uint64, error) {
+	var n uint64
+	if err := wire.Decode(raw, &n); err != nil {
+		var fe *wire.FieldError
+		if errors.As(err, &fe) {
+			return 0, &wire.FieldError{Path: joinPath(name, fe.Path), Problem: fe.Problem}
+		}
+		return 0, err
+	}
+	if n > most {
+		return 0, &wire.FieldError{Path: name, Problem: fmt.Sprintf("must be at most %d", most)}
+	}
+	return n, nil
+}
+
+// Done is closed when the connection has ended.
+func (s *Session) Done() <-chan struct{} { return s.client.Done() }
+
+// Close ends the session with a normal close frame.
+func (s *Session) Close() error { return s.client.Close() }
