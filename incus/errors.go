@@ -1,0 +1,134 @@
+package incus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+)
+
+// Sentinels for errors.Is. *Error matches the first three by status code;
+// *OperationError matches ErrConflict for a duplicate create.
+var (
+	// ErrNotFound: the object does not exist (HTTP / Incus error code 404).
+	ErrNotFound = errors.New("incus: not found")
+
+	// ErrConflict: the object already exists or is in use (409). An
+	// instance create that collides with an existing name matches too,
+	// whichever way the server reports it (see CreateInstance).
+	ErrConflict = errors.New("incus: conflict")
+
+	// ErrPreconditionFailed: the If-Match ETag no longer matches (412);
+	// re-read the object and try again.
+	ErrPreconditionFailed = errors.New("incus: precondition failed")
+
+	// ErrOperationLost: Wait could no longer find the operation on the
+	// server (404 on wait/get: it finished and was pruned, or the daemon
+	// restarted). Its outcome is unknown; inspect the object it acted on.
+	// It does not match ErrNotFound, so that a lost operation is never
+	// mistaken for a missing instance.
+	ErrOperationLost = errors.New("incus: operation no longer known to the server")
+
+	// ErrMalformedResponse: the server answered with something that is not
+	// an Incus response envelope.
+	ErrMalformedResponse = errors.New("incus: malformed response")
+)
+
+// Error is a failed call: either the server answered with an error
+// (Status is the Incus error_code, which equals the HTTP status), or the
+// call never got an answer (Err is the transport error, Status is 0).
+type Error struct {
+	Op      string // fixed call name, e.g. "instance.get"
+	Status  int    // HTTP status / Incus error_code; 0 for transport failures
+	Message string // the server's error text
+	Err     error  // transport or decoding failure, if any
+}
+
+func (e *Error) Error() string {
+	switch {
+	case e.Err != nil && e.Status != 0:
+		return fmt.Sprintf("%s: HTTP %d: %v", e.Op, e.Status, e.Err)
+	case e.Err != nil:
+		return fmt.Sprintf("%s: %v", e.Op, e.Err)
+	case e.Message != "":
+		return fmt.Sprintf("%s: %s (%d)", e.Op, e.Message, e.Status)
+	default:
+		return fmt.Sprintf("%s: %d %s", e.Op, e.Status, http.StatusText(e.Status))
+	}
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// Is maps the status code onto the package sentinels.
+func (e *Error) Is(target error) bool {
+	switch target {
+	case ErrNotFound:
+		return e.Status == http.StatusNotFound
+	case ErrConflict:
+		return e.Status == http.StatusConflict || (e.Status >= 400 && isDuplicateMessage(e.Message))
+	case ErrPreconditionFailed:
+		return e.Status == http.StatusPreconditionFailed
+	}
+	return false
+}
+
+// OperationError is an operation that reached a final state other than
+// Success (Failure or Cancelled).
+type OperationError struct {
+	ID         string
+	Status     string // "Failure" or "Cancelled"
+	StatusCode int    // 400 or 401
+	Err        string // the server's description of what went wrong
+}
+
+func (e *OperationError) Error() string {
+	return fmt.Sprintf("operation %s %s: %s", e.ID, strings.ToLower(e.Status), e.Err)
+}
+
+// Is reports ErrConflict for an instance create that lost to an existing
+// name; operations carry no error code, so this goes by the message.
+func (e *OperationError) Is(target error) bool {
+	return target == ErrConflict && isDuplicateMessage(e.Err)
+}
+
+// isDuplicateMessage recognises the ways Incus words "that name is taken".
+// Incus 6.0 accepts a create for an existing name and fails the operation
+// with a database constraint error; newer releases refuse it up front with
+// "Instance "x" already exists" (error code 500) or "This "instances" entry
+// already exists" (409).
+func isDuplicateMessage(msg string) bool {
+	return strings.Contains(msg, "UNIQUE constraint failed") ||
+		strings.Contains(msg, "already exists")
+}
+
+// IsRetryable reports whether repeating the call may succeed: server errors
+// (5xx) other than conflicts, transport failures, and a call that ran out of
+// time (context.DeadlineExceeded). Cancellation by the caller, 4xx answers,
+// failed operations, lost operations and malformed answers are not.
+//
+// Incus uses 500 for many refusals that will not go away by themselves
+// ("Only empty projects can be removed."), so bound any retry loop.
+func IsRetryable(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) {
+		return false
+	}
+	if errors.Is(err, ErrOperationLost) || errors.Is(err, ErrConflict) || errors.Is(err, ErrMalformedResponse) {
+		return false
+	}
+	var opErr *OperationError
+	if errors.As(err, &opErr) {
+		return false
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	var e *Error
+	if errors.As(err, &e) {
+		if e.Err != nil {
+			return true // transport: no (complete) answer
+		}
+		return e.Status >= 500
+	}
+	return false
+}

@@ -1,0 +1,68 @@
+package incus
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"time"
+)
+
+// Image is an image in the server's store.
+type Image struct {
+	Fingerprint  string            `json:"fingerprint"`
+	Aliases      []ImageAliasEntry `json:"aliases"`
+	Architecture string            `json:"architecture"`
+	Type         string            `json:"type"` // "container" or "virtual-machine"
+	Filename     string            `json:"filename"`
+	Size         int64             `json:"size"`
+	Properties   map[string]string `json:"properties"`
+	Profiles     []string          `json:"profiles"`
+	Public       bool              `json:"public"`
+	Cached       bool              `json:"cached"`
+	AutoUpdate   bool              `json:"auto_update"`
+	Project      string            `json:"project"`
+	CreatedAt    time.Time         `json:"created_at"`
+	UploadedAt   time.Time         `json:"uploaded_at"`
+	LastUsedAt   time.Time         `json:"last_used_at"`
+	ExpiresAt    time.Time         `json:"expires_at"`
+}
+
+// ImageAliasEntry is an alias as listed on an image.
+type ImageAliasEntry struct {
+	Name        string `json:"name"`
+	Description string `json:"description"`
+}
+
+// GetImage fetches an image by fingerprint (a unique prefix is enough) in the
+// client's project. In a project with features.images=false that is the
+// default project's image store.
+func (c *Client) GetImage(ctx context.Context, fingerprint string) (*Image, error) {
+	resp, err := c.do(ctx, request{op: "image.get", method: http.MethodGet, scoped: true, path: "/1.0/images/" + escape(fingerprint)})
+	if err != nil {
+		return nil, fmt.Errorf("incus: get image %q: %w", fingerprint, err)
+	}
+	var img Image
+	if err := decode("image.get", resp, &img); err != nil {
+		return nil, fmt.Errorf("incus: get image %q: %w", fingerprint, err)
+	}
+	return &img, nil
+}
+
+// GetImageAlias resolves an image alias in the client's project to the
+// fingerprint it points at.
+func (c *Client) GetImageAlias(ctx context.Context, alias string) (string, error) {
+	resp, err := c.do(ctx, request{op: "image.alias.get", method: http.MethodGet, scoped: true, path: "/1.0/images/aliases/" + escape(alias)})
+	if err != nil {
+		return "", fmt.Errorf("incus: get image alias %q: %w", alias, err)
+	}
+	var a struct {
+		Target string `json:"target"`
+	}
+	if err := decode("image.alias.get", resp, &a); err != nil {
+		return "", fmt.Errorf("incus: get image alias %q: %w", alias, err)
+	}
+	if a.Target == "" {
+		return "", fmt.Errorf("incus: get image alias %q: %w", alias, &Error{Op: "image.alias.get", Status: resp.httpStatus, Err: fmt.Errorf("%w: alias without target", ErrMalformedResponse)})
+	}
+	return a.Target, nil
+}

@@ -1,0 +1,183 @@
+// Package incustest lets tests run against the real Incus daemon on this
+// machine: a gate that skips (or fails) when there is none, a throwaway
+// project per test that is emptied and deleted when the test ends, and the
+// image to launch.
+//
+// Environment:
+//
+//	INCUS_PROVIDER_TEST_SOCKET   unix socket (default /var/lib/incus/unix.socket)
+//	INCUS_PROVIDER_TEST_IMAGE    image alias to launch (default lightspeed-dev-guest)
+//	INCUS_PROVIDER_REQUIRE_INCUS "1": no daemon, or no image, fails the test instead of skipping it
+package incustest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+const (
+	EnvSocket  = "INCUS_PROVIDER_TEST_SOCKET"
+	EnvImage   = "INCUS_PROVIDER_TEST_IMAGE"
+	EnvRequire = "INCUS_PROVIDER_REQUIRE_INCUS"
+
+	DefaultSocket = "/var/lib/incus/unix.socket"
+	DefaultImage  = "lightspeed-dev-guest"
+
+	// ProjectPrefix starts the name of every project Client creates, so
+	// that leftovers of a killed test run are easy to spot.
+	ProjectPrefix = "lsit-"
+)
+
+// cleanupTimeout bounds emptying and deleting a test project.
+const cleanupTimeout = 3 * time.Minute
+
+// Socket is the socket the tests use.
+func Socket() string {
+	if s := os.Getenv(EnvSocket); s != "" {
+		return s
+	}
+	return DefaultSocket
+}
+
+// Server returns a client for the default project after checking that the
+// daemon answers and trusts us; otherwise the test is skipped, or failed when
+// INCUS_PROVIDER_REQUIRE_INCUS=1. Use Client for anything that creates
+// objects.
+func Server(t testing.TB) *incus.Client {
+	t.Helper()
+	c, err := incus.New(incus.Config{Socket: Socket(), CallTimeout: 30 * time.Second})
+	if err != nil {
+		t.Fatalf("incustest: %v", err)
+	}
+	if _, err := os.Stat(Socket()); err != nil {
+		unavailable(t, fmt.Sprintf("no Incus socket: %v", err))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	srv, err := c.GetServer(ctx)
+	if err == nil && srv.Auth != "trusted" {
+		err = fmt.Errorf("server says auth=%q", srv.Auth)
+	}
+	if err != nil {
+		unavailable(t, fmt.Sprintf("Incus at %s not usable: %v", Socket(), err))
+	}
+	t.Cleanup(c.Close)
+	return c
+}
+
+// Client returns a client working in a fresh project named lsit-<random>,
+// with features.images=false and features.profiles=false so that the default
+// project's images and "default" profile (root disk) are used. When the test
+// ends, every instance in the project is force-stopped and deleted and the
+// project is deleted; whatever is left behind fails the test.
+func Client(t testing.TB) *incus.Client {
+	t.Helper()
+	root := Server(t)
+	name := ProjectPrefix + randomHex(4)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	want := map[string]string{"features.images": "false", "features.profiles": "false"}
+	if err := root.CreateProject(ctx, name, want); err != nil {
+		t.Fatalf("incustest: %v", err)
+	}
+	t.Cleanup(func() { removeProject(t, root, name) })
+
+	p, err := root.GetProject(ctx, name)
+	if err != nil {
+		t.Fatalf("incustest: %v", err)
+	}
+	for k, v := range want {
+		if p.Config[k] != v {
+			t.Fatalf("incustest: project %s: config %s=%q, want %q", name, k, p.Config[k], v)
+		}
+	}
+	return root.WithProject(name)
+}
+
+// Image returns the alias of the image tests launch, after checking that it
+// exists (a missing image skips the test, or fails it when
+// INCUS_PROVIDER_REQUIRE_INCUS=1).
+func Image(t testing.TB) string {
+	t.Helper()
+	alias := os.Getenv(EnvImage)
+	if alias == "" {
+		alias = DefaultImage
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := Server(t).GetImageAlias(ctx, alias); err != nil {
+		if errors.Is(err, incus.ErrNotFound) {
+			unavailable(t, fmt.Sprintf("image alias %q not found (import it, or set %s)", alias, EnvImage))
+		}
+		t.Fatalf("incustest: %v", err)
+	}
+	return alias
+}
+
+func unavailable(t testing.TB, reason string) {
+	t.Helper()
+	if os.Getenv(EnvRequire) == "1" {
+		t.Fatalf("incustest: %s (%s=1)", reason, EnvRequire)
+	}
+	t.Skipf("incustest: skipping: %s; set %s=1 to fail instead", reason, EnvRequire)
+}
+
+// removeProject empties and deletes a test project. It runs in t.Cleanup,
+// when t.Context() is already cancelled, hence its own context.
+func removeProject(t testing.TB, root *incus.Client, name string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
+	defer cancel()
+	c := root.WithProject(name)
+
+	insts, err := c.ListInstances(ctx)
+	if err != nil {
+		t.Errorf("incustest: cleanup: %v", err)
+	}
+	for _, inst := range insts {
+		if inst.StatusCode != incus.StatusStopped {
+			op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true})
+			if err == nil {
+				_, err = c.Wait(ctx, op)
+			}
+			if err != nil {
+				t.Logf("incustest: cleanup: force stop %s: %v", inst.Name, err)
+			}
+		}
+		op, err := c.DeleteInstance(ctx, inst.Name)
+		if err == nil {
+			_, err = c.Wait(ctx, op)
+		}
+		if err != nil && !errors.Is(err, incus.ErrNotFound) {
+			t.Logf("incustest: cleanup: delete %s: %v", inst.Name, err)
+		}
+	}
+
+	err = root.DeleteProject(ctx, name)
+	if err == nil || errors.Is(err, incus.ErrNotFound) {
+		return
+	}
+	// Something survived the loop above; let the server clear it out.
+	if ferr := root.ForceDeleteProject(ctx, name); ferr != nil && !errors.Is(ferr, incus.ErrNotFound) {
+		t.Errorf("incustest: cleanup: project %s left behind: %v (forced: %v)", name, err, ferr)
+		return
+	}
+	t.Logf("incustest: cleanup: project %s needed a forced delete: %v", name, err)
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)
+}
