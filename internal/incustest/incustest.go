@@ -139,30 +139,40 @@ func removeProject(t testing.TB, root *incus.Client, name string) {
 	defer cancel()
 	c := root.WithProject(name)
 
-	insts, err := c.ListInstances(ctx)
-	if err != nil {
-		t.Errorf("incustest: cleanup: %v", err)
-	}
-	for _, inst := range insts {
-		if inst.StatusCode != incus.StatusStopped {
-			op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true})
+	// A test that ends while a create or start is still running leaves the
+	// instance busy; wait those operations out before stopping and deleting,
+	// and go round again for anything a late operation brought back.
+	for attempt := 0; attempt < 3; attempt++ {
+		settle(ctx, c)
+		insts, err := c.ListInstances(ctx)
+		if err != nil {
+			t.Errorf("incustest: cleanup: %v", err)
+			break
+		}
+		if len(insts) == 0 {
+			break
+		}
+		for _, inst := range insts {
+			if inst.StatusCode != incus.StatusStopped {
+				op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true})
+				if err == nil {
+					_, err = c.Wait(ctx, op)
+				}
+				if err != nil {
+					t.Logf("incustest: cleanup: force stop %s: %v", inst.Name, err)
+				}
+			}
+			op, err := c.DeleteInstance(ctx, inst.Name)
 			if err == nil {
 				_, err = c.Wait(ctx, op)
 			}
-			if err != nil {
-				t.Logf("incustest: cleanup: force stop %s: %v", inst.Name, err)
+			if err != nil && !errors.Is(err, incus.ErrNotFound) {
+				t.Logf("incustest: cleanup: delete %s: %v", inst.Name, err)
 			}
-		}
-		op, err := c.DeleteInstance(ctx, inst.Name)
-		if err == nil {
-			_, err = c.Wait(ctx, op)
-		}
-		if err != nil && !errors.Is(err, incus.ErrNotFound) {
-			t.Logf("incustest: cleanup: delete %s: %v", inst.Name, err)
 		}
 	}
 
-	err = root.DeleteProject(ctx, name)
+	err := root.DeleteProject(ctx, name)
 	if err == nil || errors.Is(err, incus.ErrNotFound) {
 		return
 	}
@@ -172,6 +182,19 @@ func removeProject(t testing.TB, root *incus.Client, name string) {
 		return
 	}
 	t.Logf("incustest: cleanup: project %s needed a forced delete: %v", name, err)
+}
+
+// settle waits, within ctx, for the project's running operations to end.
+func settle(ctx context.Context, c *incus.Client) {
+	ops, err := c.ListOperations(ctx)
+	if err != nil {
+		return
+	}
+	for i := range ops {
+		wctx, cancel := context.WithTimeout(ctx, time.Minute)
+		_, _ = c.Wait(wctx, &ops[i])
+		cancel()
+	}
 }
 
 func randomHex(n int) string {
