@@ -125,7 +125,10 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	})
 
 	mux := http.NewServeMux()
+	// Any path is allowed for a controller URL, and a unix:// registration
+	// names none, so the root serves the controller too.
 	mux.Handle("/control", ctrl)
+	mux.Handle("/{$}", ctrl)
 	main := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, ErrorLog: zap.NewStdLog(log.Named("http"))}
 	ln, scheme, err := listen(cfg)
 	if err != nil {

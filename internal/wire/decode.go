@@ -93,7 +93,9 @@ func join(path, member string) string {
 }
 
 func assign(path string, generic any, dst reflect.Value) *FieldError {
-	if generic == nil {
+	// A RawMessage carries any JSON value verbatim for a later decoder (a
+	// JSON-RPC id may be null), so only it may hold null.
+	if generic == nil && dst.Type() != rawMessageType {
 		return &FieldError{Path: path, Problem: "must not be null"}
 	}
 	if dst.Type() == rawMessageType {

@@ -2,6 +2,7 @@ package wire
 
 import (
 	"fmt"
+	"net/url"
 	"regexp"
 	"strings"
 	"unicode/utf8"
@@ -22,7 +23,8 @@ const (
 	// GrammarText is descriptive text: 1 to 1024 bytes, no control characters
 	// other than line feed and tab.
 	GrammarText = "text"
-	// GrammarURL is a URL: at most 2048 bytes.
+	// GrammarURL is an absolute http or https URL of at most 2048 bytes
+	// (such as a realized ingress endpoint).
 	GrammarURL = "url"
 )
 
@@ -53,6 +55,9 @@ func CheckGrammar(grammar, s string) string {
 	case GrammarURL:
 		if s == "" || len(s) > 2048 {
 			return "must be a URL of 1 to 2048 bytes"
+		}
+		if u, err := url.Parse(s); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return "must be an absolute http or https URL"
 		}
 		return bounded(s, 2048, false)
 	default:

@@ -1,0 +1,166 @@
+package conformance
+
+import (
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net/url"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
+)
+
+// Config says which controller to check and how.
+type Config struct {
+	// URL is the controller: ws://host[:port]/path, wss://…, or
+	// unix:///absolute/socket/path.
+	URL string
+	// Credential is the provider's bearer credential; empty when the
+	// provider runs without one (the credential check is then skipped).
+	Credential string
+	// TemplateID is the template targets are created from. Empty picks the
+	// first template/list entry that is not deprecated.
+	TemplateID string
+	// UniverseID is the universe of every owner the suite invents
+	// (default "conformance").
+	UniverseID string
+	// Timeout bounds each dial and each answer (default 30 s).
+	Timeout time.Duration
+	// SettleTimeout bounds the wait for a target to become active, and for
+	// a close to reach closed (default 60 s).
+	SettleTimeout time.Duration
+	// PollInterval is the pause between two observations while waiting
+	// (default 500 ms).
+	PollInterval time.Duration
+	// UnixRequestPath is the HTTP request path sent over a unix:// socket,
+	// whose URL names only the socket (default "/control").
+	UnixRequestPath string
+	// TLSConfig is used for wss:// (nil: the system's roots).
+	TLSConfig *tls.Config
+	// Checks, when not empty, names the checks to run (see CheckNames).
+	Checks []string
+}
+
+// Defaults of the optional Config fields.
+const (
+	DefaultUniverseID      = "conformance"
+	DefaultTimeout         = 30 * time.Second
+	DefaultSettleTimeout   = 60 * time.Second
+	DefaultPollInterval    = 500 * time.Millisecond
+	DefaultUnixRequestPath = "/control"
+)
+
+// Validate reports the first problem of the configuration, as a sentence.
+func (c Config) Validate() error {
+	_, err := c.normalized()
+	return err
+}
+
+func (c Config) normalized() (Config, error) {
+	if c.UniverseID == "" {
+		c.UniverseID = DefaultUniverseID
+	}
+	if c.Timeout <= 0 {
+		c.Timeout = DefaultTimeout
+	}
+	if c.SettleTimeout <= 0 {
+		c.SettleTimeout = DefaultSettleTimeout
+	}
+	if c.PollInterval <= 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.UnixRequestPath == "" {
+		c.UnixRequestPath = DefaultUnixRequestPath
+	}
+	if c.URL == "" {
+		return c, errors.New("the controller URL is required (ws://…, wss://… or unix:///path)")
+	}
+	u, err := url.Parse(c.URL)
+	if err != nil {
+		return c, fmt.Errorf("the controller URL %q does not parse: %w", c.URL, err)
+	}
+	switch u.Scheme {
+	case "ws", "wss":
+		if u.Host == "" {
+			return c, fmt.Errorf("the controller URL %q names no host", c.URL)
+		}
+	case "unix":
+		if u.Host != "" || !strings.HasPrefix(u.Path, "/") {
+			return c, fmt.Errorf("the controller URL %q must be unix:///absolute/path (three slashes)", c.URL)
+		}
+	default:
+		return c, fmt.Errorf("the controller URL %q must start with ws://, wss:// or unix://", c.URL)
+	}
+	if !strings.HasPrefix(c.UnixRequestPath, "/") {
+		return c, fmt.Errorf("the unix request path %q must start with /", c.UnixRequestPath)
+	}
+	if problem := wire.CheckGrammar(wire.GrammarLightspeedID, c.UniverseID); problem != "" {
+		return c, fmt.Errorf("the universe id %s", problem)
+	}
+	if c.TemplateID != "" {
+		if problem := wire.CheckGrammar(wire.GrammarOpaque, c.TemplateID); problem != "" {
+			return c, fmt.Errorf("the template id %s", problem)
+		}
+	}
+	if strings.ContainsAny(c.Credential, "\r\n") {
+		return c, errors.New("the credential must be one line")
+	}
+	names := CheckNames()
+	for _, n := range c.Checks {
+		if !slices.Contains(names, n) {
+			return c, fmt.Errorf("there is no check %q; the checks are %s", n, strings.Join(names, ", "))
+		}
+	}
+	return c, nil
+}
+
+// Result is the outcome of one check. A check that neither passed nor was
+// skipped failed; Detail says why (or, on a pass, what was seen).
+type Result struct {
+	Name    string
+	Passed  bool
+	Skipped bool
+	Detail  string
+}
+
+// Failed reports a check that neither passed nor was skipped.
+func (r Result) Failed() bool { return !r.Passed && !r.Skipped }
+
+// String is the one line a runner prints: PASS, FAIL or SKIP, the name, and
+// the detail.
+func (r Result) String() string {
+	verdict := "PASS"
+	switch {
+	case r.Skipped:
+		verdict = "SKIP"
+	case !r.Passed:
+		verdict = "FAIL"
+	}
+	if r.Detail == "" {
+		return verdict + " " + r.Name
+	}
+	return verdict + " " + r.Name + ": " + r.Detail
+}
+
+// Summary is the closing line: "N passed, N failed" and ", N skipped" when
+// any check was skipped.
+func Summary(results []Result) string {
+	var passed, failed, skipped int
+	for _, r := range results {
+		switch {
+		case r.Skipped:
+			skipped++
+		case r.Passed:
+			passed++
+		default:
+			failed++
+		}
+	}
+	line := fmt.Sprintf("%d passed, %d failed", passed, failed)
+	if skipped > 0 {
+		line += fmt.Sprintf(", %d skipped", skipped)
+	}
+	return line
+}

@@ -1,0 +1,232 @@
+package conformance_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+)
+
+// flaw makes the fake wrong on purpose, to show the suite can fail.
+type flaw int
+
+const (
+	correct flaw = iota
+	// newTargetPerCreate hands out a fresh target on every create.
+	newTargetPerCreate
+	// ignoreOwners serves any target to whoever names its id.
+	ignoreOwners
+	// getCreates creates a target when target/get finds none.
+	getCreates
+	// closeForgets answers a repeated close with notFound.
+	closeForgets
+	// activeWithoutPower leaves power out of active observations.
+	activeWithoutPower
+	// ftpIngress reports an ingress endpoint that is not http or https.
+	ftpIngress
+)
+
+// fakeBackend is an in-memory controller.Backend: a target is provisioning
+// for its first two observations, then active and running; a close makes it
+// closing, and the next close or get removes it.
+type fakeBackend struct {
+	flaw flaw
+
+	mu      sync.Mutex
+	next    int
+	byOwner map[controller.Owner]*fakeTarget
+	byID    map[string]*fakeTarget
+}
+
+type fakeTarget struct {
+	id    string
+	owner controller.Owner
+	phase controller.Phase
+	seen  int
+}
+
+func newFake(f flaw) *fakeBackend {
+	return &fakeBackend{flaw: f, byOwner: map[controller.Owner]*fakeTarget{}, byID: map[string]*fakeTarget{}}
+}
+
+var fakeTemplates = []controller.Template{
+	{TemplateID: "old", DisplayName: "Retired template", Deprecated: true},
+	{TemplateID: "small", DisplayName: "Small target", PowerStates: []controller.Power{controller.PowerRunning, controller.PowerStopped}},
+}
+
+func (f *fakeBackend) ListTemplates(context.Context, string) ([]controller.Template, error) {
+	return fakeTemplates, nil
+}
+
+func (f *fakeBackend) observe(t *fakeTarget, owner controller.Owner) controller.Observation {
+	o := controller.Observation{TargetID: t.id, Owner: owner, Phase: t.phase}
+	if t.phase == controller.PhaseActive && f.flaw != activeWithoutPower {
+		o.Power = controller.PowerRunning
+	}
+	if t.phase == controller.PhaseActive && f.flaw == ftpIngress {
+		o.Ingress = &controller.Ingress{Endpoint: "ftp://acorn.env.example.com"}
+	}
+	return o
+}
+
+func (f *fakeBackend) create(owner controller.Owner) *fakeTarget {
+	f.next++
+	t := &fakeTarget{id: fmt.Sprintf("fake-%d", f.next), owner: owner, phase: controller.PhaseProvisioning}
+	f.byOwner[owner] = t
+	f.byID[t.id] = t
+	return t
+}
+
+func (f *fakeBackend) remove(t *fakeTarget) {
+	delete(f.byOwner, t.owner)
+	delete(f.byID, t.id)
+}
+
+func (f *fakeBackend) CreateTarget(_ context.Context, p controller.CreateParams) (controller.Observation, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if t := f.byOwner[p.Owner]; t != nil && f.flaw != newTargetPerCreate {
+		return f.observe(t, p.Owner), nil
+	}
+	var tmpl *controller.Template
+	for i := range fakeTemplates {
+		if fakeTemplates[i].TemplateID == p.TemplateID {
+			tmpl = &fakeTemplates[i]
+		}
+	}
+	if tmpl == nil {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q.", p.TemplateID)
+	}
+	if tmpl.Deprecated {
+		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated", "The template %q is deprecated.", p.TemplateID)
+	}
+	return f.observe(f.create(p.Owner), p.Owner), nil
+}
+
+// resolve finds the target a reference names; nil when there is none.
+func (f *fakeBackend) resolve(ref controller.TargetRef) (*fakeTarget, error) {
+	if ref.TargetID != "" {
+		if t := f.byID[ref.TargetID]; t != nil {
+			if t.owner != ref.Owner && f.flaw != ignoreOwners {
+				return nil, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ownerMismatch", "The target %s is another owner's.", t.id)
+			}
+			return t, nil
+		}
+	}
+	return f.byOwner[ref.Owner], nil
+}
+
+func (f *fakeBackend) GetTarget(_ context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.resolve(ref)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	if t == nil && ref.TargetID == "" && f.flaw == getCreates {
+		t = f.create(ref.Owner)
+	}
+	if t == nil || (ref.TargetID != "" && t.id != ref.TargetID) {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No target for this owner.")
+	}
+	t.seen++
+	switch {
+	case t.phase == controller.PhaseProvisioning && t.seen >= 2:
+		t.phase = controller.PhaseActive
+	case t.phase == controller.PhaseClosing:
+		f.remove(t)
+		t.phase = controller.PhaseClosed
+	}
+	return f.observe(t, ref.Owner), nil
+}
+
+func (f *fakeBackend) CloseTarget(_ context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.resolve(ref)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	if t == nil {
+		if f.flaw == closeForgets {
+			return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "Nothing to close.")
+		}
+		return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
+	}
+	if t.phase == controller.PhaseClosing {
+		f.remove(t)
+		t.phase = controller.PhaseClosed
+	} else {
+		t.phase = controller.PhaseClosing
+	}
+	return f.observe(t, ref.Owner), nil
+}
+
+func (f *fakeBackend) SetPower(context.Context, controller.TargetRef, controller.Power) (controller.Observation, error) {
+	return controller.Observation{}, jsonrpc.CapabilityUnavailable("power", "Not served.")
+}
+
+func (f *fakeBackend) EnsureIngress(context.Context, controller.TargetRef) (controller.Observation, error) {
+	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "Not served.")
+}
+
+func (f *fakeBackend) RemoveIngress(context.Context, controller.TargetRef) (controller.Observation, error) {
+	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "Not served.")
+}
+
+// live reports targets the fake still holds, for leak checks.
+func (f *fakeBackend) live() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []string
+	for _, t := range f.byID {
+		out = append(out, t.id+" ("+string(t.phase)+")")
+	}
+	return out
+}
+
+// serve starts the controller endpoint over the fake on loopback and
+// returns its ws:// URL.
+func serve(t *testing.T, b controller.Backend, opts controller.Options) string {
+	t.Helper()
+	opts.Backend = b
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	srv := httptest.NewServer(controller.NewHandler(ctx, opts))
+	t.Cleanup(srv.Close)
+	return "ws" + strings.TrimPrefix(srv.URL, "http") + "/control"
+}
+
+// serveUnix serves the endpoint on a unix socket and returns its unix:// URL.
+func serveUnix(t *testing.T, b controller.Backend) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "lsconf")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	path := filepath.Join(dir, "control.sock")
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	mux := http.NewServeMux()
+	mux.Handle("/control", controller.NewHandler(ctx, controller.Options{Backend: b}))
+	srv := &http.Server{Handler: mux}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() {
+		cancel()
+		_ = srv.Close()
+	})
+	return "unix://" + path
+}

@@ -1,0 +1,146 @@
+package conformance_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/conformance"
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+)
+
+// fast keeps the suite's waits short against the in-memory fake.
+func fast(url string) conformance.Config {
+	return conformance.Config{URL: url, Timeout: 10 * time.Second, PollInterval: 10 * time.Millisecond}
+}
+
+func TestSuitePassesAgainstACorrectController(t *testing.T) {
+	fake := newFake(correct)
+	conformance.RunT(t, fast(serve(t, fake, controller.Options{})))
+	if live := fake.live(); len(live) > 0 {
+		t.Errorf("the suite left targets behind: %v", live)
+	}
+}
+
+func TestSuitePassesWithACredential(t *testing.T) {
+	fake := newFake(correct)
+	cfg := fast(serve(t, fake, controller.Options{Credential: bearer.New("s3cret-conformance")}))
+	cfg.Credential = "s3cret-conformance"
+	results := conformance.Run(t.Context(), cfg)
+	for _, r := range results {
+		if !r.Passed {
+			t.Errorf("%s", r)
+		}
+	}
+	if !slices.ContainsFunc(results, func(r conformance.Result) bool { return r.Name == "credential" && r.Passed }) {
+		t.Errorf("the credential check did not run and pass: %v", results)
+	}
+}
+
+func TestSuiteOverAUnixSocket(t *testing.T) {
+	cfg := fast(serveUnix(t, newFake(correct)))
+	cfg.Checks = []string{"handshake", "framing", "create-idempotency", "close-by-owner"}
+	results := conformance.Run(t.Context(), cfg)
+	if len(results) != len(cfg.Checks) {
+		t.Fatalf("ran %d checks, want %d: %v", len(results), len(cfg.Checks), results)
+	}
+	for _, r := range results {
+		if !r.Passed {
+			t.Errorf("%s", r)
+		}
+	}
+}
+
+func TestCredentialCheckFailsWhenTheControllerTakesAnyone(t *testing.T) {
+	cfg := fast(serve(t, newFake(correct), controller.Options{}))
+	cfg.Credential = "the provider ignores this"
+	cfg.Checks = []string{"credential"}
+	wantFailure(t, conformance.Run(t.Context(), cfg), "credential", "want HTTP 401")
+}
+
+// Each deliberately wrong controller must fail the check that covers its
+// flaw, so the suite provably can fail.
+func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
+	cases := []struct {
+		name  string
+		flaw  flaw
+		check string
+		says  string
+	}{
+		{"a new target per create", newTargetPerCreate, "create-idempotency", "answered target id"},
+		{"owners ignored", ignoreOwners, "owner-fencing", "want a failedPrecondition error"},
+		{"target/get creates", getCreates, "pure-get", "want a notFound error"},
+		{"a repeated close answers notFound", closeForgets, "close-by-owner", "target/close repeated"},
+		{"an active observation without power", activeWithoutPower, "create-idempotency", "power: must be present exactly when phase is active"},
+		{"an ftp ingress endpoint", ftpIngress, "pure-get", "http or https URL"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := fast(serve(t, newFake(tc.flaw), controller.Options{}))
+			cfg.Checks = []string{tc.check}
+			wantFailure(t, conformance.Run(t.Context(), cfg), tc.check, tc.says)
+		})
+	}
+}
+
+func wantFailure(t *testing.T, results []conformance.Result, check, says string) {
+	t.Helper()
+	for _, r := range results {
+		if r.Name != check {
+			continue
+		}
+		if !r.Failed() {
+			t.Fatalf("check %s did not fail: %s", check, r)
+		}
+		if !strings.Contains(r.Detail, says) {
+			t.Fatalf("check %s failed, but its detail does not say %q: %s", check, says, r.Detail)
+		}
+		return
+	}
+	t.Fatalf("check %s did not run: %v", check, results)
+}
+
+func TestRunRefusesABadConfig(t *testing.T) {
+	for _, cfg := range []conformance.Config{
+		{},
+		{URL: "http://127.0.0.1:1/control"},
+		{URL: "unix://relative/path"},
+		{URL: "ws://127.0.0.1:1/control", UniverseID: "not a universe id"},
+		{URL: "ws://127.0.0.1:1/control", Checks: []string{"no-such-check"}},
+	} {
+		results := conformance.Run(context.Background(), cfg)
+		if len(results) != 1 || results[0].Name != "config" || !results[0].Failed() {
+			t.Errorf("Run(%+v) = %v, want one failed config result", cfg, results)
+		}
+	}
+}
+
+func TestUnreachableControllerFailsEveryCheck(t *testing.T) {
+	// Nothing listens on port 1 of the loopback address.
+	cfg := fast("ws://127.0.0.1:1/control")
+	cfg.Timeout = 2 * time.Second
+	for _, r := range conformance.Run(t.Context(), cfg) {
+		if r.Name == "credential" {
+			continue // skipped: no credential is configured
+		}
+		if !r.Failed() {
+			t.Errorf("%s passed against an unreachable controller", r)
+		}
+	}
+}
+
+func TestSummary(t *testing.T) {
+	results := []conformance.Result{{Name: "a", Passed: true}, {Name: "b"}, {Name: "c", Skipped: true, Detail: "why"}}
+	if got, want := conformance.Summary(results), "1 passed, 1 failed, 1 skipped"; got != want {
+		t.Errorf("Summary = %q, want %q", got, want)
+	}
+	if got, want := conformance.Summary(results[:2]), "1 passed, 1 failed"; got != want {
+		t.Errorf("Summary = %q, want %q", got, want)
+	}
+	if got, want := results[2].String(), "SKIP c: why"; got != want {
+		t.Errorf("String = %q, want %q", got, want)
+	}
+}
