@@ -50,7 +50,7 @@ func checkHandshake(ctx context.Context, r *checkRun) {
 	r.wantError(f, jsonrpc.KindNotInitialized, "target/get before initialize")
 
 	f = r.rt(ctx, c, "initialize with protocolVersion 3", controller.MethodInitialize, initializeParams(3))
-	if e := r.wantError(f, jsonrpc.KindVersionMismatch, "initialize with protocolVersion 3"); e != nil {
+	if e := r.errorAnswer(f, jsonrpc.KindVersionMismatch, "initialize with protocolVersion 3"); e != nil {
 		if e.Expected == nil || *e.Expected != controller.ProtocolVersion {
 			r.failf("versionMismatch: data.expected is %s, want %d", optional(e.Expected), controller.ProtocolVersion)
 		}
@@ -186,18 +186,18 @@ func checkCredential(ctx context.Context, r *checkRun) {
 		r.skipf("no credential is configured, so the provider is taken to run without one")
 	}
 	refused := func(what string, h http.Header) {
-		ws, resp, err := r.s.dial(ctx, h)
+		ws, status, err := r.s.dial(ctx, h)
 		if err == nil {
 			_ = ws.Close()
 			r.failf("%s: the controller upgraded the connection; want HTTP 401 before the upgrade", what)
 			return
 		}
-		if resp == nil {
+		if status == 0 {
 			r.failf("%s: %v; want HTTP 401", what, err)
 			return
 		}
-		if resp.StatusCode != http.StatusUnauthorized {
-			r.failf("%s: HTTP %d, want 401", what, resp.StatusCode)
+		if status != http.StatusUnauthorized {
+			r.failf("%s: HTTP %d, want 401", what, status)
 		}
 	}
 	refused("no Authorization header", http.Header{})
@@ -434,7 +434,7 @@ func checkOwnerFencing(ctx context.Context, r *checkRun) {
 	}
 	for _, tc := range cases {
 		f := r.rt(ctx, c, tc.what, tc.method, getParams(controller.TargetRef{Owner: tc.owner, TargetID: id}))
-		if e := r.wantError(f, jsonrpc.KindFailedPrecondition, tc.what); e != nil && e.Reason != "ownerMismatch" {
+		if e := r.errorAnswer(f, jsonrpc.KindFailedPrecondition, tc.what); e != nil && e.Reason != "ownerMismatch" {
 			r.failf("%s: failedPrecondition with reason %q, want ownerMismatch", tc.what, e.Reason)
 		}
 	}
@@ -525,7 +525,7 @@ func checkCapabilityUnavailable(ctx context.Context, r *checkRun) {
 		tested = append(tested, o.method)
 		what := o.method + " while " + o.capability + " is not advertised"
 		f := r.rt(ctx, c, what, o.method, o.params)
-		if e := r.wantError(f, jsonrpc.KindCapabilityUnavailable, what); e != nil && e.Capability != o.capability {
+		if e := r.errorAnswer(f, jsonrpc.KindCapabilityUnavailable, what); e != nil && e.Capability != o.capability {
 			r.failf("%s: data.capability is %q, want %q", what, e.Capability, o.capability)
 		}
 	}

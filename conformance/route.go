@@ -224,6 +224,12 @@ func (d RouteDialer) Dial(ctx context.Context, routeURL, credential string) (Rou
 	start := clock()
 	ws, resp, err := wd.DialContext(ctx, routeURL, header)
 	out := RouteDial{Elapsed: clock().Sub(start)}
+	if resp != nil {
+		// Only the status and the request are read from resp: the library
+		// keeps at most 1024 bytes of a refusal's body, so the refusal is
+		// read again whole from the connection (see reread).
+		_ = resp.Body.Close()
+	}
 	late := func() error {
 		if out.Elapsed > bound {
 			return fmt.Errorf("the route answered HTTP %d after %s, over the %s hold bound (allowing %s for the dial itself)",
@@ -315,7 +321,7 @@ func (r *recordingConn) release() {
 // then whatever the connection still delivers.
 func (r *recordingConn) reread(req *http.Request) (*http.Response, error) {
 	r.recording.Store(false)
-	_ = r.Conn.SetReadDeadline(time.Now().Add(MaxDataRouteHold))
+	_ = r.SetReadDeadline(time.Now().Add(MaxDataRouteHold))
 	r.mu.Lock()
 	head := bytes.NewReader(bytes.Clone(r.recorded.Bytes()))
 	r.mu.Unlock()

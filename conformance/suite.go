@@ -267,9 +267,18 @@ func (r *checkRun) rt(ctx context.Context, c *conn, what, method string, params 
 	return f
 }
 
-// wantError requires an error answer of kind; it returns the error, or nil
-// (after recording the failure) when the answer was something else.
-func (r *checkRun) wantError(f *frame, kind jsonrpc.Kind, what string) *jsonrpc.Error {
+// wantError requires an error answer of kind, recording a failure when the
+// answer was something else.
+func (r *checkRun) wantError(f *frame, kind jsonrpc.Kind, what string) {
+	// The failure, if any, is recorded; this caller checks nothing more of
+	// the error.
+	_ = r.errorAnswer(f, kind, what)
+}
+
+// errorAnswer requires an error answer of kind; it returns the error, for
+// the caller to check more of it, or nil (after recording the failure) when
+// the answer was something else.
+func (r *checkRun) errorAnswer(f *frame, kind jsonrpc.Kind, what string) *jsonrpc.Error {
 	if f.rpcErr == nil {
 		r.failf("%s: want a %s error, got %s", what, kind, f)
 		return nil
@@ -283,7 +292,7 @@ func (r *checkRun) wantError(f *frame, kind jsonrpc.Kind, what string) *jsonrpc.
 
 // wantInvalidParams requires invalidParams naming one of fields.
 func (r *checkRun) wantInvalidParams(f *frame, what string, fields ...string) {
-	e := r.wantError(f, jsonrpc.KindInvalidParams, what)
+	e := r.errorAnswer(f, jsonrpc.KindInvalidParams, what)
 	if e == nil {
 		return
 	}

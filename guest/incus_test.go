@@ -191,9 +191,6 @@ type incusFixture struct {
 	importedImage bool
 	sockDir       string
 	err           error
-
-	mu        sync.Mutex
-	instances []string
 }
 
 var (

@@ -145,7 +145,10 @@ func (d *netnsDialer) DialContext(ctx context.Context, t Target) (net.Conn, erro
 	if isStale(err) {
 		d.drop(t.Instance, p)
 	}
-	if !wasCached || ctx.Err() != nil || !(isStale(err) || errors.Is(err, syscall.ECONNREFUSED)) {
+	// Only a cached lookup can be out of date, and only a stale process or
+	// a refused connection says it may be.
+	retryable := isStale(err) || errors.Is(err, syscall.ECONNREFUSED)
+	if !wasCached || ctx.Err() != nil || !retryable {
 		return nil, err
 	}
 	fresh, lerr := d.refresh(ctx, t)
@@ -189,7 +192,9 @@ func (d *netnsDialer) dialProc(ctx context.Context, t Target, p proc) (net.Conn,
 	handedOff := false
 	defer func() {
 		if !handedOff {
-			unix.Close(fd)
+			// A read-only namespace descriptor: nothing is lost if its
+			// close fails.
+			_ = unix.Close(fd)
 		}
 	}()
 	start, err := procStartTime(p.pid)
@@ -264,7 +269,8 @@ func onDisposableThread(fn func()) {
 // moves the thread into the namespace nsfd (expected to be target) and dials
 // the guest's loopback there; the socket keeps that namespace for life.
 func dialInNamespace(ctx context.Context, nsfd int, host, target nsID, port int) (net.Conn, error) {
-	defer unix.Close(nsfd)
+	// A read-only namespace descriptor: nothing is lost if its close fails.
+	defer func() { _ = unix.Close(nsfd) }()
 	cur, err := statNS("/proc/thread-self/ns/net")
 	if err != nil {
 		return nil, err

@@ -110,7 +110,7 @@ func TestErrorMapping(t *testing.T) {
 				t.Errorf("got %+v", e)
 			}
 			for _, s := range []error{ErrNotFound, ErrConflict, ErrPreconditionFailed} {
-				if got := errors.Is(err, s); got != (s == tc.is) {
+				if got := errors.Is(err, s); got != errors.Is(tc.is, s) {
 					t.Errorf("errors.Is(err, %v) = %v", s, got)
 				}
 			}

@@ -190,7 +190,10 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 					return cur, wrap(ctxErr(ctx))
 				}
 				if errors.Is(err, ErrNotFound) {
-					return cur, wrap(fmt.Errorf("%w: %v", ErrOperationLost, err))
+					// err is kept as text only: the operation is lost, and
+					// the result must not also match ErrNotFound, which
+					// would read as the instance being gone.
+					return cur, wrap(fmt.Errorf("%w: %s", ErrOperationLost, err.Error()))
 				}
 				if !IsRetryable(err) {
 					return cur, wrap(err)
@@ -277,7 +280,7 @@ func waitSeconds(ctx context.Context, slice time.Duration) int {
 // It always matches context.Canceled or context.DeadlineExceeded.
 func ctxErr(ctx context.Context) error {
 	err := ctx.Err()
-	if cause := context.Cause(ctx); cause != nil && cause != err && !errors.Is(cause, err) {
+	if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, err) {
 		return fmt.Errorf("%w: %w", err, cause)
 	}
 	if cause := context.Cause(ctx); cause != nil {

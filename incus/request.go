@@ -166,7 +166,10 @@ func contextual(callCtx context.Context, err error) error {
 	if errors.Is(err, cerr) {
 		return err
 	}
-	return fmt.Errorf("%w (%v)", cerr, err)
+	// err is kept as text only: the result must match the context's
+	// error and nothing the failed call would otherwise match (a conflict,
+	// say), so that callers see a context failure and no more.
+	return fmt.Errorf("%w (%s)", cerr, err.Error())
 }
 
 // outcome is the Observe status for a call's result.
@@ -193,7 +196,7 @@ func outcome(err error) string {
 // decode unmarshals the response metadata into v.
 func decode(op string, resp *response, v any) error {
 	if err := json.Unmarshal(resp.Metadata, v); err != nil {
-		return &Error{Op: op, Status: resp.httpStatus, Err: fmt.Errorf("%w: metadata: %v", ErrMalformedResponse, err)}
+		return &Error{Op: op, Status: resp.httpStatus, Err: fmt.Errorf("%w: metadata: %w", ErrMalformedResponse, err)}
 	}
 	return nil
 }

@@ -47,7 +47,7 @@ func loadConfig() (config, error) {
 		}
 		var pe env.ParseError
 		if errors.As(err, &pe) {
-			return c, fmt.Errorf("%s=%q is not valid: %s expected (%v)", varName(pe.Name), os.Getenv(varName(pe.Name)), pe.Type, pe.Err)
+			return c, fmt.Errorf("%s=%q is not valid: %s expected (%w)", varName(pe.Name), os.Getenv(varName(pe.Name)), pe.Type, pe.Err)
 		}
 		return c, fmt.Errorf("configuration: %w", err)
 	}

@@ -130,7 +130,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	mux.Handle("/control", ctrl)
 	mux.Handle("/{$}", ctrl)
 	main := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, ErrorLog: zap.NewStdLog(log.Named("http"))}
-	ln, scheme, err := listen(cfg)
+	ln, scheme, err := listen(ctx, cfg)
 	if err != nil {
 		return err
 	}
@@ -164,7 +164,8 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 		mmux.HandleFunc("/readyz", readyz(client, catalog))
 		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
-		mln, err := net.Listen("tcp", cfg.MetricsListen)
+		var lc net.ListenConfig
+		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)
 		if err != nil {
 			return fmt.Errorf("PROVIDER_METRICS_LISTEN=%q cannot be bound: %w", cfg.MetricsListen, err)
 		}
@@ -211,12 +212,13 @@ func incusWhere(cfg config) string {
 	return "INCUS_SOCKET=" + cfg.IncusSocket
 }
 
-func listen(cfg config) (net.Listener, string, error) {
+func listen(ctx context.Context, cfg config) (net.Listener, string, error) {
+	var lc net.ListenConfig
 	if path, ok := strings.CutPrefix(cfg.Listen, "unix:"); ok {
 		if fi, err := os.Lstat(path); err == nil && fi.Mode()&fs.ModeSocket != 0 {
 			_ = os.Remove(path) // a stale socket from an earlier run
 		}
-		ln, err := net.Listen("unix", path)
+		ln, err := lc.Listen(ctx, "unix", path)
 		if err != nil {
 			return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err)
 		}
@@ -225,7 +227,7 @@ func listen(cfg config) (net.Listener, string, error) {
 		}
 		return ln, "unix", nil
 	}
-	ln, err := net.Listen("tcp", cfg.Listen)
+	ln, err := lc.Listen(ctx, "tcp", cfg.Listen)
 	if err != nil {
 		return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err)
 	}

@@ -48,26 +48,33 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		return exitPassed
 	}
 	if err != nil {
-		fmt.Fprintln(stderr, "lsconform: "+err.Error())
+		writeLine(stderr, "lsconform: "+err.Error())
 		return exitUsage
 	}
 	if list {
 		for _, name := range conformance.CheckNames() {
-			fmt.Fprintln(stdout, name)
+			writeLine(stdout, name)
 		}
 		return exitPassed
 	}
 	results := suite(ctx, cfg)
 	failed := false
 	for _, r := range results {
-		fmt.Fprintln(stdout, r.String())
+		writeLine(stdout, r.String())
 		failed = failed || r.Failed()
 	}
-	fmt.Fprintln(stdout, conformance.Summary(results))
+	writeLine(stdout, conformance.Summary(results))
 	if failed {
 		return exitFailed
 	}
 	return exitPassed
+}
+
+// writeLine writes one line of the report. A failed write is deliberately
+// ignored: the exit code carries the verdict on its own, and with stdout or
+// stderr gone there is nowhere left to say so.
+func writeLine(w io.Writer, line string) {
+	_, _ = fmt.Fprintln(w, line)
 }
 
 // parse reads flags over their environment variables into a validated Config.
@@ -108,7 +115,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		*d.f = durationFlag(d.fallback)
 		if v := getenv(d.variable); v != "" {
 			if err := d.f.Set(v); err != nil {
-				return conformance.Config{}, false, fmt.Errorf("%s=%q: %v", d.variable, v, err)
+				return conformance.Config{}, false, fmt.Errorf("%s=%q: %w", d.variable, v, err)
 			}
 		}
 		fs.Var(d.f, d.name, fmt.Sprintf("%s ($%s)", d.usage, d.variable))

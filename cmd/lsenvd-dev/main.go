@@ -80,7 +80,8 @@ func run() int {
 		logger.Print(err)
 		return 2
 	}
-	ln, err := net.Listen("tcp", listen)
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", listen)
 	if err != nil {
 		logger.Printf("cannot listen on %s: %v", listen, err)
 		return 2

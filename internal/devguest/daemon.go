@@ -148,14 +148,6 @@ func New(ctx context.Context, cfg Config) (*Daemon, error) {
 	return d, nil
 }
 
-func cmpOr[T comparable](v, fallback T) T {
-	var zero T
-	if v == zero {
-		return fallback
-	}
-	return v
-}
-
 // InstanceID is this start's daemonInstanceId.
 func (d *Daemon) InstanceID() string { return d.instanceID }
 

@@ -252,24 +252,17 @@ func (d *Daemon) processStart(_ context.Context, raw json.RawMessage) (any, erro
 	var inR, inW *os.File
 	if p.Stdin == StdinPipe {
 		if inR, inW, err = os.Pipe(); err != nil {
-			outR.Close()
-			outW.Close()
+			closePipes(outR, outW)
 			return nil, fmt.Errorf("input pipe: %w", err)
 		}
 		cmd.Stdin = inR
 	}
 	if err := cmd.Start(); err != nil {
-		for _, f := range []*os.File{outR, outW, inR, inW} {
-			if f != nil {
-				f.Close()
-			}
-		}
+		closePipes(outR, outW, inR, inW)
 		return nil, jsonrpc.Errorf(jsonrpc.KindProcessFailed, "Cannot start %q: %v.", p.Argv[0], err)
 	}
-	outW.Close()
-	if inR != nil {
-		inR.Close()
-	}
+	// The child holds its own copies of these ends now.
+	closePipes(outW, inR)
 	pr := &proc{
 		id:       p.ProcessID,
 		pgid:     cmd.Process.Pid,
@@ -286,7 +279,7 @@ func (d *Daemon) processStart(_ context.Context, raw json.RawMessage) (any, erro
 	eof := make(chan struct{})
 	go func() {
 		defer close(eof)
-		defer outR.Close()
+		defer closePipes(outR)
 		buf := make([]byte, 32<<10)
 		for {
 			n, err := outR.Read(buf)
@@ -314,6 +307,16 @@ func (d *Daemon) processStart(_ context.Context, raw json.RawMessage) (any, erro
 	}
 	go d.supervise(pr, cmd, eof)
 	return ProcessStartResult{Pid: uint32(cmd.Process.Pid)}, nil
+}
+
+// closePipes closes the pipe ends given, skipping nil ones. Closing a pipe
+// end has nothing to flush, so its error is deliberately ignored.
+func closePipes(files ...*os.File) {
+	for _, f := range files {
+		if f != nil {
+			_ = f.Close()
+		}
+	}
 }
 
 // supervise reaps the root, lets its output settle, and follows a group

@@ -115,6 +115,11 @@ func Handshake(ctx context.Context, conn net.Conn, client ClientInfo) (*Session,
 		WriteBufferSize: 64 << 10,
 	}
 	ws, resp, err := dialer.DialContext(ctx, "ws://guest/", nil)
+	if resp != nil {
+		// Only the status is read from resp; the library has already kept
+		// what it wanted of the body.
+		_ = resp.Body.Close()
+	}
 	if err != nil {
 		conn.Close()
 		if ctx.Err() != nil {
