@@ -135,6 +135,9 @@ func (c *Client) Notify(ctx context.Context, method string, params any) error {
 func (c *Client) write(ctx context.Context, kind int, frame []byte) error {
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
+	if err := c.closedErr(); err != nil {
+		return err
+	}
 	// A write that times out leaves the connection unusable, so a context
 	// that has already ended must not reach the socket.
 	if err := ctx.Err(); err != nil {
@@ -207,15 +210,21 @@ func (c *Client) readLoop() {
 		if err == nil && (env.Result == nil) == (env.Error == nil) {
 			err = errors.New("a response carries exactly one of result and error")
 		}
-		if err != nil {
-			if refusal := unattributedRefusal(data); refusal != nil {
-				// A null id: the server could not read a frame of ours, so
-				// some call will never be answered.
-				c.fail(fmt.Errorf("the server refused a frame of this client: %w", refusal))
-			} else {
-				// The server never sends requests or notifications on these planes.
-				c.fail(fmt.Errorf("server sent a message that is not a response: %w", err))
+		if err == nil && string(env.ID) == "null" {
+			// The server could not read a frame of ours, so some call will
+			// never be answered: end the connection, saying why.
+			var refusal Error
+			if env.Error == nil {
+				err = errors.New("a response with a null id carries no error")
+			} else if err = json.Unmarshal(env.Error, &refusal); err == nil {
+				c.fail(fmt.Errorf("the server refused a frame of this client: %w", &refusal))
+				_ = c.ws.Close()
+				return
 			}
+		}
+		if err != nil {
+			// The server never sends requests or notifications on these planes.
+			c.fail(fmt.Errorf("server sent a message that is not a response: %w", err))
 			_ = c.ws.Close()
 			return
 		}
@@ -237,18 +246,6 @@ func (c *Client) readLoop() {
 			ch <- in
 		}
 	}
-}
-
-// unattributedRefusal returns the error of a response whose id is null.
-func unattributedRefusal(data []byte) *Error {
-	var env struct {
-		ID    json.RawMessage `json:"id"`
-		Error *Error          `json:"error"`
-	}
-	if json.Unmarshal(data, &env) != nil || string(env.ID) != "null" || env.Error == nil {
-		return nil
-	}
-	return env.Error
 }
 
 func (c *Client) pingLoop() {

@@ -160,23 +160,25 @@ func (e *Error) MarshalJSON() ([]byte, error) {
 }
 
 func (e *Error) object() errorObject {
-	kind := e.Kind
-	if _, known := codes[kind]; !known {
-		// A kind the protocol does not define would reach the peer as a code
-		// and a kind that disagree; it is a defect, so it goes out as one.
-		kind = KindInternal
-	}
 	// Invalid UTF-8 would be re-encoded as U+FFFD (three bytes per bad byte)
 	// and could push the message the peer reads past the limit.
 	msg := strings.ToValidUTF8(e.Message, "\uFFFD")
+	if _, known := codes[e.Kind]; !known {
+		// A kind the protocol does not define would reach the peer as a code
+		// and a kind that disagree; it is a defect, so it goes out as one.
+		if msg == "" {
+			msg = string(KindInternal)
+		}
+		return errorObject{Code: KindInternal.Code(), Message: cut(msg, MaxMessageLen), Data: errorData{Kind: KindInternal}}
+	}
 	if msg == "" {
-		msg = string(kind)
+		msg = string(e.Kind)
 	}
 	return errorObject{
-		Code:    kind.Code(),
+		Code:    e.Kind.Code(),
 		Message: cut(msg, MaxMessageLen),
 		Data: errorData{
-			Kind: kind, Field: e.Field, Ceiling: e.Ceiling, Reason: e.Reason,
+			Kind: e.Kind, Field: e.Field, Ceiling: e.Ceiling, Reason: e.Reason,
 			Expected: e.Expected, Received: e.Received, Capability: e.Capability,
 			RetryAfterMs: e.RetryAfterMs, LimitBytes: e.LimitBytes, LimitEntries: e.LimitEntries,
 		},
