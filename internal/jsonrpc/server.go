@@ -168,7 +168,9 @@ func (c *conn) handle(ctx context.Context, data []byte) {
 	}
 	if raw, present := obj["params"]; present {
 		env.hasParam = true
-		if _, isObject := raw.(map[string]any); !isObject {
+		// Handshake rule 1 comes first: before initialize, every other
+		// request is notInitialized, whatever its params.
+		if _, isObject := raw.(map[string]any); !isObject && (method == "initialize" || c.isInitialized()) {
 			c.finish(env, time.Now(), nil, InvalidParams("", "The params must be an object of named members, not %s.", describe(raw)))
 			return
 		}

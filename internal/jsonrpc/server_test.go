@@ -816,3 +816,15 @@ func TestDecodeParams(t *testing.T) {
 		t.Fatalf("DecodeParams([]) = %#v", err)
 	}
 }
+
+// Handshake rule 1 outranks the params check: before initialize, a request
+// with malformed params is still notInitialized.
+func TestNotInitializedBeforeParamsShape(t *testing.T) {
+	s := newTestServer(t)
+	p := s.dial(t)
+	p.send(`{"jsonrpc":"2.0","id":1,"method":"echo","params":[1]}`)
+	expectError(t, p.read(), jsonrpc.KindNotInitialized, "1")
+	p.initialize()
+	p.send(`{"jsonrpc":"2.0","id":2,"method":"echo","params":[1]}`)
+	expectError(t, p.read(), jsonrpc.KindInvalidParams, "2")
+}
