@@ -28,6 +28,21 @@ const (
 	ActionClose
 )
 
+// Power is the power state an action leaves a target in ("" for ActionNone
+// and ActionClose, which leave no active target).
+func (a Action) Power() string {
+	switch a {
+	case ActionPause:
+		return PowerPaused
+	case ActionSuspend:
+		return PowerSuspended
+	case ActionStop:
+		return PowerStopped
+	default:
+		return ""
+	}
+}
+
 func (a Action) String() string {
 	switch a {
 	case ActionPause:
@@ -85,4 +100,116 @@ func (p *Policy) CheckWire() *wire.FieldError {
 		return &wire.FieldError{Problem: "must set at least one of pauseAfterMs, suspendAfterMs, stopAfterMs, closeAfterMs"}
 	}
 	return nil
+}
+
+// The power states of an active target, as the controller plane names them.
+// (This package cannot import controller, which imports it for Policy.)
+const (
+	PowerRunning   = "running"
+	PowerPaused    = "paused"
+	PowerSuspended = "suspended"
+	PowerStopped   = "stopped"
+)
+
+// LevelOf places a power state on the escalation ladder: the action that
+// leaves a target in that state, ActionNone for running. ok is false for a
+// name the protocol does not know.
+func LevelOf(power string) (level Action, ok bool) {
+	switch power {
+	case PowerRunning:
+		return ActionNone, true
+	case PowerPaused:
+		return ActionPause, true
+	case PowerSuspended:
+		return ActionSuspend, true
+	case PowerStopped:
+		return ActionStop, true
+	}
+	return ActionNone, false
+}
+
+// Stages is the set of power-down stages a template supports, from its
+// powerStates. Close needs no power state and always qualifies.
+type Stages uint8
+
+// The power-down stages.
+const (
+	StagePause Stages = 1 << iota
+	StageSuspend
+	StageStop
+)
+
+// StagesOf reads a template's powerStates: paused allows the pause stage,
+// suspended the suspend stage, stopped the stop stage; running and unknown
+// names allow nothing.
+func StagesOf(powerStates []string) Stages {
+	var s Stages
+	for _, p := range powerStates {
+		switch p {
+		case PowerPaused:
+			s |= StagePause
+		case PowerSuspended:
+			s |= StageSuspend
+		case PowerStopped:
+			s |= StageStop
+		}
+	}
+	return s
+}
+
+// Allows says whether the stage acting as a may be taken: close always,
+// a power-down only when the template offers its power state.
+func (s Stages) Allows(a Action) bool {
+	switch a {
+	case ActionPause:
+		return s&StagePause != 0
+	case ActionSuspend:
+		return s&StageSuspend != 0
+	case ActionStop:
+		return s&StageStop != 0
+	case ActionClose:
+		return true
+	}
+	return false
+}
+
+// DueAction is what the policy asks of a target that has been idle for
+// idleForMs and stands at level `at` (ActionNone while running, else the
+// action that powered it down): the most escalated stage whose threshold
+// idleForMs has reached and which supported allows (close always
+// qualifies), but only when it goes further than `at`; otherwise
+// ActionNone. A nil policy asks nothing.
+func (p *Policy) DueAction(idleForMs uint64, supported Stages, at Action) Action {
+	if p == nil {
+		return ActionNone
+	}
+	due := ActionNone
+	for _, s := range p.stages() {
+		if s.threshold != nil && idleForMs >= *s.threshold && supported.Allows(s.action) {
+			due = s.action // stages run in escalating order: the last one reached wins
+		}
+	}
+	if due <= at {
+		return ActionNone
+	}
+	return due
+}
+
+// NextThreshold is the smallest idleForMs above the given one at which
+// DueAction could ask something of a target at level `at`: the lowest
+// threshold beyond idleForMs of a supported stage that goes further than
+// `at`. ok is false when no later stage can ever become due.
+func (p *Policy) NextThreshold(idleForMs uint64, supported Stages, at Action) (ms uint64, ok bool) {
+	if p == nil {
+		return 0, false
+	}
+	for _, s := range p.stages() {
+		if s.threshold == nil || *s.threshold <= idleForMs || s.action <= at || !supported.Allows(s.action) {
+			continue
+		}
+		if !ok || *s.threshold < ms {
+			ms, ok = *s.threshold, true
+		}
+	}
+	return ms, ok
 }

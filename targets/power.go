@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -94,13 +95,21 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance) (from controll
 			s.log.Warn("clearing idle-since failed", zap.String("instance", inst.Name), zap.Error(perr))
 		}
 	}
+	s.changes.note(inst.Name) // a wake is a use: the idle loop counts from it
 	return o.Power, nil
 }
 
 // PowerDown moves a running target to paused, suspended or stopped, first
 // recording idleSince (the instant its idleness began) so that the idle
-// clock keeps running while the guest cannot answer, across restarts.
+// clock keeps running while the guest cannot answer, across restarts. It
+// refuses with ErrRelayOpen while the target relays a data connection, and
+// holds new dials of its data route until it is done (see PowerGuard).
 func (s *Service) PowerDown(ctx context.Context, name string, to controller.Power, idleSince time.Time) error {
+	release, err := s.quiesce(name)
+	if err != nil {
+		return err
+	}
+	defer release()
 	if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{KeyIdleSince: msString(idleSince)}); err != nil {
 		return err
 	}
@@ -118,7 +127,8 @@ func (s *Service) PowerDown(ctx context.Context, name string, to controller.Powe
 
 // SetPower moves an active target to one of its template's power states.
 // It answers within AnswerWithin with what Incus shows; a longer move goes
-// on in the background.
+// on in the background. A target already there, or moving there, is
+// observed without action; a move asked for while another runs follows it.
 func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (controller.Observation, error) {
 	name, inst, err := s.resolve(ctx, ref)
 	if err != nil {
@@ -131,18 +141,47 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	if !slices.Contains(states, power) {
 		return controller.Observation{}, jsonrpc.InvalidParams("power", "The target's template does not offer power state %s; template/list names the states it offers.", power)
 	}
+	unlock := s.locks.lock(name)
+	defer unlock()
+	// Read again under the lock: the idle loop or another setPower may
+	// have moved the target meanwhile.
+	if inst, err = s.lookup(ctx, name); err != nil {
+		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	if inst == nil {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+	}
 	o := Observe(inst, ref.Owner)
 	if o.Phase != controller.PhaseActive {
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "targetNotActive",
 			"The target is %s, not active; power can change only once it is active.", o.Phase)
 	}
-	if o.Power == power || movingTo(inst.Status) == power {
+	// Moving there already (this provider's own move, or Incus's transition),
+	// or there and going nowhere else.
+	current := s.moves.current(name)
+	if current != nil && current.to == power {
+		return moving(o, power), nil
+	}
+	if current == nil && (movingTo(inst.Status) == power || (o.Message == "" && o.Power == power)) {
 		return o, nil
 	}
-	unlock := s.locks.lock(name)
-	defer unlock()
+	mv, prev := s.moves.start(name, power)
 	done := make(chan error, 1)
-	if !s.work.spawn(func(ctx context.Context) { done <- s.movePower(ctx, inst, o.Power, power) }) {
+	spawned := s.work.spawn(func(ctx context.Context) {
+		defer s.moves.end(name, mv)
+		if prev != nil {
+			select {
+			case <-prev.done:
+			case <-ctx.Done():
+				done <- ctx.Err()
+				return
+			}
+		}
+		done <- s.movePower(ctx, name, power, s.now(), true)
+		s.changes.note(name)
+	})
+	if !spawned {
+		s.moves.end(name, mv)
 		return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "The provider is shutting down; retry shortly.")
 	}
 	wait, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
@@ -166,18 +205,54 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	}
 	obs := Observe(after, ref.Owner)
 	if obs.Phase == controller.PhaseActive && obs.Power != power && obs.Message == "" {
-		obs.Message = "Moving to " + string(power) + "."
+		obs = moving(obs, power)
 	}
 	return obs, nil
 }
 
-func (s *Service) movePower(ctx context.Context, inst *incus.Instance, from, to controller.Power) error {
-	name := inst.Name
+func moving(o controller.Observation, to controller.Power) controller.Observation {
+	if o.Power != to && o.Message == "" {
+		o.Message = "Moving to " + string(to) + "."
+	}
+	return o
+}
+
+// movePower moves an active target to power `to`, first waiting out a
+// transition Incus has in progress. A power-down records idleSince as the
+// instant the target's idleness began. An explicit move (target/setPower)
+// closes the target's relays first; any other (the idle loop's) answers
+// ErrRelayOpen instead.
+func (s *Service) movePower(ctx context.Context, name string, to controller.Power, idleSince time.Time, explicit bool) error {
+	inst, err := s.lookup(ctx, name)
+	if err != nil {
+		return err
+	}
+	if inst == nil {
+		return errors.New("targets: the instance disappeared before its power changed")
+	}
+	if inst, err = s.settle(ctx, inst); err != nil {
+		return err
+	}
+	owner, ok := ownerOf(inst)
+	if !ok {
+		return errors.New("targets: power change of an instance that is not a target")
+	}
+	o := Observe(inst, owner)
+	if o.Phase != controller.PhaseActive {
+		return errors.New("targets: power change of a target that is no longer active")
+	}
+	from := o.Power
+	if from == to {
+		return nil
+	}
 	if to == controller.PowerRunning {
 		_, err := s.Wake(ctx, inst)
 		return err
 	}
 	if s.relays.Open(name) > 0 {
+		if !explicit {
+			return ErrRelayOpen
+		}
 		s.relays.CloseAll(name)
 	}
 	switch from {
@@ -191,7 +266,79 @@ func (s *Service) movePower(ctx context.Context, inst *incus.Instance, from, to 
 			return err
 		}
 	}
-	return s.PowerDown(ctx, name, to, s.now())
+	return s.PowerDown(ctx, name, to, idleSince)
+}
+
+// settle waits, within a minute, for a power transition Incus has in
+// progress (freezing, stopping, starting) to end, and returns the instance
+// as it then is.
+func (s *Service) settle(ctx context.Context, inst *incus.Instance) (*incus.Instance, error) {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		owner, _ := ownerOf(inst)
+		if o := Observe(inst, owner); o.Phase != controller.PhaseActive || o.Message == "" {
+			return inst, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, errors.New("targets: the instance stayed in status " + inst.Status + " for a minute")
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+		next, err := s.lookup(ctx, inst.Name)
+		if err != nil {
+			return nil, err
+		}
+		if next == nil {
+			return nil, errors.New("targets: the instance disappeared during a power change")
+		}
+		inst = next
+	}
+}
+
+// moveTable records the power changes in flight, by instance: Incus shows
+// a graceful stop as Running until it ends, so only the provider knows a
+// target is on its way somewhere.
+type moveTable struct {
+	mu sync.Mutex
+	m  map[string]*powerMove
+}
+
+type powerMove struct {
+	to   controller.Power
+	done chan struct{}
+}
+
+// current is the move in flight for name, or nil.
+func (t *moveTable) current(name string) *powerMove {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.m[name]
+}
+
+// start records a move to `to` and returns it with the move it follows, if any.
+func (t *moveTable) start(name string, to controller.Power) (mv, prev *powerMove) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m == nil {
+		t.m = map[string]*powerMove{}
+	}
+	prev = t.m[name]
+	mv = &powerMove{to: to, done: make(chan struct{})}
+	t.m[name] = mv
+	return mv, prev
+}
+
+// end marks a move finished.
+func (t *moveTable) end(name string, mv *powerMove) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m[name] == mv {
+		delete(t.m, name)
+	}
+	close(mv.done)
 }
 
 // movingTo is the power an in-flight Incus transition ends in.

@@ -135,7 +135,9 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
 func (s *Service) markBooted(ctx context.Context, name string) {
 	if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyBooted: msString(s.now())}); err != nil {
 		s.log.Warn("marking the instance booted failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
+		return
 	}
+	s.changes.note(name)
 }
 
 // closeInstance stops the instance gracefully within what is left of the

@@ -63,6 +63,10 @@ type Service struct {
 	// count lives in memory because a restart deserves fresh attempts.
 	failMu        sync.Mutex
 	startFailures map[string]int
+	// moves are the power changes in flight (see power.go).
+	moves moveTable
+	// changes tells the idle loop which targets this process changed (see idle.go).
+	changes changeFeed
 }
 
 // New builds the service. Call Run to start its reconciler.

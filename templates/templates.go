@@ -9,10 +9,13 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
+	"strings"
 
 	"go.yaml.in/yaml/v3"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
 
@@ -267,4 +270,58 @@ func (c *Catalog) Wire() []controller.Template {
 		out = append(out, t.Wire)
 	}
 	return out
+}
+
+// Host is what the Incus host can do for the catalog, as start-up reads it
+// from the server description (GET /1.0).
+type Host struct {
+	// Server names the server in refusals, such as "Incus 6.0.4".
+	Server string
+	// VirtualMachines says the server runs virtual machines: its instance
+	// drivers include qemu.
+	VirtualMachines bool
+	// StatefulStop says a virtual machine's execution state can be saved
+	// by a stateful stop: the server runs virtual machines and knows the
+	// migration.stateful setting (API extension migration_stateful) that
+	// the provider sets on the instances of a template offering suspended.
+	StatefulStop bool
+}
+
+// HostOf reads the host's facts from its server description.
+func HostOf(srv *incus.Server) Host {
+	h := Host{Server: strings.TrimSpace(srv.Environment.Server + " " + srv.Environment.ServerVersion)}
+	if h.Server == "" {
+		h.Server = "the Incus server"
+	}
+	// environment.driver lists the instance drivers, such as "lxc | qemu".
+	for _, d := range strings.Split(srv.Environment.Driver, "|") {
+		if strings.TrimSpace(d) == "qemu" {
+			h.VirtualMachines = true
+		}
+	}
+	h.StatefulStop = h.VirtualMachines && srv.HasExtension("migration_stateful")
+	return h
+}
+
+// CheckHost refuses, at start-up, a template whose targets the host cannot
+// serve as the template promises: a virtual machine on a host without
+// virtual machines, or the power state suspended on a host that cannot do
+// a stateful stop. The refusal is one sentence naming the file and the
+// template.
+func (c *Catalog) CheckHost(h Host) error {
+	for _, t := range c.list {
+		if slices.Contains(t.Wire.PowerStates, controller.PowerSuspended) && !h.StatefulStop {
+			why := "it runs no virtual machines"
+			if h.VirtualMachines {
+				why = "it lacks migration.stateful (API extension migration_stateful)"
+			}
+			return fmt.Errorf("templates file %s: template %q offers the power state suspended, but %s cannot do a stateful stop here (%s); remove suspended from its powerStates",
+				c.path, t.Wire.TemplateID, h.Server, why)
+		}
+		if t.InstanceType == "virtual-machine" && !h.VirtualMachines {
+			return fmt.Errorf("templates file %s: template %q is a virtual machine, but %s cannot run virtual machines here (no qemu driver); use a container template or another host",
+				c.path, t.Wire.TemplateID, h.Server)
+		}
+	}
+	return nil
 }

@@ -1,0 +1,379 @@
+// Command idlebench measures the idle loop at scale: it stands up N
+// in-process fake guest daemons (default 10,000, package idle/idletest) and
+// a fake Incus that lists N running targets, then runs the idle loop's own
+// code (idle.Loop over targets.Service, with its default configuration)
+// with only the dialer pointed at the fake daemons, and reports how long a
+// full pass over every target takes and how much CPU the process uses, as a
+// fraction of one core, from its own CPU time (getrusage: user + system).
+// The figure includes the fake daemons and the fake Incus, which run in the
+// same process, so it is an upper bound on the loop's own cost.
+//
+// Usage:
+//
+//	go run ./cmd/idlebench [-targets 10000] [-duration 90s] [-socketpairs]
+//
+// A pass starts with the targets running at that moment and ends when each
+// has been probed (env/getIdle) once. The first pass includes every
+// target's dial and data-plane handshake, spread over the loop's start-up
+// spread; later passes reuse the sessions. Nothing crosses a network: each
+// connection is an in-memory pipe (or, with -socketpairs, a unix
+// socketpair, which needs a file descriptor limit above twice the targets).
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"runtime"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/idle/idletest"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "idlebench: "+err.Error())
+		os.Exit(1)
+	}
+}
+
+type options struct {
+	targets  int
+	duration time.Duration
+	pipes    bool
+	probes   int
+	interval time.Duration
+	refresh  time.Duration
+	spread   time.Duration
+	verbose  bool
+	profile  string
+}
+
+func run() error {
+	var o options
+	flag.IntVar(&o.targets, "targets", 10000, "fake targets (and daemons) to stand up")
+	flag.DurationVar(&o.duration, "duration", 90*time.Second, "how long to measure after the first pass")
+	socketpairs := flag.Bool("socketpairs", false, "connect over unix socketpairs (two descriptors per target) instead of in-memory pipes")
+	flag.IntVar(&o.probes, "max-probes", 0, "idle.Config.MaxProbes (0: the loop's default)")
+	flag.DurationVar(&o.interval, "max-interval", 0, "idle.Config.MaxInterval (0: the loop's default)")
+	flag.DurationVar(&o.refresh, "refresh", 0, "idle.Config.RefreshInterval (0: the loop's default)")
+	flag.DurationVar(&o.spread, "start-spread", 0, "idle.Config.StartSpread (0: the loop's default)")
+	flag.BoolVar(&o.verbose, "v", false, "log the loop's warnings")
+	flag.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the steady window to this file")
+	flag.Parse()
+	o.pipes = !*socketpairs
+	if o.targets < 1 {
+		return errors.New("-targets must be at least 1")
+	}
+	if !o.pipes {
+		if err := raiseFileLimit(uint64(2*o.targets + 4096)); err != nil {
+			fmt.Printf("note: %v; using in-memory pipes instead of socketpairs\n", err)
+			o.pipes = true
+		}
+	}
+	dir, err := os.MkdirTemp("", "idlebench-")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+
+	setupStart := time.Now()
+	fleet := idletest.NewFleet(idletest.Options{Pipes: o.pipes})
+	defer fleet.Close()
+	names := make([]string, o.targets)
+	for i := range names {
+		names[i] = targets.Name(controller.Owner{UniverseID: "u-bench", EnvironmentID: fmt.Sprintf("env-%06d", i)})
+		fleet.Add(names[i])
+	}
+	catalog, err := benchCatalog(dir)
+	if err != nil {
+		return err
+	}
+	fakeIncus, err := serveFakeIncus(filepath.Join(dir, "incus.sock"), names)
+	if err != nil {
+		return err
+	}
+	defer fakeIncus.Close()
+	client, err := incus.New(incus.Config{Socket: filepath.Join(dir, "incus.sock"), CallTimeout: 30 * time.Second})
+	if err != nil {
+		return err
+	}
+	log := zap.NewNop()
+	if o.verbose {
+		log, _ = zap.NewDevelopment(zap.IncreaseLevel(zap.WarnLevel))
+	}
+	svc := targets.New(client, catalog, fleet, log, targets.Config{})
+	// The inventory must see every target with its policy, or the bench
+	// measures nothing.
+	listed, err := svc.IdleTargets(context.Background())
+	if err != nil {
+		return fmt.Errorf("listing the fake targets: %w", err)
+	}
+	withPolicy := 0
+	for _, t := range listed {
+		if t.Phase == "active" && t.Power == idle.PowerRunning && t.Policy != nil {
+			withPolicy++
+		}
+	}
+	if withPolicy != o.targets {
+		return fmt.Errorf("the inventory lists %d running targets with a policy, want %d (the fake instances no longer match targets' metadata)", withPolicy, o.targets)
+	}
+	fmt.Printf("setup: %d fake daemons and a fake Incus listing %d targets (%s, %d KiB) in %v\n",
+		o.targets, o.targets, map[bool]string{true: "in-memory pipes", false: "unix socketpairs"}[o.pipes],
+		fakeIncus.size/1024, time.Since(setupStart).Round(time.Millisecond))
+
+	reg := prometheus.NewRegistry()
+	loop := idle.New(idle.Config{
+		Inventory:       svc,
+		Dialer:          fleet,
+		Metrics:         idle.NewMetrics(reg),
+		Log:             log,
+		MaxProbes:       o.probes,
+		MaxInterval:     o.interval,
+		RefreshInterval: o.refresh,
+		StartSpread:     o.spread,
+	})
+	runtime.GC()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	cpu0, wall0 := cpuTime(), time.Now()
+	go func() { done <- loop.Run(ctx) }()
+
+	// The first pass: every target dialled, handshaken and probed once.
+	var passes []time.Duration
+	var seen uint64
+	sample := func() {
+		if s := loop.Stats(); s.Passes > seen {
+			seen = s.Passes
+			passes = append(passes, s.LastPass)
+		}
+	}
+	for seen == 0 {
+		time.Sleep(50 * time.Millisecond)
+		sample()
+		if time.Since(wall0) > 5*time.Minute {
+			cancel()
+			return errors.New("no full pass within 5 minutes")
+		}
+	}
+	cpu1, wall1 := cpuTime(), time.Now()
+	first := loop.Stats()
+	fmt.Printf("first pass:  %7.2f s wall (includes %d dials and handshakes), CPU %.3f of one core over %.1f s since start\n",
+		passes[0].Seconds(), fleet.Dials.Load(), (cpu1-cpu0).Seconds()/wall1.Sub(wall0).Seconds(), wall1.Sub(wall0).Seconds())
+
+	// Steady state: sessions kept, each target on its own clock.
+	if o.profile != "" {
+		f, err := os.Create(o.profile)
+		if err != nil {
+			cancel()
+			return err
+		}
+		defer func() { _ = f.Close() }()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			cancel()
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	passes = passes[:0]
+	end := wall1.Add(o.duration)
+	for time.Now().Before(end) {
+		time.Sleep(50 * time.Millisecond)
+		sample()
+	}
+	cpu2, wall2 := cpuTime(), time.Now()
+	st := loop.Stats()
+	cancel()
+	if err := <-done; err != nil {
+		return err
+	}
+	probes := st.ProbesOK + st.ProbesFailed - first.ProbesOK - first.ProbesFailed
+	steadyWall := wall2.Sub(wall1).Seconds()
+	fmt.Printf("steady:      %d passes in %.0f s: %s\n", len(passes), steadyWall, describe(passes))
+	fmt.Printf("             %d probes (%.0f/s), %d failed, %d sessions open, %d redials after the first pass, %d actions\n",
+		probes, float64(probes)/steadyWall, st.ProbesFailed, st.Sessions, fleet.Dials.Load()-int64(o.targets), st.Actions)
+	fmt.Printf("             CPU %.3f of one core (%.2f s user+system over %.1f s)\n",
+		(cpu2-cpu1).Seconds()/steadyWall, (cpu2 - cpu1).Seconds(), steadyWall)
+	fmt.Printf("overall:     CPU %.3f of one core over %.1f s; peak RSS %s; %d goroutines left after the loop stopped\n",
+		(cpu2-cpu0).Seconds()/wall2.Sub(wall0).Seconds(), wall2.Sub(wall0).Seconds(), peakRSS(), runtime.NumGoroutine())
+	if len(passes) == 0 {
+		return errors.New("no full pass completed in the steady window; lengthen -duration")
+	}
+	worst := passes[0]
+	for _, p := range passes {
+		worst = max(worst, p)
+	}
+	if worst > 30*time.Second {
+		fmt.Printf("RESULT: FAIL: the slowest pass took %.2f s, over 30 s\n", worst.Seconds())
+	} else if frac := (cpu2 - cpu1).Seconds() / steadyWall; frac >= 0.25 {
+		fmt.Printf("RESULT: FAIL: steady CPU %.3f of one core, not under 0.25\n", frac)
+	} else {
+		fmt.Printf("RESULT: ok: every pass within 30 s (slowest %.2f s), steady CPU %.3f of one core\n", worst.Seconds(), (cpu2-cpu1).Seconds()/steadyWall)
+	}
+	return nil
+}
+
+func describe(ds []time.Duration) string {
+	if len(ds) == 0 {
+		return "none"
+	}
+	lo, hi, sum := ds[0], ds[0], time.Duration(0)
+	for _, d := range ds {
+		lo, hi, sum = min(lo, d), max(hi, d), sum+d
+	}
+	return fmt.Sprintf("min %.2f s, mean %.2f s, max %.2f s", lo.Seconds(), (sum / time.Duration(len(ds))).Seconds(), hi.Seconds())
+}
+
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+func peakRSS() string {
+	raw, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return "unknown"
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			fields := strings.Fields(v)
+			if kb, err := strconv.Atoi(fields[0]); err == nil {
+				return fmt.Sprintf("%d MiB", kb/1024)
+			}
+		}
+	}
+	return "unknown"
+}
+
+// raiseFileLimit makes room for two descriptors per socketpair connection.
+func raiseFileLimit(want uint64) error {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return err
+	}
+	if lim.Cur >= want {
+		return nil
+	}
+	next := syscall.Rlimit{Cur: want, Max: max(lim.Max, want)}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &next); err != nil {
+		return fmt.Errorf("the file descriptor limit is %d and cannot be raised to %d: %w", lim.Cur, want, err)
+	}
+	return nil
+}
+
+// benchPolicy never comes due during a run: the bench measures probing.
+const benchPolicy = `{"pauseAfterMs":3600000,"stopAfterMs":7200000,"closeAfterMs":86400000}`
+
+func benchCatalog(dir string) (*templates.Catalog, error) {
+	path := filepath.Join(dir, "templates.yaml")
+	body := `templates:
+  - templateId: bench
+    displayName: bench
+    powerStates: [running, paused, stopped]
+    idle: ` + benchPolicy + `
+    imageFingerprint: ` + strings.Repeat("ab", 32) + `
+`
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		return nil, err
+	}
+	return templates.Load(path)
+}
+
+type fakeIncus struct {
+	srv  *http.Server
+	size int
+}
+
+func (f *fakeIncus) Close() { _ = f.srv.Close() }
+
+// serveFakeIncus answers GET /1.0/instances?recursion=1 with the named
+// instances, running, carrying the metadata targets writes at create, in
+// the shape (and about the size) Incus 6.0 gives a container.
+func serveFakeIncus(socket string, names []string) (*fakeIncus, error) {
+	created := time.Now().Add(-time.Hour).UTC()
+	list := make([]map[string]any, len(names))
+	for i, name := range names {
+		config := map[string]string{
+			"image.architecture":              "x86_64",
+			"image.description":               "Lightspeed development guest",
+			"image.os":                        "busybox",
+			"image.release":                   "1",
+			"limits.cpu":                      "1",
+			"limits.memory":                   "268435456B",
+			"volatile.base_image":             strings.Repeat("ab", 32),
+			"volatile.cloud-init.instance-id": "2e1c6b3c-6f0e-4d1f-9c39-" + fmt.Sprintf("%012d", i),
+			"volatile.idmap.base":             "0",
+			"volatile.idmap.current":          `[{"Isuid":true,"Isgid":false,"Hostid":1000000,"Nsid":0,"Maprange":1000000000},{"Isuid":false,"Isgid":true,"Hostid":1000000,"Nsid":0,"Maprange":1000000000}]`,
+			"volatile.idmap.next":             `[{"Isuid":true,"Isgid":false,"Hostid":1000000,"Nsid":0,"Maprange":1000000000},{"Isuid":false,"Isgid":true,"Hostid":1000000,"Nsid":0,"Maprange":1000000000}]`,
+			"volatile.last_state.idmap":       "[]",
+			"volatile.last_state.power":       "RUNNING",
+			"volatile.uuid":                   "8f0c1e7e-2b7a-4a43-9c55-" + fmt.Sprintf("%012d", i),
+			"volatile.uuid.generation":        "8f0c1e7e-2b7a-4a43-9c55-" + fmt.Sprintf("%012d", i),
+			"user.lightspeed.schema":          "1",
+			"user.lightspeed.universe":        "u-bench",
+			"user.lightspeed.environment":     fmt.Sprintf("env-%06d", i),
+			"user.lightspeed.template":        "bench",
+			"user.lightspeed.image":           strings.Repeat("ab", 32),
+			"user.lightspeed.daemon_port":     "19091",
+			"user.lightspeed.created_at_ms":   strconv.FormatInt(created.UnixMilli(), 10),
+			"user.lightspeed.booted_at_ms":    strconv.FormatInt(created.UnixMilli()+1200, 10),
+			"user.lightspeed.idle":            benchPolicy,
+		}
+		list[i] = map[string]any{
+			"name": name, "type": "container", "status": "Running", "status_code": 103, "description": "",
+			"architecture": "x86_64", "config": config, "devices": map[string]any{}, "profiles": []string{"default"},
+			"stateful": false, "ephemeral": false, "location": "none", "project": "default",
+			"created_at": created, "last_used_at": created.Add(time.Second),
+			"expanded_config":  config,
+			"expanded_devices": map[string]any{"root": map[string]string{"path": "/", "pool": "default", "type": "disk"}},
+		}
+	}
+	metadata, err := json.Marshal(list)
+	if err != nil {
+		return nil, err
+	}
+	var body bytes.Buffer
+	body.WriteString(`{"type":"sync","status":"Success","status_code":200,"operation":"","error_code":0,"error":"","metadata":`)
+	body.Write(metadata)
+	body.WriteString("}")
+	payload := body.Bytes()
+
+	var lc net.ListenConfig
+	ln, err := lc.Listen(context.Background(), "unix", socket)
+	if err != nil {
+		return nil, err
+	}
+	srv := &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		if r.Method == http.MethodGet && r.URL.Path == "/1.0/instances" && r.URL.Query().Get("recursion") == "1" {
+			_, _ = w.Write(payload)
+			return
+		}
+		w.WriteHeader(http.StatusNotFound)
+		_, _ = w.Write([]byte(`{"type":"error","status":"","status_code":0,"operation":"","error_code":404,"error":"Not Found","metadata":null}`))
+	})}
+	go func() { _ = srv.Serve(ln) }()
+	return &fakeIncus{srv: srv, size: len(payload)}, nil
+}

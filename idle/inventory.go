@@ -1,0 +1,69 @@
+package idle
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Target is one of the provider's targets as the loop needs to see it.
+type Target struct {
+	// Name is the Incus instance name (the target id).
+	Name string
+	// Phase and Power are the controller plane's observation: Power is set
+	// exactly when Phase is "active".
+	Phase string
+	Power string
+	// Settled is false while Incus moves the target between power states.
+	Settled bool
+	// Port is the guest daemon's port on the guest's loopback.
+	Port int
+	// Policy is the target's idle policy (the template's default or the one
+	// target/create named); nil when it has none.
+	Policy *Policy
+	// Stages are the power-down stages the target's template offers.
+	Stages Stages
+	// IdleSince is the instant idleness began, recorded when the provider
+	// powered the target down; zero when none is recorded.
+	IdleSince time.Time
+}
+
+// Inventory is what the loop asks of the provider's targets. The targets
+// package implements it on Incus.
+type Inventory interface {
+	// IdleTargets lists every target the provider owns, whatever its phase
+	// (the loop keeps the targets gauge from it).
+	IdleTargets(ctx context.Context) ([]Target, error)
+	// RelaysOpen counts the data relays open to the target now.
+	RelaysOpen(name string) int
+	// IdleAct applies an idle action to a target the loop last saw as t:
+	// pause, suspend or stop it, recording idleSince as the instant its
+	// idleness began, or close it through the normal close path. It checks
+	// first, under the target's lock, that the target is still as t says
+	// and that no relay is open, and answers ErrStale or ErrRelayOpen
+	// without acting otherwise.
+	IdleAct(ctx context.Context, t Target, action Action, idleSince time.Time) error
+}
+
+// ErrStale says the target changed since the loop looked at it (woken by a
+// data route, powered by target/setPower, closed): the loop acts on
+// nothing it has not seen.
+var ErrStale = errors.New("idle: the target changed since the idle loop looked at it")
+
+// ErrRelayOpen says a data relay to the target is open: the provider never
+// powers down a target while it relays a data connection to it.
+var ErrRelayOpen = errors.New("idle: a data relay to the target is open")
+
+// Watcher is implemented by an Inventory that can say which targets it
+// changed (a new target booted, a wake, a power change asked for), so that
+// the loop looks at them at once instead of at its next listing: a new
+// target's first probe, and a woken one's fresh idle clock, then do not
+// wait for the refresh interval.
+type Watcher interface {
+	// Changes delivers the names of changed targets. It may drop names;
+	// the periodic listing catches up.
+	Changes() <-chan string
+	// IdleTarget reads one target as IdleTargets lists it; ok is false
+	// when there is no such target.
+	IdleTarget(ctx context.Context, name string) (t Target, ok bool, err error)
+}

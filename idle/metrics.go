@@ -1,0 +1,109 @@
+package idle
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the idle loop's collectors. A nil *Metrics records nothing.
+type Metrics struct {
+	probes        *prometheus.CounterVec
+	probeDuration prometheus.Histogram
+	actions       *prometheus.CounterVec
+	passDuration  prometheus.Histogram
+	targets       *prometheus.GaugeVec
+}
+
+// The label values the targets gauge always carries, so that a phase or
+// power that empties goes to zero instead of keeping its last value.
+var (
+	gaugePhases = []string{"provisioning", "active", "closing", "closed", "failed", "unknown"}
+	gaugePowers = []string{PowerRunning, PowerPaused, PowerSuspended, PowerStopped}
+)
+
+// NewMetrics registers the idle loop's collectors on reg.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		probes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "incus_provider_idle_probes_total",
+			Help: "env/getIdle probes of running targets' daemons, by outcome (ok, unreachable, handshake_failed, timeout, malformed, error).",
+		}, []string{"outcome"}),
+		probeDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "incus_provider_idle_probe_duration_seconds",
+			Help:    "Time one idle probe took: env/getIdle, plus dial and handshake when the target had no open session.",
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
+		}),
+		actions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "incus_provider_idle_actions_total",
+			Help: "Idle actions the loop took or tried, by action (pause, suspend, stop, close) and result (ok, failed, stale, relay_open).",
+		}, []string{"action", "result"}),
+		passDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "incus_provider_idle_pass_duration_seconds",
+			Help:    "Time for every target running at a pass's start to be probed once.",
+			Buckets: []float64{1, 2.5, 5, 10, 15, 20, 25, 30, 45, 60, 120, 300},
+		}),
+		targets: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "incus_provider_targets",
+			Help: "The provider's targets as the latest inventory listing saw them, by phase and power (power \"none\" unless active).",
+		}, []string{"phase", "power"}),
+	}
+	reg.MustRegister(m.probes, m.probeDuration, m.actions, m.passDuration, m.targets)
+	for _, o := range []string{OutcomeOK, OutcomeUnreachable, OutcomeHandshake, OutcomeTimeout, OutcomeMalformed, OutcomeError} {
+		m.probes.WithLabelValues(o)
+	}
+	for _, a := range []Action{ActionPause, ActionSuspend, ActionStop, ActionClose} {
+		for _, r := range []string{ResultOK, ResultFailed, ResultStale, ResultRelayOpen} {
+			m.actions.WithLabelValues(a.String(), r)
+		}
+	}
+	m.inventory(nil)
+	return m
+}
+
+func (m *Metrics) probed(outcome string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.probes.WithLabelValues(outcome).Inc()
+	m.probeDuration.Observe(took.Seconds())
+}
+
+func (m *Metrics) acted(a Action, result string) {
+	if m == nil {
+		return
+	}
+	m.actions.WithLabelValues(a.String(), result).Inc()
+}
+
+func (m *Metrics) passed(d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.passDuration.Observe(d.Seconds())
+}
+
+// inventory sets the targets gauge from a listing.
+func (m *Metrics) inventory(ts []Target) {
+	if m == nil {
+		return
+	}
+	type key struct{ phase, power string }
+	counts := map[key]int{}
+	for _, t := range ts {
+		k := key{t.Phase, t.Power}
+		if t.Phase != "active" || t.Power == "" {
+			k.power = "none"
+		}
+		counts[k]++
+	}
+	for _, ph := range gaugePhases {
+		if ph == "active" {
+			for _, pw := range gaugePowers {
+				m.targets.WithLabelValues(ph, pw).Set(float64(counts[key{ph, pw}]))
+			}
+			continue
+		}
+		m.targets.WithLabelValues(ph, "none").Set(float64(counts[key{ph, "none"}]))
+	}
+}

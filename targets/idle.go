@@ -1,0 +1,226 @@
+package targets
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
+)
+
+// The Service is the idle loop's inventory: it lists the targets, counts
+// their relays, and applies idle actions through the same paths as the
+// controller methods.
+var (
+	_ idle.Inventory = (*Service)(nil)
+	_ idle.Watcher   = (*Service)(nil)
+)
+
+// IdleTargets lists every target the provider owns in its project, with
+// what the idle loop needs: phase and power as Observe reports them, the
+// idle policy recorded at create, the template's power-down stages, the
+// daemon port and the recorded idle-since instant. One Incus call.
+func (s *Service) IdleTargets(ctx context.Context) ([]idle.Target, error) {
+	list, err := s.incus.ListInstances(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]idle.Target, 0, len(list))
+	for i := range list {
+		if t, ok := s.idleTargetOf(&list[i]); ok {
+			out = append(out, t)
+		}
+	}
+	return out, nil
+}
+
+// idleTargetOf describes an instance for the idle loop; ok is false for an
+// instance that is not one of the provider's targets.
+func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
+	owner, ok := ownerOf(inst)
+	if !ok {
+		return idle.Target{}, false
+	}
+	o := Observe(inst, owner)
+	t := idle.Target{
+		Name:    inst.Name,
+		Phase:   string(o.Phase),
+		Power:   string(o.Power),
+		Settled: o.Message == "",
+		Port:    DaemonPort(inst),
+		Stages:  stagesOf(s.powerStates(inst)),
+	}
+	if raw := inst.Config[keyIdle]; raw != "" {
+		p, err := policyOf(raw)
+		if err != nil {
+			// Only this provider writes the key, so this is a defect or a
+			// hand edit: the target gets no idle policy rather than a guess.
+			s.log.Warn("the recorded idle policy does not decode; the target gets none",
+				zap.String("instance", inst.Name), zap.Error(err))
+		} else {
+			t.Policy = p
+		}
+	}
+	if since, ok := parseMs(inst.Config[KeyIdleSince]); ok {
+		t.IdleSince = since
+	}
+	return t, true
+}
+
+// RelaysOpen counts the data relays open to the instance.
+func (s *Service) RelaysOpen(name string) int { return s.relays.Open(name) }
+
+// IdleAct applies an idle action to the target the loop last saw as t.
+// Under the target's lock it first checks that the target is still as t
+// says (the same phase and settled power, the same recorded idle-since for
+// a powered-down one, no power change in flight) and has no relay open;
+// otherwise it answers idle.ErrStale or idle.ErrRelayOpen and does nothing. A power-down
+// records idleSince and goes through the same moves as target/setPower; a
+// close takes the normal close path (the closing marker, then the
+// reconciler), after which target/get answers closing and then notFound.
+func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action, idleSince time.Time) error {
+	unlock := s.locks.lock(t.Name)
+	locked := true
+	defer func() {
+		if locked {
+			unlock()
+		}
+	}()
+	inst, err := s.lookup(ctx, t.Name)
+	if err != nil {
+		return err
+	}
+	if inst == nil {
+		return idle.ErrStale
+	}
+	owner, ok := ownerOf(inst)
+	if !ok {
+		return idle.ErrStale
+	}
+	o := Observe(inst, owner)
+	if o.Phase != controller.PhaseActive || o.Message != "" || string(o.Power) != t.Power {
+		return idle.ErrStale
+	}
+	if o.Power != controller.PowerRunning && inst.Config[KeyIdleSince] != idleSinceText(t.IdleSince) {
+		return idle.ErrStale
+	}
+	if s.moves.current(t.Name) != nil {
+		return idle.ErrStale // target/setPower is moving it
+	}
+	if s.relays.Open(t.Name) > 0 {
+		return ErrRelayOpen
+	}
+	if action == idle.ActionClose {
+		if inst.Config[keyClosing] == "" {
+			if err := s.incus.PatchInstanceConfig(ctx, t.Name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+				return err
+			}
+		}
+		s.work.kick(t.Name)
+		return nil
+	}
+	to := controller.Power(action.Power())
+	if to == "" || !slices.Contains(s.powerStates(inst), to) {
+		return fmt.Errorf("targets: idle action %s: the template does not offer %q", action, to)
+	}
+	// The move is recorded before the lock is let go, so that a setPower
+	// that comes meanwhile sees it (and follows it, or finds it moving
+	// where it asks) instead of waiting on the lock.
+	mv, _ := s.moves.start(t.Name, to)
+	defer s.moves.end(t.Name, mv)
+	unlock()
+	locked = false
+	return s.movePower(ctx, t.Name, to, idleSince, false)
+}
+
+func idleSinceText(t time.Time) string {
+	if t.IsZero() {
+		return ""
+	}
+	return msString(t)
+}
+
+func stagesOf(states []controller.Power) idle.Stages {
+	var s idle.Stages
+	for _, p := range states {
+		switch p {
+		case controller.PowerPaused:
+			s |= idle.StagePause
+		case controller.PowerSuspended:
+			s |= idle.StageSuspend
+		case controller.PowerStopped:
+			s |= idle.StageStop
+		}
+	}
+	return s
+}
+
+// Recorded policies are few distinct strings (a template default, or what a
+// create named), so decoding each once spares the listing of thousands of
+// targets thousands of strict decodes. The cache is bounded; past the bound
+// a policy is decoded every time.
+var (
+	policyCache     sync.Map // raw JSON → *idle.Policy
+	policyCacheSize atomic.Int64
+)
+
+const policyCacheMax = 4096
+
+func policyOf(raw string) (*idle.Policy, error) {
+	if p, ok := policyCache.Load(raw); ok {
+		return p.(*idle.Policy), nil
+	}
+	var p idle.Policy
+	if err := wire.Decode([]byte(raw), &p); err != nil {
+		return nil, err
+	}
+	if policyCacheSize.Load() < policyCacheMax {
+		if _, loaded := policyCache.LoadOrStore(raw, &p); !loaded {
+			policyCacheSize.Add(1)
+		}
+	}
+	return &p, nil
+}
+
+// IdleTarget reads one target as IdleTargets lists it; ok is false when the
+// provider holds no target of that name.
+func (s *Service) IdleTarget(ctx context.Context, name string) (t idle.Target, ok bool, err error) {
+	inst, err := s.lookup(ctx, name)
+	if err != nil || inst == nil {
+		return idle.Target{}, false, err
+	}
+	t, ok = s.idleTargetOf(inst)
+	return t, ok, nil
+}
+
+// Changes names the targets whose state this process changed: a new target
+// booted, a wake, a finished target/setPower. The idle loop looks at each at
+// once instead of at its next listing. Names are dropped rather than ever
+// blocking the sender; the listing catches up with what was dropped.
+func (s *Service) Changes() <-chan string { return s.changes.ch() }
+
+// changeFeed is the channel behind Changes; its zero value is ready.
+type changeFeed struct {
+	once sync.Once
+	c    chan string
+}
+
+func (f *changeFeed) ch() chan string {
+	f.once.Do(func() { f.c = make(chan string, 1024) })
+	return f.c
+}
+
+func (f *changeFeed) note(name string) {
+	select {
+	case f.ch() <- name:
+	default:
+	}
+}

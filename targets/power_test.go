@@ -1,0 +1,377 @@
+package targets
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+)
+
+// startWith runs a service with its own configuration until the test ends.
+func (h *harness) startWith(cfg Config) *Service {
+	svc := New(h.client, h.catalog, h.dialer, zaptest.NewLogger(h.t), cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = svc.Run(ctx)
+	}()
+	var once sync.Once
+	h.t.Cleanup(func() { once.Do(func() { cancel(); <-done }) })
+	return svc
+}
+
+// activeTarget creates the owner's target from t1 and waits until it runs.
+func activeTarget(t *testing.T, svc *Service, o controller.Owner) controller.TargetRef {
+	t.Helper()
+	ctx := ctxT(t)
+	obs, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref := controller.TargetRef{Owner: o, TargetID: obs.TargetID}
+	until(t, "active", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, isActive)
+	return ref
+}
+
+func powerIs(p controller.Power) func(controller.Observation, error) bool {
+	return func(o controller.Observation, err error) bool {
+		return err == nil && o.Phase == controller.PhaseActive && o.Power == p && o.Message == ""
+	}
+}
+
+// setPower calls SetPower and checks the bounded answer.
+func setPower(t *testing.T, svc *Service, ref controller.TargetRef, p controller.Power) controller.Observation {
+	t.Helper()
+	start := time.Now()
+	obs, err := svc.SetPower(ctxT(t), ref, p)
+	took := time.Since(start)
+	if err != nil {
+		t.Fatalf("setPower %s: %v", p, err)
+	}
+	if took > 10*time.Second {
+		t.Fatalf("setPower %s answered after %v; it must answer within a few seconds", p, took)
+	}
+	if obs.Phase != controller.PhaseActive || obs.Power == "" || obs.TargetID != ref.TargetID || obs.Owner != ref.Owner {
+		t.Fatalf("setPower %s answered %+v", p, obs)
+	}
+	t.Logf("setPower %s answered in %v: %s %q", p, took.Round(time.Millisecond), obs.Power, obs.Message)
+	return obs
+}
+
+func (h *harness) instance(name string) *incus.Instance {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	inst, _, err := h.client.GetInstance(ctx, name)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return inst
+}
+
+func TestSetPowerPauseResumeStopStart(t *testing.T) {
+	h := newHarness(t)
+	svc := h.startWith(Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+	ctx := ctxT(t)
+	ref := activeTarget(t, svc, owner("env-power"))
+	get := func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }
+
+	before := time.Now()
+	setPower(t, svc, ref, controller.PowerPaused)
+	until(t, "paused", get, powerIs(controller.PowerPaused))
+	if h.instance(ref.TargetID).Status != "Frozen" {
+		t.Fatal("paused is a frozen instance")
+	}
+	since, ok := parseMs(h.instance(ref.TargetID).Config[KeyIdleSince])
+	if !ok || since.Before(before.Add(-time.Second)) {
+		t.Fatalf("a power-down records when idleness began: %q", h.instance(ref.TargetID).Config[KeyIdleSince])
+	}
+
+	// Already there: observed without action.
+	if again := setPower(t, svc, ref, controller.PowerPaused); again.Power != controller.PowerPaused {
+		t.Fatalf("already paused: %+v", again)
+	}
+
+	setPower(t, svc, ref, controller.PowerRunning)
+	until(t, "running", get, powerIs(controller.PowerRunning))
+	if v := h.instance(ref.TargetID).Config[KeyIdleSince]; v != "" {
+		t.Fatalf("a wake clears the idle-since instant, still %q", v)
+	}
+	if again := setPower(t, svc, ref, controller.PowerRunning); again.Power != controller.PowerRunning {
+		t.Fatalf("already running: %+v", again)
+	}
+
+	setPower(t, svc, ref, controller.PowerStopped)
+	until(t, "stopped", get, powerIs(controller.PowerStopped))
+	if setPower(t, svc, ref, controller.PowerStopped).Power != controller.PowerStopped {
+		t.Fatal("already stopped must observe stopped")
+	}
+
+	// Stopped to paused: start, then freeze.
+	setPower(t, svc, ref, controller.PowerPaused)
+	until(t, "paused from stopped", get, powerIs(controller.PowerPaused))
+
+	// Paused to stopped: unfreeze, then stop.
+	setPower(t, svc, ref, controller.PowerStopped)
+	until(t, "stopped from paused", get, powerIs(controller.PowerStopped))
+
+	setPower(t, svc, ref, controller.PowerRunning)
+	until(t, "running from stopped", get, powerIs(controller.PowerRunning))
+}
+
+// A short answer bound makes the stop still run when the next call comes:
+// a target moving where it is asked to go is observed without action.
+func TestSetPowerWhileMovingThere(t *testing.T) {
+	h := newHarness(t)
+	svc := h.startWith(Config{GracefulStop: 5 * time.Second, ReconcileInterval: time.Second, AnswerWithin: 50 * time.Millisecond})
+	ctx := ctxT(t)
+	ref := activeTarget(t, svc, owner("env-moving"))
+	first := setPower(t, svc, ref, controller.PowerStopped)
+	second := setPower(t, svc, ref, controller.PowerStopped)
+	t.Logf("first %+v, second %+v", first, second)
+	until(t, "stopped", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerStopped))
+	// Asked for running while still stopping: the move waits for the stop
+	// to end, then starts it.
+	setPower(t, svc, ref, controller.PowerRunning)
+	setPower(t, svc, ref, controller.PowerStopped)
+	setPower(t, svc, ref, controller.PowerRunning)
+	until(t, "running at last", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerRunning))
+}
+
+// A guest that ignores the halt signal: the graceful stop times out and is
+// forced, and the instance takes later changes.
+func TestSetPowerForcesAStopThatTimesOut(t *testing.T) {
+	h := newHarness(t)
+	svc := h.startWith(Config{GracefulStop: time.Second, ReconcileInterval: time.Second})
+	ctx := ctxT(t)
+	ref := activeTarget(t, svc, owner("env-stubborn"))
+	// PID 1 of a container ignores a signal it has no handler for: make
+	// Incus halt with one, and restart so that the setting applies.
+	if err := h.client.PatchInstanceConfig(ctx, ref.TargetID, map[string]string{"raw.lxc": "lxc.signal.halt=SIGUSR2"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, put := range []incus.InstanceStatePut{{Action: "stop", Force: true}, {Action: "start"}} {
+		op, err := h.client.UpdateInstanceState(ctx, ref.TargetID, put)
+		if err == nil {
+			_, err = h.client.Wait(ctx, op)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.dialer.Forget(ref.TargetID)
+	until(t, "running again", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerRunning))
+
+	start := time.Now()
+	setPower(t, svc, ref, controller.PowerStopped)
+	until(t, "stopped by force", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerStopped))
+	t.Logf("stopped %v after the request (graceful bound 1 s, then forced)", time.Since(start).Round(time.Millisecond))
+	setPower(t, svc, ref, controller.PowerRunning)
+	until(t, "started after the forced stop", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerRunning))
+}
+
+func TestSetPowerRefusals(t *testing.T) {
+	h := newHarness(t)
+	svc := h.startWith(Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+	ctx := ctxT(t)
+	mine := owner("env-refusals")
+	ref := activeTarget(t, svc, mine)
+	var e *jsonrpc.Error
+
+	// A state outside the template's powerStates.
+	if _, err := svc.SetPower(ctx, ref, controller.PowerSuspended); !errors.As(err, &e) || e.Kind != jsonrpc.KindInvalidParams || e.Field != "power" {
+		t.Fatalf("suspended is not offered by t1: want invalidParams naming power, got %v", err)
+	}
+
+	// Unknown targets.
+	nobody := owner("env-nobody")
+	for _, r := range []controller.TargetRef{
+		{Owner: nobody},
+		{Owner: nobody, TargetID: Name(nobody)},
+		{Owner: mine, TargetID: "ls-00000000000000000000"},
+		{Owner: mine, TargetID: "not-one-of-ours"},
+	} {
+		if _, err := svc.SetPower(ctx, r, controller.PowerPaused); kindOf(err) != jsonrpc.KindNotFound {
+			t.Fatalf("setPower of %+v: want notFound, got %v", r, err)
+		}
+	}
+
+	// Another owner's target.
+	other := owner("env-other")
+	if _, err := svc.SetPower(ctx, controller.TargetRef{Owner: other, TargetID: ref.TargetID}, controller.PowerPaused); !errors.As(err, &e) ||
+		e.Kind != jsonrpc.KindFailedPrecondition || e.Reason != "ownerMismatch" {
+		t.Fatalf("setPower through another owner: want ownerMismatch, got %v", err)
+	}
+	until(t, "untouched", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerRunning))
+
+	// A target that is not active: closing.
+	if _, err := svc.CloseTarget(ctx, ref); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := svc.SetPower(ctx, ref, controller.PowerPaused); !errors.As(err, &e) ||
+		e.Kind != jsonrpc.KindFailedPrecondition || e.Reason != "targetNotActive" {
+		if kindOf(err) != jsonrpc.KindNotFound { // the close may already have finished
+			t.Fatalf("setPower of a closing target: want targetNotActive, got %v", err)
+		}
+	}
+	until(t, "closed", func() (controller.Observation, error) { return svc.CloseTarget(ctx, ref) },
+		func(o controller.Observation, err error) bool { return err == nil && o.Phase == controller.PhaseClosed })
+	if _, err := svc.SetPower(ctx, ref, controller.PowerRunning); kindOf(err) != jsonrpc.KindNotFound {
+		t.Fatalf("setPower of a closed target: want notFound, got %v", err)
+	}
+}
+
+// A target still provisioning is not active.
+func TestSetPowerOfAProvisioningTarget(t *testing.T) {
+	h := newHarness(t)
+	ctx := ctxT(t)
+	o := owner("env-early")
+	// A created instance that has not started yet (no reconciler runs).
+	svc := New(h.client, h.catalog, h.dialer, zaptest.NewLogger(t), Config{})
+	tmpl, _ := h.catalog.Get("t1")
+	req, err := svc.instanceRequest(Name(o), controller.CreateParams{Owner: o, TemplateID: "t1"}, tmpl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Start = false
+	op, err := h.client.CreateInstance(ctx, req)
+	if err == nil {
+		_, err = h.client.Wait(ctx, op)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	var e *jsonrpc.Error
+	if _, err := svc.SetPower(ctx, controller.TargetRef{Owner: o}, controller.PowerRunning); !errors.As(err, &e) ||
+		e.Kind != jsonrpc.KindFailedPrecondition || e.Reason != "targetNotActive" {
+		t.Fatalf("setPower while provisioning: want targetNotActive, got %v", err)
+	}
+}
+
+// fakeRelays counts relays by hand.
+type fakeRelays struct {
+	mu     sync.Mutex
+	open   map[string]int
+	closed []string
+}
+
+func (f *fakeRelays) Open(instance string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.open[instance]
+}
+
+func (f *fakeRelays) CloseAll(instance string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.closed = append(f.closed, instance)
+	f.open[instance] = 0
+}
+
+func (f *fakeRelays) set(instance string, n int) {
+	f.mu.Lock()
+	f.open[instance] = n
+	f.mu.Unlock()
+}
+
+func idleTargetOfName(t *testing.T, svc *Service, name string) idle.Target {
+	t.Helper()
+	tg, ok, err := svc.IdleTarget(ctxT(t), name)
+	if err != nil || !ok {
+		t.Fatalf("IdleTarget %s: %v %v", name, ok, err)
+	}
+	return tg
+}
+
+// The idle loop's actions on the real Incus: checked against what the loop
+// saw, never under a relay, recorded, and a close through the close path.
+func TestIdleActOnIncus(t *testing.T) {
+	h := newHarness(t)
+	svc := h.startWith(Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+	relays := &fakeRelays{open: map[string]int{}}
+	svc.UseRelays(relays)
+	ctx := ctxT(t)
+	o := owner("env-idleact")
+	created, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1",
+		Idle: &idle.Policy{PauseAfterMs: u64(1000), StopAfterMs: u64(2000), CloseAfterMs: u64(3000)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref := controller.TargetRef{Owner: o, TargetID: created.TargetID}
+	until(t, "active", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, isActive)
+	name := ref.TargetID
+
+	seen := idleTargetOfName(t, svc, name)
+	if seen.Phase != "active" || seen.Power != idle.PowerRunning || !seen.Settled || seen.Port != 19091 ||
+		seen.Stages != idle.StagePause|idle.StageStop || seen.Policy == nil || *seen.Policy.PauseAfterMs != 1000 || !seen.IdleSince.IsZero() {
+		t.Fatalf("IdleTarget: %+v", seen)
+	}
+	listed, err := svc.IdleTargets(ctx)
+	if err != nil || len(listed) != 1 || listed[0].Name != name {
+		t.Fatalf("IdleTargets: %+v %v", listed, err)
+	}
+
+	// A relay is open: nothing happens.
+	relays.set(name, 1)
+	since := time.UnixMilli(time.Now().Add(-1500 * time.Millisecond).UnixMilli())
+	if err := svc.IdleAct(ctx, seen, idle.ActionPause, since); !errors.Is(err, idle.ErrRelayOpen) {
+		t.Fatalf("IdleAct under a relay: want ErrRelayOpen, got %v", err)
+	}
+	if len(relays.closed) != 0 || h.instance(name).Status != "Running" {
+		t.Fatal("the idle loop must neither close relays nor power down under one")
+	}
+	relays.set(name, 0)
+
+	// What the loop saw is not what is there: nothing happens.
+	stale := seen
+	stale.Power = idle.PowerPaused
+	if err := svc.IdleAct(ctx, stale, idle.ActionStop, since); !errors.Is(err, idle.ErrStale) {
+		t.Fatalf("IdleAct on a stale view: want ErrStale, got %v", err)
+	}
+
+	// Pause, recording the instant idleness began.
+	if err := svc.IdleAct(ctx, seen, idle.ActionPause, since); err != nil {
+		t.Fatal(err)
+	}
+	paused := idleTargetOfName(t, svc, name)
+	if paused.Power != idle.PowerPaused || !paused.IdleSince.Equal(since) {
+		t.Fatalf("after the pause: %+v, want paused since %v", paused, since)
+	}
+	// The loop's stale view of the paused target (another idle-since).
+	other := paused
+	other.IdleSince = since.Add(time.Second)
+	if err := svc.IdleAct(ctx, other, idle.ActionStop, other.IdleSince); !errors.Is(err, idle.ErrStale) {
+		t.Fatalf("IdleAct with another idle-since: want ErrStale, got %v", err)
+	}
+	// Escalate: stop keeps the recorded instant.
+	if err := svc.IdleAct(ctx, paused, idle.ActionStop, since); err != nil {
+		t.Fatal(err)
+	}
+	stopped := idleTargetOfName(t, svc, name)
+	if stopped.Power != idle.PowerStopped || !stopped.IdleSince.Equal(since) {
+		t.Fatalf("after the stop: %+v", stopped)
+	}
+	// Close through the close path: closing, then gone.
+	if err := svc.IdleAct(ctx, stopped, idle.ActionClose, since); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "closed", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) },
+		func(_ controller.Observation, err error) bool { return kindOf(err) == jsonrpc.KindNotFound })
+	if obs, err := svc.CloseTarget(ctx, ref); err != nil || obs.Phase != controller.PhaseClosed {
+		t.Fatalf("close after an idle close: %+v %v", obs, err)
+	}
+	if err := svc.IdleAct(ctx, stopped, idle.ActionClose, since); !errors.Is(err, idle.ErrStale) {
+		t.Fatalf("IdleAct on a target that is gone: want ErrStale, got %v", err)
+	}
+}
+
+func u64(v uint64) *uint64 { return &v }

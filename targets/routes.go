@@ -1,0 +1,84 @@
+package targets
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+// Data-route answers of ResolveRoute. Both are refusals that no later dial
+// of the same route can turn into a success.
+var (
+	// ErrRouteGone: the owner holds no such target (never created, closed,
+	// or a target id that is not this provider's).
+	ErrRouteGone = errors.New("targets: the owner holds no such target")
+	// ErrRouteOwner: the target id names a target of another owner (or an
+	// instance whose recorded owner differs). Nothing about that target is
+	// read or changed.
+	ErrRouteOwner = errors.New("targets: the target belongs to another owner")
+	// ErrRelayOpen is what PowerDown answers when the target relays a data
+	// connection, or a dial of its data route is in progress: the provider
+	// never powers a target down under a relay. It matches
+	// idle.ErrRelayOpen, which the idle loop treats as "not idle"; an
+	// explicit power change closes the relays first.
+	ErrRelayOpen = fmt.Errorf("targets: not powering the target down: %w", idle.ErrRelayOpen)
+)
+
+// ResolveRoute fences a data route before anything else. A targetID that is
+// not the owner's own derived name is refused without asking Incus anything
+// (another owner's id: ErrRouteOwner, anything else: ErrRouteGone), so a
+// route of the wrong owner reaches nothing, whatever that target's state.
+// Otherwise the owner's instance is read once; a missing one is
+// ErrRouteGone, one whose recorded owner differs ErrRouteOwner. Any other
+// error is Incus's, unchanged. Nothing is ever changed.
+func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error) {
+	name := Name(owner)
+	if targetID != name {
+		if looksLikeTargetID(targetID) {
+			return nil, controller.Observation{}, ErrRouteOwner
+		}
+		return nil, controller.Observation{}, ErrRouteGone
+	}
+	inst, err := s.lookup(ctx, name)
+	if err != nil {
+		return nil, controller.Observation{}, err
+	}
+	if inst == nil {
+		return nil, controller.Observation{}, ErrRouteGone
+	}
+	if got, ok := ownerOf(inst); !ok || got != owner {
+		return nil, controller.Observation{}, ErrRouteOwner
+	}
+	return inst, Observe(inst, owner), nil
+}
+
+// PowerGuard is implemented by a relay registry (Relays) that can hold off
+// new data connections while a target is powered down.
+type PowerGuard interface {
+	// Quiesce succeeds, and holds every new dial of the instance's data
+	// route until release is called, only when nothing relays to the
+	// instance and no dial of it is in progress. It also forgets any
+	// readiness the registry had proved for the instance.
+	Quiesce(instance string) (release func(), ok bool)
+}
+
+// quiesce takes the relay registry's guard for a power-down, when the
+// registry offers one: ErrRelayOpen while anything relays to the instance.
+func (s *Service) quiesce(name string) (release func(), err error) {
+	g, ok := s.relays.(PowerGuard)
+	if !ok {
+		if s.relays.Open(name) > 0 {
+			return func() {}, ErrRelayOpen
+		}
+		return func() {}, nil
+	}
+	release, ok = g.Quiesce(name)
+	if !ok {
+		return func() {}, ErrRelayOpen
+	}
+	return release, nil
+}
