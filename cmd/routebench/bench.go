@@ -1,0 +1,746 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/routes"
+)
+
+func numCPU() int { return runtime.NumCPU() }
+
+type bench struct {
+	cfg        benchConfig
+	addr       string
+	credential string
+	incus      *incus.Client
+
+	ctrl     *jsonrpc.Client
+	owner    controller.Owner
+	targetID string
+	routeURL string
+	pipeAddr string
+	dialer   guest.Dialer
+}
+
+func (b *bench) header() http.Header {
+	return http.Header{"Authorization": {"Bearer " + b.credential}}
+}
+
+func logf(format string, args ...any) { fmt.Fprintf(os.Stderr, "routebench: "+format+"\n", args...) }
+
+// setUp connects to the provider's controller and creates the target.
+func (b *bench) setUp(ctx context.Context) error {
+	d := websocket.Dialer{HandshakeTimeout: 10 * time.Second}
+	ws, resp, err := d.DialContext(ctx, "ws://"+b.addr+"/control", b.header())
+	if resp != nil {
+		_ = resp.Body.Close()
+	}
+	if err != nil {
+		return fmt.Errorf("controller: %w", err)
+	}
+	b.ctrl = jsonrpc.NewClient(ws)
+	var init controller.InitializeResult
+	if err := b.ctrl.Call(ctx, "initialize", controller.InitializeParams{ProtocolVersion: controller.ProtocolVersion,
+		ClientInfo: controller.BuildInfo{Name: "routebench"}}, &init); err != nil {
+		return fmt.Errorf("controller initialize: %w", err)
+	}
+	b.owner = controller.Owner{UniverseID: "u-routebench", EnvironmentID: "env-" + randomHex(4)}
+	var res controller.TargetResult
+	if err := b.ctrl.Call(ctx, "target/create", controller.CreateParams{Owner: b.owner, TemplateID: "bench"}, &res); err != nil {
+		return fmt.Errorf("target/create: %w", err)
+	}
+	o, err := b.await(ctx, controller.PowerRunning, 2*time.Minute)
+	if err != nil {
+		return err
+	}
+	b.targetID = o.TargetID
+	b.routeURL = "ws://" + b.addr + routes.Path(routes.DefaultPrefix, routes.Route{Owner: b.owner, TargetID: b.targetID})
+	b.dialer, err = guest.New(guest.KindNetns, pidLookup(b.incus), "")
+	if err != nil {
+		return err
+	}
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+b.addr+"/bench/pipe?instance="+b.targetID, nil)
+	req.Header = b.header()
+	pipe, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	addr, _ := io.ReadAll(pipe.Body)
+	_ = pipe.Body.Close()
+	b.pipeAddr = string(addr)
+	logf("target %s is running", b.targetID)
+	return nil
+}
+
+func (b *bench) tearDown() {
+	if b.ctrl == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	for {
+		var res controller.TargetResult
+		err := b.ctrl.Call(ctx, "target/close", controller.TargetParams{Target: controller.TargetRef{Owner: b.owner}}, &res)
+		if err == nil && res.Target.Phase == controller.PhaseClosed {
+			break
+		}
+		if ctx.Err() != nil || errors.Is(err, jsonrpc.ErrClosed) {
+			break // the project's removal deletes whatever is left
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	_ = b.ctrl.Close()
+}
+
+func (b *bench) get(ctx context.Context) (controller.Observation, error) {
+	var res controller.TargetResult
+	err := b.ctrl.Call(ctx, "target/get", controller.TargetParams{Target: controller.TargetRef{Owner: b.owner}}, &res)
+	return res.Target, err
+}
+
+// await polls target/get until the target is active at power p with no
+// transition under way.
+func (b *bench) await(ctx context.Context, p controller.Power, most time.Duration) (controller.Observation, error) {
+	deadline := time.Now().Add(most)
+	for {
+		o, err := b.get(ctx)
+		if err == nil && o.Phase == controller.PhaseActive && o.Power == p && o.Message == "" {
+			return o, nil
+		}
+		if time.Now().After(deadline) {
+			return o, fmt.Errorf("the target did not reach %s within %s: last %+v, %w", p, most, o, err)
+		}
+		if !sleep(ctx, 50*time.Millisecond) {
+			return o, ctx.Err()
+		}
+	}
+}
+
+// setPower asks for p until the target is there (a request made while the
+// provider still finishes the last wake is refused and asked again).
+func (b *bench) setPower(ctx context.Context, p controller.Power) error {
+	for attempt := 0; attempt < 10; attempt++ {
+		var res controller.TargetResult
+		if err := b.ctrl.Call(ctx, "target/setPower", controller.SetPowerParams{Target: controller.TargetRef{Owner: b.owner}, Power: p}, &res); err != nil {
+			return fmt.Errorf("target/setPower %s: %w", p, err)
+		}
+		if _, err := b.await(ctx, p, 8*time.Second); err == nil {
+			return nil
+		}
+	}
+	return fmt.Errorf("the target never reached %s", p)
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	select {
+	case <-time.After(d):
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// dialRoute dials the data route; it returns the connection or why not.
+func (b *bench) dialRoute(ctx context.Context, bufSize int) (*websocket.Conn, time.Duration, string, error) {
+	d := websocket.Dialer{HandshakeTimeout: 10 * time.Second, ReadBufferSize: bufSize, WriteBufferSize: bufSize}
+	start := time.Now()
+	ws, resp, err := d.DialContext(ctx, b.routeURL, b.header())
+	took := time.Since(start)
+	if resp != nil {
+		defer resp.Body.Close()
+	}
+	if err != nil {
+		if resp != nil {
+			var body bytes.Buffer
+			_, _ = body.ReadFrom(resp.Body)
+			return nil, took, fmt.Sprintf("HTTP %d %s Retry-After %s", resp.StatusCode, strings.TrimSpace(body.String()), resp.Header.Get("Retry-After")), nil
+		}
+		return nil, took, "", err
+	}
+	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
+	return ws, took, "", nil
+}
+
+// dialDirect opens the provider's own kind of connection to the daemon:
+// the GuestDialer, then a WebSocket.
+func (b *bench) dialDirect(ctx context.Context) (*websocket.Conn, error) {
+	conn, err := b.dialer.DialContext(ctx, guest.Target{Instance: b.targetID, Port: guest.DefaultPort})
+	if err != nil {
+		return nil, err
+	}
+	return wsOver(ctx, conn)
+}
+
+// dialPipe opens a WebSocket to the daemon through the provider's plain
+// byte pipe (the floor of any relay).
+func (b *bench) dialPipe(ctx context.Context) (*websocket.Conn, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "tcp", b.pipeAddr)
+	if err != nil {
+		return nil, err
+	}
+	return wsOver(ctx, conn)
+}
+
+// wsOver runs the WebSocket client handshake on conn.
+func wsOver(ctx context.Context, conn net.Conn) (*websocket.Conn, error) {
+	used := false
+	d := websocket.Dialer{HandshakeTimeout: 10 * time.Second, ReadBufferSize: 64 << 10, WriteBufferSize: 64 << 10,
+		NetDialContext: func(context.Context, string, string) (net.Conn, error) {
+			if used {
+				return nil, errors.New("used")
+			}
+			used = true
+			return conn, nil
+		}}
+	ws, resp, err := d.DialContext(ctx, "ws://guest/", nil)
+	if resp != nil {
+		_ = resp.Body.Close()
+	}
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
+	return ws, nil
+}
+
+// call sends one request and waits for its answer (nothing else is in
+// flight on the connection).
+func call(ws *websocket.Conn, id, method string, params any) (json.RawMessage, error) {
+	p, _ := json.Marshal(params)
+	msg := fmt.Sprintf(`{"jsonrpc":"2.0","id":%q,"method":%q,"params":%s}`, id, method, p)
+	if err := ws.WriteMessage(websocket.TextMessage, []byte(msg)); err != nil {
+		return nil, err
+	}
+	_, data, err := ws.ReadMessage()
+	if err != nil {
+		return nil, err
+	}
+	var resp struct {
+		Result json.RawMessage `json:"result"`
+		Error  *jsonrpc.Error  `json:"error"`
+	}
+	if err := json.Unmarshal(data, &resp); err != nil {
+		return nil, err
+	}
+	if resp.Error != nil {
+		return nil, resp.Error
+	}
+	return resp.Result, nil
+}
+
+func initializeData(ws *websocket.Conn) error {
+	res, err := call(ws, "init", "initialize", map[string]any{"protocolVersion": 5, "clientInfo": map[string]string{"name": "routebench"}})
+	if err != nil {
+		return fmt.Errorf("data initialize: %w", err)
+	}
+	if !bytes.Contains(res, []byte(`"plane":"data"`)) {
+		return fmt.Errorf("data initialize answered %s", res)
+	}
+	return nil
+}
+
+func closeWS(ws *websocket.Conn) {
+	_ = ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
+	_ = ws.SetReadDeadline(time.Now().Add(2 * time.Second))
+	for {
+		if _, _, err := ws.ReadMessage(); err != nil {
+			break
+		}
+	}
+	_ = ws.Close()
+}
+
+// stats are a sample's order statistics.
+type stats struct {
+	n        int
+	p50, p95 time.Duration
+	mean     time.Duration
+}
+
+func summarize(d []time.Duration) stats {
+	if len(d) == 0 {
+		return stats{}
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	var sum time.Duration
+	for _, v := range s {
+		sum += v
+	}
+	q := func(p float64) time.Duration { return s[min(len(s)-1, int(p*float64(len(s))))] }
+	return stats{n: len(s), p50: q(0.5), p95: q(0.95), mean: sum / time.Duration(len(s))}
+}
+
+type wakeResult struct {
+	from      controller.Power
+	latencies []time.Duration
+	firstOK   int
+	refusals  []string
+}
+
+type throughput struct {
+	label        string
+	direction    string
+	messageBytes int
+	bps          map[string]float64 // bytes per second, by path
+	msgs         map[string]int     // messages, by path
+}
+
+type memResult struct {
+	relays               int
+	before, after        memReport
+	perRelay             float64
+	goroutinesPerRelay   float64
+	heapPerRelay         float64
+	stackPerRelay        float64
+	openedIn             time.Duration
+	relaysSeenByProvider int
+}
+
+type report struct {
+	header     string
+	wakes      []wakeResult
+	rtt        map[string]stats // by path
+	throughput []throughput
+	mem        memResult
+}
+
+func (b *bench) measure(ctx context.Context) (*report, error) {
+	rep := &report{}
+	// Warm up: the first dial proves the daemon and primes nothing else.
+	ws, _, why, err := b.dialRoute(ctx, 64<<10)
+	if err != nil {
+		return nil, fmt.Errorf("first dial: %w", err)
+	}
+	if ws == nil {
+		return nil, fmt.Errorf("first dial refused: %s", why)
+	}
+	if err := initializeData(ws); err != nil {
+		return nil, err
+	}
+	closeWS(ws)
+
+	for _, from := range []controller.Power{controller.PowerPaused, controller.PowerStopped} {
+		w, err := b.measureWakes(ctx, from)
+		if err != nil {
+			return nil, err
+		}
+		rep.wakes = append(rep.wakes, w)
+	}
+	if err := b.measureRTT(ctx, rep); err != nil {
+		return nil, err
+	}
+	if err := b.measureThroughput(ctx, rep); err != nil {
+		return nil, err
+	}
+	if err := b.measureMemory(ctx, rep); err != nil {
+		return nil, err
+	}
+	return rep, nil
+}
+
+func (b *bench) measureWakes(ctx context.Context, from controller.Power) (wakeResult, error) {
+	w := wakeResult{from: from}
+	logf("measuring %d wakes from %s", b.cfg.wakes, from)
+	for i := 0; i < b.cfg.wakes; i++ {
+		if err := b.setPower(ctx, from); err != nil {
+			return w, err
+		}
+		// Let the power-down's own work (metadata, the dialer's cache) end.
+		if !sleep(ctx, 150*time.Millisecond) {
+			return w, ctx.Err()
+		}
+		ws, took, why, err := b.dialRoute(ctx, 64<<10)
+		if err != nil {
+			return w, err
+		}
+		if ws == nil {
+			w.refusals = append(w.refusals, fmt.Sprintf("after %s: %s", took.Round(time.Millisecond), why))
+			// Dial again until it upgrades, as the runtime would.
+			for ws == nil {
+				if !sleep(ctx, time.Second) {
+					return w, ctx.Err()
+				}
+				if ws, _, _, err = b.dialRoute(ctx, 64<<10); err != nil {
+					return w, err
+				}
+			}
+		} else {
+			w.firstOK++
+			w.latencies = append(w.latencies, took)
+		}
+		if err := initializeData(ws); err != nil {
+			return w, fmt.Errorf("through the woken relay: %w", err)
+		}
+		closeWS(ws)
+	}
+	return w, nil
+}
+
+// rttMessage is an env/getIdle request of exactly 64 bytes.
+func rttMessage(i int) []byte {
+	m := fmt.Sprintf(`{"jsonrpc":"2.0","id":"%016d","method":"env/getIdle"}`, i)
+	if len(m) != 64 {
+		panic("rtt message is " + strconv.Itoa(len(m)) + " bytes")
+	}
+	return []byte(m)
+}
+
+func roundTrips(ws *websocket.Conn, n, base int, out *[]time.Duration) error {
+	for i := 0; i < n; i++ {
+		msg := rttMessage(base + i)
+		start := time.Now()
+		if err := ws.WriteMessage(websocket.TextMessage, msg); err != nil {
+			return err
+		}
+		_, data, err := ws.ReadMessage()
+		if err != nil {
+			return err
+		}
+		*out = append(*out, time.Since(start))
+		if !bytes.Contains(data, []byte(`"result"`)) {
+			return fmt.Errorf("env/getIdle answered %s", data)
+		}
+	}
+	return nil
+}
+
+// The three paths to the daemon each measurement compares.
+const (
+	pathDirect  = "direct"
+	pathRelayed = "relayed"
+	pathPipe    = "pipe"
+)
+
+var pathNames = []string{pathDirect, pathRelayed, pathPipe}
+
+// rotated is the paths' order in round i: each path goes first, second and
+// last equally often, so that whatever one path leaves behind (the
+// daemon's garbage collection, say) does not always fall on the same next one.
+func rotated(i int) []string {
+	n := len(pathNames)
+	out := make([]string, n)
+	for j := range out {
+		out[j] = pathNames[(i+j)%n]
+	}
+	return out
+}
+
+// openPaths opens and initializes one connection per path.
+func (b *bench) openPaths(ctx context.Context) (map[string]*websocket.Conn, func(), error) {
+	conns := map[string]*websocket.Conn{}
+	closeAll := func() {
+		for _, ws := range conns {
+			closeWS(ws)
+		}
+	}
+	direct, err := b.dialDirect(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	conns[pathDirect] = direct
+	relayed, _, why, err := b.dialRoute(ctx, 64<<10)
+	if err == nil && relayed == nil {
+		err = fmt.Errorf("refused: %s", why)
+	}
+	if err != nil {
+		closeAll()
+		return nil, nil, fmt.Errorf("route: %w", err)
+	}
+	conns[pathRelayed] = relayed
+	pipe, err := b.dialPipe(ctx)
+	if err != nil {
+		closeAll()
+		return nil, nil, err
+	}
+	conns[pathPipe] = pipe
+	for _, ws := range conns {
+		if err := initializeData(ws); err != nil {
+			closeAll()
+			return nil, nil, err
+		}
+	}
+	return conns, closeAll, nil
+}
+
+func (b *bench) measureRTT(ctx context.Context, rep *report) error {
+	logf("measuring %d round trips on each path", b.cfg.rtt)
+	conns, closeAll, err := b.openPaths(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeAll()
+	for _, ws := range conns {
+		var warm []time.Duration
+		if err := roundTrips(ws, 200, 0, &warm); err != nil {
+			return err
+		}
+	}
+	// Interleaved blocks, so that drift affects every path alike.
+	samples := map[string][]time.Duration{}
+	const blocks = 12 // a multiple of the paths: each goes first equally often
+	per := max(1, (b.cfg.rtt+blocks-1)/blocks)
+	for i := 0; i < blocks; i++ {
+		for _, p := range rotated(i) {
+			d := samples[p]
+			if err := roundTrips(conns[p], per, i*per, &d); err != nil {
+				return err
+			}
+			samples[p] = d
+		}
+	}
+	rep.rtt = map[string]stats{}
+	for p, d := range samples {
+		rep.rtt[p] = summarize(d)
+	}
+	return nil
+}
+
+// measureThroughput measures downloads and uploads of 64 KiB and 1 MiB
+// messages on every path, in interleaved slices.
+func (b *bench) measureThroughput(ctx context.Context, rep *report) error {
+	conns, closeAll, err := b.openPaths(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeAll()
+	direct := conns[pathDirect]
+	// Calibrate the answer's overhead with a small file.
+	probe := "/tmp/routebench-probe"
+	if _, err := call(direct, "w0", "fs/writeFile", map[string]any{"path": probe, "data": base64.StdEncoding.EncodeToString(make([]byte, 3000))}); err != nil {
+		return fmt.Errorf("fs/writeFile: %w", err)
+	}
+	ans, err := rawCall(direct, "r0", "fs/readFile", map[string]any{"path": probe, "maxBytes": 3000})
+	if err != nil {
+		return err
+	}
+	overhead := len(ans) - 4000 // base64 of 3000 bytes is 4000
+	for _, size := range []int{64 << 10, 1 << 20} {
+		label := sizeLabel(size)
+		raw := (size - overhead) / 4 * 3 // base64 length = 4/3 raw
+		path := fmt.Sprintf("/tmp/routebench-%d", size)
+		data := make([]byte, raw)
+		_, _ = rand.Read(data)
+		if _, err := call(direct, "w"+label, "fs/writeFile", map[string]any{"path": path, "data": base64.StdEncoding.EncodeToString(data)}); err != nil {
+			return fmt.Errorf("fs/writeFile %s: %w", label, err)
+		}
+		logf("measuring %s downloads and uploads, %s per path", label, b.cfg.seconds)
+		down := throughput{label: label, direction: "download", bps: map[string]float64{}, msgs: map[string]int{}}
+		up := throughput{label: label, direction: "upload", messageBytes: size, bps: map[string]float64{}, msgs: map[string]int{}}
+		const rounds = 9 // a multiple of the paths: each goes first equally often
+		slice := b.cfg.seconds / rounds
+		for i := 0; i < rounds; i++ {
+			for _, p := range rotated(i) {
+				ws := conns[p]
+				n, msgBytes, bps, err := download(ws, path, raw, slice)
+				if err != nil {
+					return err
+				}
+				down.messageBytes = msgBytes
+				down.bps[p] += bps / rounds
+				down.msgs[p] += n
+				un, ubps, err := upload(ws, size, slice)
+				if err != nil {
+					return err
+				}
+				up.bps[p] += ubps / rounds
+				up.msgs[p] += un
+			}
+		}
+		rep.throughput = append(rep.throughput, down, up)
+	}
+	return nil
+}
+
+func sizeLabel(n int) string {
+	if n >= 1<<20 {
+		return fmt.Sprintf("%d MiB", n>>20)
+	}
+	return fmt.Sprintf("%d KiB", n>>10)
+}
+
+// rawCall is call that returns the whole answer message.
+func rawCall(ws *websocket.Conn, id, method string, params any) ([]byte, error) {
+	p, _ := json.Marshal(params)
+	msg := fmt.Sprintf(`{"jsonrpc":"2.0","id":%q,"method":%q,"params":%s}`, id, method, p)
+	if err := ws.WriteMessage(websocket.TextMessage, []byte(msg)); err != nil {
+		return nil, err
+	}
+	_, data, err := ws.ReadMessage()
+	return data, err
+}
+
+// download keeps four fs/readFile requests in flight for d and reports
+// the answers, their size and the bytes per second they arrived at.
+func download(ws *websocket.Conn, path string, raw int, d time.Duration) (int, int, float64, error) {
+	const depth = 4
+	req := []byte(fmt.Sprintf(`{"jsonrpc":"2.0","id":1,"method":"fs/readFile","params":{"path":%q,"maxBytes":%d}}`, path, raw))
+	for i := 0; i < depth; i++ {
+		if err := ws.WriteMessage(websocket.TextMessage, req); err != nil {
+			return 0, 0, 0, err
+		}
+	}
+	start := time.Now()
+	var total, n, size int
+	sent := depth
+	for sent > n {
+		_, data, err := ws.ReadMessage()
+		if err != nil {
+			return 0, 0, 0, err
+		}
+		if n == 0 && !bytes.Contains(data, []byte(`"result"`)) {
+			return 0, 0, 0, fmt.Errorf("fs/readFile answered %.200s", data)
+		}
+		n++
+		total += len(data)
+		size = len(data)
+		if time.Since(start) < d {
+			if err := ws.WriteMessage(websocket.TextMessage, req); err != nil {
+				return 0, 0, 0, err
+			}
+			sent++
+		}
+	}
+	return n, size, float64(total) / time.Since(start).Seconds(), nil
+}
+
+// upload sends notifications of exactly size bytes (the daemon reads and
+// drops them: no such notification method) for d, then one request whose
+// answer proves they were all read.
+func upload(ws *websocket.Conn, size int, d time.Duration) (int, float64, error) {
+	const head, tail = `{"jsonrpc":"2.0","method":"routebench/discard","params":{"data":"`, `"}}`
+	msg := make([]byte, size)
+	copy(msg, head)
+	for i := len(head); i < size-len(tail); i++ {
+		msg[i] = 'a'
+	}
+	copy(msg[size-len(tail):], tail)
+	start := time.Now()
+	n := 0
+	for time.Since(start) < d {
+		if err := ws.WriteMessage(websocket.TextMessage, msg); err != nil {
+			return 0, 0, err
+		}
+		n++
+	}
+	if err := ws.WriteMessage(websocket.TextMessage, rttMessage(0)); err != nil {
+		return 0, 0, err
+	}
+	if _, _, err := ws.ReadMessage(); err != nil {
+		return 0, 0, err
+	}
+	return n, float64(n*size) / time.Since(start).Seconds(), nil
+}
+
+func (b *bench) mem(ctx context.Context) (memReport, error) {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+b.addr+"/bench/mem", nil)
+	req.Header = b.header()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return memReport{}, err
+	}
+	defer resp.Body.Close()
+	var m memReport
+	if err := json.NewDecoder(resp.Body).Decode(&m); err != nil {
+		return memReport{}, err
+	}
+	return m, nil
+}
+
+func (b *bench) measureMemory(ctx context.Context, rep *report) error {
+	n := b.cfg.idleRelays
+	logf("opening %d idle relays", n)
+	// Let the relays of the measurements above end.
+	for i := 0; i < 50; i++ {
+		m, err := b.mem(ctx)
+		if err != nil {
+			return err
+		}
+		if m.Relays == 0 {
+			break
+		}
+		sleep(ctx, 100*time.Millisecond)
+	}
+	before, err := b.mem(ctx)
+	if err != nil {
+		return err
+	}
+	conns := make([]*websocket.Conn, n)
+	start := time.Now()
+	var mu sync.Mutex
+	var firstErr error
+	var wg sync.WaitGroup
+	next := make(chan int)
+	for w := 0; w < 8; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				ws, _, why, err := b.dialRoute(ctx, 1024)
+				if err == nil && ws == nil {
+					err = errors.New(why)
+				}
+				if err == nil {
+					err = initializeData(ws)
+				}
+				mu.Lock()
+				if err != nil && firstErr == nil {
+					firstErr = err
+				}
+				conns[i] = ws
+				mu.Unlock()
+			}
+		}()
+	}
+	for i := 0; i < n; i++ {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+	opened := time.Since(start)
+	defer func() {
+		for _, ws := range conns {
+			if ws != nil {
+				ws.Close()
+			}
+		}
+	}()
+	if firstErr != nil {
+		return fmt.Errorf("opening idle relays: %w", firstErr)
+	}
+	sleep(ctx, 2*time.Second)
+	after, err := b.mem(ctx)
+	if err != nil {
+		return err
+	}
+	rep.mem = memResult{relays: n, before: before, after: after, openedIn: opened, relaysSeenByProvider: after.Relays,
+		perRelay:           float64(int64(after.RSSBytes)-int64(before.RSSBytes)) / float64(n),
+		heapPerRelay:       float64(int64(after.HeapInuseBytes)-int64(before.HeapInuseBytes)) / float64(n),
+		stackPerRelay:      float64(int64(after.StackBytes)-int64(before.StackBytes)) / float64(n),
+		goroutinesPerRelay: float64(after.Goroutines-before.Goroutines) / float64(n)}
+	return nil
+}

@@ -1,0 +1,197 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"runtime"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+// The provider under test runs in a child process of its own, wired as
+// cmd/incus-provider wires it (controller plane, data routes, the relay
+// registry connected to the targets), so that its memory can be measured
+// apart from the benchmark's clients. It listens on 127.0.0.1 only, prints
+// "ADDR host:port" when it serves, and exits when its stdin closes.
+
+const childEnv = "ROUTEBENCH_CHILD"
+
+// memReport is what /bench/mem answers: the process's resident set after a
+// full collection, and the Go runtime's view of it.
+type memReport struct {
+	RSSBytes       uint64 `json:"rssBytes"`
+	HeapInuseBytes uint64 `json:"heapInuseBytes"`
+	StackBytes     uint64 `json:"stackBytes"`
+	Goroutines     int    `json:"goroutines"`
+	Relays         int    `json:"relays"`
+}
+
+func runChild() error {
+	// Ctrl-C reaches the whole process group: the parent cleans up through
+	// this process, which ends when the parent closes its stdin.
+	signal.Ignore(os.Interrupt)
+	socket := os.Getenv("ROUTEBENCH_INCUS_SOCKET")
+	project := os.Getenv("ROUTEBENCH_PROJECT")
+	credential := os.Getenv("ROUTEBENCH_CREDENTIAL")
+	client, err := incus.New(incus.Config{Socket: socket, Project: project})
+	if err != nil {
+		return err
+	}
+	catalog, err := templates.Load(os.Getenv("ROUTEBENCH_TEMPLATES"))
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _, _ = io.Copy(io.Discard, os.Stdin); cancel() }() // the parent is gone
+
+	rctx, rcancel := context.WithTimeout(ctx, 30*time.Second)
+	defer rcancel()
+	if err := catalog.Resolve(rctx, imageResolver{client}); err != nil {
+		return err
+	}
+	dialer, err := guest.New(guest.KindNetns, pidLookup(client), "")
+	if err != nil {
+		return err
+	}
+	log := zap.NewNop()
+	if os.Getenv("ROUTEBENCH_DEBUG") != "" {
+		log, _ = zap.NewDevelopment()
+	}
+	svc := targets.New(client, catalog, dialer, log.Named("targets"), targets.Config{GracefulStop: 5 * time.Second})
+	go func() { _ = svc.Run(ctx) }()
+	cred := bearer.New(credential)
+	rh, err := routes.New(ctx, routes.Options{Targets: svc, Dialer: dialer, Credential: cred, Log: log.Named("routes")})
+	if err != nil {
+		return err
+	}
+	svc.UseRelays(rh.Registry())
+	ctrl := controller.NewHandler(ctx, controller.Options{Backend: svc, Credential: cred,
+		Capabilities: controller.Capabilities{Power: true}, MaxInFlight: 64, Log: log.Named("controller")})
+
+	mux := http.NewServeMux()
+	mux.Handle("/control", ctrl)
+	mux.Handle(rh.Prefix()+"/", rh)
+	mux.Handle("/bench/mem", cred.Require(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		runtime.GC()
+		debug.FreeOSMemory()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		rss, err := residentBytes()
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		_ = json.NewEncoder(w).Encode(memReport{RSSBytes: rss, HeapInuseBytes: ms.HeapInuse, StackBytes: ms.StackInuse,
+			Goroutines: runtime.NumGoroutine(), Relays: rh.Registry().Relays()})
+	}), nil))
+	// The floor: a plain byte pipe from a loopback port to the daemon,
+	// through the same GuestDialer, reading nothing. What the relay adds over
+	// it is what reading frame headers costs; what it adds over a direct
+	// connection is mostly the extra hop itself.
+	mux.Handle("/bench/pipe", cred.Require(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		t := guest.Target{Instance: r.URL.Query().Get("instance"), Port: guest.DefaultPort}
+		var lc net.ListenConfig
+		pl, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		context.AfterFunc(ctx, func() { _ = pl.Close() })
+		go func() {
+			for {
+				c, err := pl.Accept()
+				if err != nil {
+					return
+				}
+				go func() {
+					g, err := dialer.DialContext(ctx, t)
+					if err != nil {
+						_ = c.Close()
+						return
+					}
+					go func() { _, _ = io.Copy(g, c); _ = g.Close() }()
+					_, _ = io.Copy(c, g)
+					_ = c.Close()
+				}()
+			}
+		}()
+		_, _ = io.WriteString(w, pl.Addr().String())
+	}), nil))
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() { <-ctx.Done(); _ = srv.Close() }()
+	fmt.Printf("ADDR %s\n", ln.Addr())
+	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+func pidLookup(client *incus.Client) guest.PIDLookup {
+	return func(ctx context.Context, instance string) (int, error) {
+		st, err := client.GetInstanceState(ctx, instance)
+		if err != nil {
+			return 0, err
+		}
+		return int(st.Pid), nil
+	}
+}
+
+// residentBytes reads VmRSS from /proc/self/status.
+func residentBytes() (uint64, error) {
+	f, err := os.Open("/proc/self/status")
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = f.Close() }()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
+			fields := strings.Fields(rest)
+			if len(fields) == 2 && fields[1] == "kB" {
+				kb, err := strconv.ParseUint(fields[0], 10, 64)
+				return kb << 10, err
+			}
+		}
+	}
+	return 0, errors.New("no VmRSS in /proc/self/status")
+}
+
+type imageResolver struct{ c *incus.Client }
+
+func (r imageResolver) ImageAliasTarget(ctx context.Context, alias string) (string, error) {
+	return r.c.GetImageAlias(ctx, alias)
+}
+
+func (r imageResolver) ImageExists(ctx context.Context, fingerprint string) (bool, error) {
+	_, err := r.c.GetImage(ctx, fingerprint)
+	if errors.Is(err, incus.ErrNotFound) {
+		return false, nil
+	}
+	return err == nil, err
+}

@@ -1,0 +1,396 @@
+package routes
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
+	"github.com/lightspeed-dev/incus-provider/internal/envd"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/targets"
+)
+
+// Targets is what the data routes ask of the targets: *targets.Service.
+type Targets interface {
+	// ResolveRoute fences the route (see targets.Service.ResolveRoute).
+	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error)
+	// Wake unfreezes a paused target, starts a stopped or suspended one.
+	Wake(ctx context.Context, inst *incus.Instance) (controller.Power, error)
+}
+
+var _ Targets = (*targets.Service)(nil)
+
+// Options configure the data routes. Zero values take the defaults.
+type Options struct {
+	Targets    Targets
+	Dialer     guest.Dialer
+	Credential bearer.Credential
+	Metrics    *Metrics
+	Log        *zap.Logger
+	// Prefix is the path data routes are served under (DefaultPrefix).
+	Prefix string
+	// Hold bounds a dial from its arrival to its upgrade or refusal
+	// (default and most: MaxHold).
+	Hold time.Duration
+	// IdleTimeout closes a relay that carried no frame for this long
+	// (default and least: MinIdleTimeout).
+	IdleTimeout time.Duration
+	// MaxHeld caps the dials held at once while targets wake (default 256).
+	MaxHeld int
+	// WakeBudget bounds a wake and its readiness probe, which go on after
+	// the dials that asked for them were refused (default 30 s).
+	WakeBudget time.Duration
+	// ClientInfo is what the readiness probe's initialize says of the
+	// provider (default: incus-provider and its build).
+	ClientInfo envd.ClientInfo
+	// Port is the daemon's port on an instance (default targets.DaemonPort,
+	// guest.DefaultPort when the instance records none).
+	Port func(*incus.Instance) int
+
+	// maxMessage overrides the message limit (tests only).
+	maxMessage uint64
+}
+
+// DefaultMaxHeld is the default cap on dials held at once.
+const DefaultMaxHeld = 256
+
+// holdMargin is kept back from the hold for writing the answer, so that a
+// refusal is never later than the hold bound.
+const holdMargin = 100 * time.Millisecond
+
+// Handler serves the data routes.
+type Handler struct {
+	opts    Options
+	ctx     context.Context
+	log     *zap.Logger
+	metrics *Metrics
+	reg     *Registry
+	ready   *readiness
+	guarded http.Handler
+	relay   relayConfig
+
+	held atomic.Int64
+
+	fmu     sync.Mutex
+	flights map[string]*flight
+}
+
+// New checks the options and builds the handler. ctx bounds everything it
+// serves: when it ends, every relay is closed with a going-away frame.
+func New(ctx context.Context, opts Options) (*Handler, error) {
+	if opts.Targets == nil || opts.Dialer == nil {
+		return nil, errors.New("routes: Targets and Dialer are required")
+	}
+	if opts.Prefix == "" {
+		opts.Prefix = DefaultPrefix
+	}
+	if opts.Prefix[0] != '/' || opts.Prefix[len(opts.Prefix)-1] == '/' {
+		return nil, fmt.Errorf("routes: prefix %q must start with / and not end with one", opts.Prefix)
+	}
+	switch {
+	case opts.Hold == 0:
+		opts.Hold = MaxHold
+	case opts.Hold < 4*holdMargin || opts.Hold > MaxHold:
+		return nil, fmt.Errorf("routes: hold %s is outside %s to %s", opts.Hold, 4*holdMargin, MaxHold)
+	}
+	switch {
+	case opts.IdleTimeout == 0:
+		opts.IdleTimeout = MinIdleTimeout
+	case opts.IdleTimeout < MinIdleTimeout:
+		return nil, fmt.Errorf("routes: relay idle timeout %s is below the protocol's floor of %s", opts.IdleTimeout, MinIdleTimeout)
+	}
+	if opts.MaxHeld <= 0 {
+		opts.MaxHeld = DefaultMaxHeld
+	}
+	if opts.WakeBudget <= 0 {
+		opts.WakeBudget = 30 * time.Second
+	}
+	if opts.ClientInfo.Name == "" {
+		b := buildinfo.Read()
+		opts.ClientInfo = envd.ClientInfo{Name: "incus-provider", Version: b.Version, GitSha: b.GitSha, Target: b.Target}
+	}
+	if opts.Port == nil {
+		opts.Port = func(inst *incus.Instance) int {
+			if p := targets.DaemonPort(inst); p > 0 {
+				return p
+			}
+			return guest.DefaultPort
+		}
+	}
+	if opts.Log == nil {
+		opts.Log = zap.NewNop()
+	}
+	if opts.maxMessage == 0 {
+		opts.maxMessage = jsonrpc.MaxMessageBytes
+	}
+	h := &Handler{
+		opts:    opts,
+		ctx:     ctx,
+		log:     opts.Log,
+		metrics: opts.Metrics,
+		ready:   newReadiness(),
+		flights: map[string]*flight{},
+		relay: relayConfig{
+			maxMessage: opts.maxMessage,
+			idle:       opts.IdleTimeout,
+			closeWait:  3 * time.Second,
+			lockWait:   time.Second,
+		},
+	}
+	h.reg = newRegistry(opts.Metrics, h.relay.closeWait+h.relay.lockWait, h.ready.forget)
+	h.guarded = opts.Credential.Require(http.HandlerFunc(h.serve), func(*http.Request) {
+		h.metrics.dial(OutcomeUnauthorized, 0)
+	})
+	context.AfterFunc(ctx, func() {
+		h.reg.closeAllRelays(CloseGoingAway, "the provider is shutting down", "shutdown")
+	})
+	return h, nil
+}
+
+// Registry is the relay registry, for targets.Service.UseRelays.
+func (h *Handler) Registry() *Registry { return h.reg }
+
+// Prefix is the path the routes are served under.
+func (h *Handler) Prefix() string { return h.opts.Prefix }
+
+// ServeHTTP checks the credential (401 before anything else), then serves
+// the route.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) { h.guarded.ServeHTTP(w, r) }
+
+func plainError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Cache-Control", "no-store")
+	http.Error(w, msg, status)
+}
+
+func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
+	arrived := time.Now()
+	route, err := ParsePath(h.opts.Prefix, r.URL.EscapedPath())
+	if err != nil {
+		var pe *PathError
+		errors.As(err, &pe)
+		h.metrics.dial(OutcomeMalformed, time.Since(arrived))
+		plainError(w, pe.Status, pe.Message)
+		return
+	}
+	if status, msg := upgradeProblem(r); status != 0 {
+		if status == http.StatusUpgradeRequired {
+			w.Header().Set("Sec-WebSocket-Version", "13")
+		}
+		h.metrics.dial(OutcomeMalformed, time.Since(arrived))
+		plainError(w, status, msg)
+		return
+	}
+	ctx, cancel := context.WithDeadline(r.Context(), arrived.Add(h.opts.Hold-holdMargin))
+	defer cancel()
+	stop := context.AfterFunc(h.ctx, cancel)
+	defer stop()
+
+	link, ref, outcome := h.connect(ctx, route)
+	if ref != nil {
+		if r.Context().Err() != nil {
+			outcome = OutcomeAborted
+		}
+		h.metrics.dial(outcome, time.Since(arrived))
+		h.log.Debug("data route refused", zap.String("target", route.TargetID), zap.String("outcome", outcome),
+			zap.String("state", string(ref.State)), zap.Duration("after", time.Since(arrived)))
+		ref.Write(w)
+		return
+	}
+	conn, early, err := acceptClient(w, r, arrived.Add(h.opts.Hold))
+	if err != nil {
+		link.close()
+		h.metrics.dial(OutcomeAborted, time.Since(arrived))
+		return
+	}
+	rl := newRelay(link.instance, conn, link.conn, early, link.early, h.relay, h.metrics, h.reg.removeRelay)
+	link.tk.adopt(rl)
+	h.metrics.dial(OutcomeUpgraded, time.Since(arrived))
+	rl.start()
+	// The relay runs on its own goroutines: returning here lets the HTTP
+	// server free this request's state, which an idle relay does not need.
+}
+
+// guestLink is an open WebSocket to a guest daemon, ready to relay.
+type guestLink struct {
+	instance string
+	conn     net.Conn
+	early    []byte
+	tk       *ticket
+}
+
+func (l *guestLink) close() {
+	_ = l.conn.Close()
+	l.tk.leave()
+}
+
+// connect fences the route, wakes the target when it must, and opens the
+// provider's WebSocket to its daemon; or it answers why not.
+func (h *Handler) connect(ctx context.Context, route Route) (*guestLink, *Refusal, string) {
+	var (
+		inst *incus.Instance
+		obs  controller.Observation
+		tk   *ticket
+	)
+	for tk == nil {
+		var err error
+		inst, obs, err = h.opts.Targets.ResolveRoute(ctx, route.Owner, route.TargetID)
+		if ref, outcome := h.fenceRefusal(ctx, err); ref != nil {
+			return nil, ref, outcome
+		}
+		if ref, outcome := terminal(obs); ref != nil {
+			return nil, ref, outcome
+		}
+		var quiet <-chan struct{}
+		if tk, quiet = h.reg.enter(inst.Name); tk != nil {
+			break
+		}
+		// A power-down holds the target; wait for it, then look again.
+		if !h.hold() {
+			return nil, refuse(StateWaking, time.Second), OutcomeShed
+		}
+		select {
+		case <-quiet:
+			h.unhold()
+		case <-ctx.Done():
+			h.unhold()
+			return nil, refuse(StateWaking, 2*time.Second), OutcomeWaking
+		}
+	}
+
+	if running(inst) {
+		if h.ready.ok(inst.Name) {
+			link, err := h.openGuest(ctx, inst, tk)
+			if err == nil {
+				return link, nil, ""
+			}
+			h.log.Debug("a daemon proved ready did not take the relay; probing again", zap.String("instance", inst.Name), zap.Error(err))
+			h.ready.forget(inst.Name)
+		}
+	} else {
+		h.ready.forget(inst.Name)
+	}
+
+	if !h.hold() {
+		f := h.flightFor(route.Owner, inst, obs) // the wake starts all the same
+		tk.leave()
+		ref := f.refusalNow()
+		return nil, &Refusal{State: ref.State, RetryAfter: time.Second}, OutcomeShed
+	}
+	f := h.flightFor(route.Owner, inst, obs)
+	select {
+	case <-f.settled:
+		h.unhold()
+	case <-ctx.Done():
+		h.unhold()
+		tk.leave()
+		ref := f.refusalNow()
+		return nil, ref, outcomeOf(ref)
+	}
+	if f.result != nil {
+		tk.leave()
+		return nil, f.result, outcomeOf(f.result)
+	}
+	link, err := h.openGuest(ctx, inst, tk)
+	if err != nil {
+		h.ready.forget(inst.Name)
+		tk.leave()
+		h.log.Debug("the daemon answered the probe but not the relay", zap.String("instance", inst.Name), zap.Error(err))
+		return nil, refuse(StateBooting, time.Second), OutcomeBooting
+	}
+	return link, nil, ""
+}
+
+func (h *Handler) hold() bool {
+	if h.held.Add(1) > int64(h.opts.MaxHeld) {
+		h.held.Add(-1)
+		return false
+	}
+	h.metrics.heldAdd(1)
+	return true
+}
+
+func (h *Handler) unhold() {
+	h.held.Add(-1)
+	h.metrics.heldAdd(-1)
+}
+
+// fenceRefusal turns a failed fence into its answer.
+func (h *Handler) fenceRefusal(ctx context.Context, err error) (*Refusal, string) {
+	switch {
+	case err == nil:
+		return nil, ""
+	case errors.Is(err, targets.ErrRouteOwner):
+		return refuse(StateGone, 0), OutcomeRefusedOwner
+	case errors.Is(err, targets.ErrRouteGone):
+		return refuse(StateGone, 0), OutcomeGone
+	}
+	if ctx.Err() == nil {
+		h.log.Warn("data route: Incus did not answer the fence", zap.Error(err))
+	}
+	return refuse(StateBooting, 2*time.Second), OutcomeUnavailable
+}
+
+// terminal answers the phases no wait can change.
+func terminal(o controller.Observation) (*Refusal, string) {
+	switch o.Phase {
+	case controller.PhaseClosing, controller.PhaseClosed:
+		return refuse(StateGone, 0), OutcomeGone
+	case controller.PhaseFailed:
+		msg := o.Message
+		if msg == "" {
+			msg = defaultFailedMessage
+		}
+		return &Refusal{State: StateFailed, Message: msg}, OutcomeFailed
+	}
+	return nil, ""
+}
+
+func outcomeOf(r *Refusal) string {
+	switch r.State {
+	case StateWaking:
+		return OutcomeWaking
+	case StateBooting:
+		return OutcomeBooting
+	case StateGone:
+		return OutcomeGone
+	case StateFailed:
+		return OutcomeFailed
+	}
+	return string(r.State)
+}
+
+// running says whether Incus shows the instance running (not frozen, not
+// in a transition).
+func running(inst *incus.Instance) bool {
+	switch inst.Status {
+	case "Running", "Ready":
+		return true
+	}
+	return false
+}
+
+// openGuest opens the provider's WebSocket to the instance's daemon.
+func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *ticket) (*guestLink, error) {
+	conn, err := h.opts.Dialer.DialContext(ctx, guest.Target{Instance: inst.Name, Port: h.opts.Port(inst)})
+	if err != nil {
+		return nil, err
+	}
+	early, err := dialGuestWebSocket(ctx, conn)
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	return &guestLink{instance: inst.Name, conn: conn, early: early, tk: tk}, nil
+}

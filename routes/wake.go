@@ -1,0 +1,375 @@
+package routes
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/envd"
+	"github.com/lightspeed-dev/incus-provider/targets"
+)
+
+// readiness remembers the running instances whose daemon answered a
+// data-plane initialize, so that their dials cost no extra round trip. It
+// is forgotten on every power change the provider makes or sees, and when a
+// dial finds the daemon silent.
+type readiness struct {
+	mu      sync.Mutex
+	ready   map[string]struct{}
+	unready map[string]time.Time // since when a probe of the instance has gone unanswered
+}
+
+func newReadiness() *readiness {
+	return &readiness{ready: map[string]struct{}{}, unready: map[string]time.Time{}}
+}
+
+func (r *readiness) ok(instance string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	_, ok := r.ready[instance]
+	return ok
+}
+
+func (r *readiness) mark(instance string) {
+	r.mu.Lock()
+	r.ready[instance] = struct{}{}
+	delete(r.unready, instance)
+	r.mu.Unlock()
+}
+
+func (r *readiness) forget(instance string) {
+	r.mu.Lock()
+	delete(r.ready, instance)
+	r.mu.Unlock()
+}
+
+// silent records a probe that found no answer and says for how long the
+// daemon has been silent.
+func (r *readiness) silent(instance string, now time.Time) time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	since, ok := r.unready[instance]
+	if !ok {
+		r.unready[instance] = now
+		return 0
+	}
+	return now.Sub(since)
+}
+
+func (r *readiness) silentSince(instance string) (time.Time, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	since, ok := r.unready[instance]
+	return since, ok
+}
+
+// drop forgets everything about an instance that is gone.
+func (r *readiness) drop(instance string) {
+	r.mu.Lock()
+	delete(r.ready, instance)
+	delete(r.unready, instance)
+	r.mu.Unlock()
+}
+
+// flight is the one wake (and readiness probe) of a target that every
+// concurrent dial of it waits on.
+type flight struct {
+	name    string
+	tk      *ticket       // the flight counts as a dial in progress until it settles
+	settled chan struct{} // closed once result is set
+	result  *Refusal      // nil: the daemon answered
+
+	mu    sync.Mutex
+	state State         // what a dial refused now is told
+	retry time.Duration // and when to come back
+}
+
+func (f *flight) stage(s State, retry time.Duration) {
+	f.mu.Lock()
+	f.state, f.retry = s, retry
+	f.mu.Unlock()
+}
+
+// refusalNow is the answer for a dial whose hold ran out while the flight
+// goes on.
+func (f *flight) refusalNow() *Refusal {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return &Refusal{State: f.state, RetryAfter: f.retry}
+}
+
+// flightFor joins the target's flight, or starts it.
+func (h *Handler) flightFor(owner controller.Owner, inst *incus.Instance, obs controller.Observation) *flight {
+	h.fmu.Lock()
+	defer h.fmu.Unlock()
+	if f := h.flights[inst.Name]; f != nil {
+		return f
+	}
+	f := &flight{name: inst.Name, settled: make(chan struct{}), state: StateWaking, retry: time.Second}
+	if running(inst) {
+		f.state = StateBooting
+	}
+	h.flights[inst.Name] = f
+	go h.fly(f, owner, inst, obs)
+	return f
+}
+
+// settle publishes the flight's result and lets later dials start afresh.
+func (h *Handler) settle(f *flight, result *Refusal) {
+	h.fmu.Lock()
+	if h.flights[f.name] == f {
+		delete(h.flights, f.name)
+	}
+	h.fmu.Unlock()
+	if f.tk != nil {
+		f.tk.leave()
+	}
+	f.result = result
+	close(f.settled)
+}
+
+// powerLabel is the wake histogram's "from" label.
+func powerLabel(inst *incus.Instance, o controller.Observation) string {
+	if o.Phase != controller.PhaseActive {
+		return string(o.Phase)
+	}
+	if running(inst) {
+		return string(controller.PowerRunning)
+	}
+	return string(o.Power)
+}
+
+// fly drives one target until its daemon answers, or the wake budget runs
+// out, or the target turns out to be gone or failed. It counts as a dial in
+// progress all along, so no power-down starts under it.
+func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o controller.Observation) {
+	ctx, cancel := context.WithTimeout(h.ctx, h.opts.WakeBudget)
+	defer cancel()
+	started := time.Now()
+	var tk *ticket
+	for tk == nil {
+		var quiet <-chan struct{}
+		if tk, quiet = h.reg.enter(inst.Name); tk == nil {
+			select {
+			case <-quiet:
+			case <-ctx.Done():
+				h.settle(f, refuse(StateWaking, 2*time.Second))
+				return
+			}
+			if inst, o = h.reread(ctx, f, owner, inst.Name); inst == nil {
+				return
+			}
+		}
+	}
+	f.tk = tk
+	defer tk.leave()
+	from := powerLabel(inst, o)
+	outcome := wakeOutcomeGaveUp
+	defer func() { h.metrics.wake(from, outcome, time.Since(started)) }()
+
+	wakes := 0
+	for {
+		if ctx.Err() != nil {
+			if h.ctx.Err() != nil {
+				outcome = wakeOutcomeCancelled
+			}
+			h.settle(f, f.refusalNow())
+			return
+		}
+		if ref, _ := terminal(o); ref != nil {
+			h.ready.drop(inst.Name)
+			outcome = wakeOutcomeFailed
+			h.settle(f, ref)
+			return
+		}
+		wakeable := o.Phase == controller.PhaseActive &&
+			(inst.Status == "Frozen" || inst.Status == "Stopped")
+		switch {
+		case running(inst):
+			f.stage(StateBooting, h.bootingRetry(inst.Name))
+			if h.probeUntil(ctx, inst) {
+				outcome = wakeOutcomeReady
+				h.ready.mark(inst.Name)
+				h.settle(f, nil)
+				return
+			}
+			f.stage(StateBooting, h.bootingRetry(inst.Name))
+			continue // the budget ran out; the top of the loop settles
+
+		case wakeable && wakes < 3:
+			wakes++
+			f.stage(StateWaking, time.Second)
+			if h.wakeAndProbe(ctx, f, inst) {
+				outcome = wakeOutcomeReady
+				h.ready.mark(inst.Name)
+				h.settle(f, nil)
+				return
+			}
+
+		default:
+			// In a transition Incus finishes on its own (freezing,
+			// stopping, starting), or still being provisioned: look again
+			// shortly.
+			if o.Phase == controller.PhaseActive && !running(inst) {
+				f.stage(StateWaking, time.Second)
+			} else {
+				f.stage(StateBooting, 2*time.Second)
+			}
+			if !sleepCtx(ctx, 50*time.Millisecond) {
+				continue
+			}
+		}
+		if inst, o = h.reread(ctx, f, owner, inst.Name); inst == nil {
+			if ctx.Err() == nil {
+				outcome = wakeOutcomeFailed
+			}
+			return
+		}
+	}
+}
+
+// reread reads the target again; nil once the flight has been settled
+// (the target is gone or another owner's) or its budget ran out.
+func (h *Handler) reread(ctx context.Context, f *flight, owner controller.Owner, name string) (*incus.Instance, controller.Observation) {
+	for {
+		inst, o, err := h.opts.Targets.ResolveRoute(ctx, owner, name)
+		if err == nil {
+			return inst, o
+		}
+		if errors.Is(err, targets.ErrRouteGone) || errors.Is(err, targets.ErrRouteOwner) {
+			h.ready.drop(name)
+			h.settle(f, refuse(StateGone, 0))
+			return nil, o
+		}
+		if !sleepCtx(ctx, 100*time.Millisecond) {
+			h.settle(f, f.refusalNow())
+			return nil, o
+		}
+	}
+}
+
+// wakeAndProbe asks Incus to wake the instance and probes its daemon at
+// the same time: a frozen guest answers the probe the moment it thaws,
+// before Incus has reported the unfreeze, and a started one as soon as its
+// daemon listens. It reports whether the daemon answered.
+func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Instance) bool {
+	// The wake has its own bound: Incus carries it out whatever happens to
+	// the dials, and Wake also clears the recorded idle-since instant.
+	wakeDone := make(chan struct{})
+	var wakeErr error
+	// The wake counts as a dial in progress until Incus is done with it
+	// (Wake also clears the recorded idle-since instant), so that no
+	// power-down interleaves with it. The flight's own ticket keeps the
+	// instance from being quiesced, so this one is granted.
+	wtk, _ := h.reg.enter(inst.Name)
+	go func() {
+		defer close(wakeDone)
+		if wtk != nil {
+			defer wtk.leave()
+		}
+		wctx, cancel := context.WithTimeout(h.ctx, 2*time.Minute)
+		defer cancel()
+		_, wakeErr = h.opts.Targets.Wake(wctx, inst)
+	}()
+	pctx, cancelProbe := context.WithCancel(ctx)
+	defer cancelProbe()
+	probed := make(chan bool, 1)
+	paused := inst.Status == "Frozen"
+	go func() {
+		if !paused {
+			// A stopped instance has no daemon (nor even an init process)
+			// until Incus has started it; start probing when it has.
+			select {
+			case <-wakeDone:
+				if wakeErr != nil {
+					probed <- false
+					return
+				}
+			case <-pctx.Done():
+				probed <- false
+				return
+			}
+		}
+		probed <- h.probeUntil(pctx, inst)
+	}()
+	done := wakeDone
+	for {
+		select {
+		case ok := <-probed:
+			return ok
+		case <-done:
+			done = nil
+			if wakeErr != nil {
+				if ctx.Err() == nil {
+					h.log.Warn("waking a target failed", zap.String("instance", inst.Name), zap.Error(wakeErr))
+				}
+				cancelProbe()
+				<-probed
+				return false
+			}
+			f.stage(StateBooting, time.Second) // the probe goes on
+		}
+	}
+}
+
+// probeUntil proves the daemon answers: a data-plane initialize through the
+// GuestDialer, repeated with a short backoff until it succeeds or ctx ends.
+// A TCP connect alone proves nothing (a frozen guest's kernel accepts it).
+func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance) bool {
+	t := guest.Target{Instance: inst.Name, Port: h.opts.Port(inst)}
+	delay := 5 * time.Millisecond
+	for {
+		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		err := h.probeOnce(actx, t)
+		cancel()
+		if err == nil {
+			return true
+		}
+		h.ready.silent(inst.Name, time.Now())
+		if !sleepCtx(ctx, delay) {
+			return false
+		}
+		delay = min(delay*2, 100*time.Millisecond)
+	}
+}
+
+func (h *Handler) probeOnce(ctx context.Context, t guest.Target) error {
+	conn, err := h.opts.Dialer.DialContext(ctx, t)
+	if err != nil {
+		return err
+	}
+	sess, err := envd.Handshake(ctx, conn, h.opts.ClientInfo)
+	if err != nil {
+		return err
+	}
+	go func() { _ = sess.Close() }()
+	return nil
+}
+
+// bootingRetry grows with how long the daemon has been silent: 1 s at
+// first, up to 10 s for a daemon that has not answered for minutes.
+func (h *Handler) bootingRetry(instance string) time.Duration {
+	since, ok := h.ready.silentSince(instance)
+	if !ok {
+		return time.Second
+	}
+	return max(time.Second, min(10*time.Second, time.Since(since)/10))
+}
+
+// sleepCtx pauses for d; false when ctx ended first.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
