@@ -28,6 +28,8 @@ type config struct {
 	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"netns"`
 	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests"`
 	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info"`
+	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s"`
+	RouteMaxHeld      int           `env:"PROVIDER_ROUTE_MAX_HELD" envDefault:"256"`
 	IncusSocket       string        `env:"INCUS_SOCKET" envDefault:"/var/lib/incus/unix.socket"`
 	IncusURL          string        `env:"INCUS_URL"`
 	IncusClientCert   string        `env:"INCUS_CLIENT_CERT"`
@@ -56,7 +58,8 @@ func loadConfig() (config, error) {
 
 func varName(field string) string {
 	names := map[string]string{"MaxInFlight": "PROVIDER_MAX_IN_FLIGHT", "GracefulStop": "PROVIDER_GRACEFUL_STOP",
-		"ReconcileInterval": "PROVIDER_RECONCILE_INTERVAL"}
+		"ReconcileInterval": "PROVIDER_RECONCILE_INTERVAL", "RelayIdleTimeout": "PROVIDER_RELAY_IDLE_TIMEOUT",
+		"RouteMaxHeld": "PROVIDER_ROUTE_MAX_HELD"}
 	if n, ok := names[field]; ok {
 		return n
 	}
@@ -95,6 +98,12 @@ func (c config) check() error {
 	}
 	if c.ReconcileInterval < time.Second || c.ReconcileInterval > time.Hour {
 		return bad("PROVIDER_RECONCILE_INTERVAL", c.ReconcileInterval.String(), "use a duration from 1s to 1h")
+	}
+	if c.RelayIdleTimeout < time.Minute || c.RelayIdleTimeout > 24*time.Hour {
+		return bad("PROVIDER_RELAY_IDLE_TIMEOUT", c.RelayIdleTimeout.String(), "use a duration from 60s (the protocol's floor for idle closes) to 24h")
+	}
+	if c.RouteMaxHeld < 1 || c.RouteMaxHeld > 65536 {
+		return bad("PROVIDER_ROUTE_MAX_HELD", fmt.Sprint(c.RouteMaxHeld), "use a whole number from 1 to 65536")
 	}
 	switch c.GuestDialer {
 	case "netns", "proxy":

@@ -25,8 +25,10 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -88,8 +90,13 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	}
 	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	if _, err := client.GetServer(startCtx); err != nil {
+	server, err := client.GetServer(startCtx)
+	if err != nil {
 		return fmt.Errorf("incus is not reachable (%s): %w", incusWhere(cfg), err)
+	}
+	// A template may only offer power states this host can reach.
+	if err := catalog.CheckHost(templates.HostOf(server)); err != nil {
+		return err
 	}
 	if err := catalog.Resolve(startCtx, imageResolver{client}); err != nil {
 		return err
@@ -116,12 +123,28 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	})
 	srvCtx, cancelServe := context.WithCancel(ctx)
 	defer cancelServe()
-	ctrl := controller.NewHandler(srvCtx, controller.Options{
-		Backend:     svc,
+	routeHandler, err := routes.New(srvCtx, routes.Options{
+		Targets:     svc,
+		Dialer:      dialer,
 		Credential:  credential,
-		MaxInFlight: cfg.MaxInFlight,
-		Metrics:     controller.NewMetrics(reg),
-		Log:         log.Named("controller"),
+		Metrics:     routes.NewMetrics(reg),
+		Log:         log.Named("routes"),
+		IdleTimeout: cfg.RelayIdleTimeout,
+		MaxHeld:     cfg.RouteMaxHeld,
+	})
+	if err != nil {
+		return fmt.Errorf("data routes: %w", err)
+	}
+	// Before the reconciler and the idle loop run: power changes consult the relays.
+	svc.UseRelays(routeHandler.Registry())
+	idleLoop := idle.New(idle.Config{Inventory: svc, Dialer: dialer, Metrics: idle.NewMetrics(reg), Log: log.Named("idle")})
+	ctrl := controller.NewHandler(srvCtx, controller.Options{
+		Backend:      svc,
+		Capabilities: controller.Capabilities{Power: true},
+		Credential:   credential,
+		MaxInFlight:  cfg.MaxInFlight,
+		Metrics:      controller.NewMetrics(reg),
+		Log:          log.Named("controller"),
 	})
 
 	mux := http.NewServeMux()
@@ -129,6 +152,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	// names none, so the root serves the controller too.
 	mux.Handle("/control", ctrl)
 	mux.Handle("/{$}", ctrl)
+	mux.Handle(routeHandler.Prefix()+"/", routeHandler)
 	main := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, ErrorLog: zap.NewStdLog(log.Named("http"))}
 	ln, scheme, err := listen(ctx, cfg)
 	if err != nil {
@@ -142,6 +166,13 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		defer wg.Done()
 		if err := svc.Run(srvCtx); err != nil {
 			errc <- fmt.Errorf("reconciler: %w", err)
+		}
+	}()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := idleLoop.Run(srvCtx); err != nil {
+			errc <- fmt.Errorf("idle loop: %w", err)
 		}
 	}()
 	wg.Add(1)
