@@ -62,11 +62,10 @@ func NewHandler(ctx context.Context, opts Options) *Handler {
 	if opts.ServerName == "" {
 		opts.ServerName = "incus-provider"
 	}
-	b := buildinfo.Read()
 	h := &Handler{
 		opts: opts,
 		ctx:  ctx,
-		info: BuildInfo{Name: opts.ServerName, Version: b.Version, GitSha: b.GitSha, Target: b.Target},
+		info: buildinfo.Describe(opts.ServerName),
 		upgrader: websocket.Upgrader{
 			HandshakeTimeout: 10 * time.Second,
 			ReadBufferSize:   64 << 10,

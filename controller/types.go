@@ -4,6 +4,7 @@ import (
 	"strconv"
 
 	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
 
@@ -14,12 +15,7 @@ const ProtocolVersion = 4
 const Plane = "controller"
 
 // BuildInfo describes a peer's build: descriptive only, never an authority.
-type BuildInfo struct {
-	Name    string `json:"name" wire:"info"`
-	Version string `json:"version,omitempty" wire:"info"`
-	GitSha  string `json:"gitSha,omitempty" wire:"info"`
-	Target  string `json:"target,omitempty" wire:"info"`
-}
+type BuildInfo = buildinfo.Peer
 
 // InitializeParams opens a controller connection.
 type InitializeParams struct {

@@ -36,3 +36,18 @@ func Read() Info {
 	}
 	return info
 }
+
+// Peer is clientInfo or serverInfo on every plane: a build's description.
+// It is descriptive only; nothing selects, gates or authenticates on it.
+type Peer struct {
+	Name    string `json:"name" wire:"info"`
+	Version string `json:"version,omitempty" wire:"info"`
+	GitSha  string `json:"gitSha,omitempty" wire:"info"`
+	Target  string `json:"target,omitempty" wire:"info"`
+}
+
+// Describe is this binary's build as a peer named name.
+func Describe(name string) Peer {
+	b := Read()
+	return Peer{Name: name, Version: b.Version, GitSha: b.GitSha, Target: b.Target}
+}

@@ -1,6 +1,10 @@
 package devguest
 
-import "encoding/json"
+import (
+	"encoding/json"
+
+	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
+)
 
 // ProtocolVersion is the data-plane version this daemon speaks.
 const ProtocolVersion = 5
@@ -9,12 +13,7 @@ const ProtocolVersion = 5
 const Plane = "data"
 
 // BuildInfo is clientInfo or serverInfo: a peer's build, descriptive only.
-type BuildInfo struct {
-	Name    string `json:"name" wire:"info"`
-	Version string `json:"version,omitempty" wire:"info"`
-	GitSha  string `json:"gitSha,omitempty" wire:"info"`
-	Target  string `json:"target,omitempty" wire:"info"`
-}
+type BuildInfo = buildinfo.Peer
 
 // InitializeParams are the data-plane initialize params.
 type InitializeParams struct {

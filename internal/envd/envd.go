@@ -27,6 +27,7 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
@@ -38,12 +39,7 @@ const ProtocolVersion = 5
 const Plane = "data"
 
 // ClientInfo describes this client's build in initialize (descriptive only).
-type ClientInfo struct {
-	Name    string `json:"name" wire:"info"`
-	Version string `json:"version,omitempty" wire:"info"`
-	GitSha  string `json:"gitSha,omitempty" wire:"info"`
-	Target  string `json:"target,omitempty" wire:"info"`
-}
+type ClientInfo = buildinfo.Peer
 
 // ServerInfo describes the daemon's build, as it reported it.
 type ServerInfo = ClientInfo
