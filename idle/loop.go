@@ -87,8 +87,7 @@ func (c *Config) defaults() {
 		c.ActionTimeout = 2 * time.Minute
 	}
 	if c.ClientInfo.Name == "" {
-		b := buildinfo.Read()
-		c.ClientInfo = envd.ClientInfo{Name: "incus-provider-idle", Version: b.Version, GitSha: b.GitSha, Target: b.Target}
+		c.ClientInfo = buildinfo.Describe("incus-provider-idle")
 	}
 	if c.Log == nil {
 		c.Log = zap.NewNop()

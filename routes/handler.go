@@ -118,8 +118,7 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 		opts.WakeBudget = 30 * time.Second
 	}
 	if opts.ClientInfo.Name == "" {
-		b := buildinfo.Read()
-		opts.ClientInfo = envd.ClientInfo{Name: "incus-provider", Version: b.Version, GitSha: b.GitSha, Target: b.Target}
+		opts.ClientInfo = buildinfo.Describe("incus-provider")
 	}
 	if opts.Port == nil {
 		opts.Port = func(inst *incus.Instance) int {
