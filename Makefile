@@ -1,6 +1,8 @@
 # The two commands a newcomer runs (as root, on Debian 12): `make run` and
 # `make test`. Both install and start what they need and are safe to repeat.
 SHELL := /bin/bash
+# Go lives in /usr/local/go on these machines; keep it reachable from a bare PATH.
+export PATH := $(PATH):/usr/local/go/bin
 GO ?= go
 BIN := bin
 export GOFLAGS ?= -mod=mod
