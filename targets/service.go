@@ -340,7 +340,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 		if pending {
 			return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
-				Message: "A create is still in progress in Incus; the close follows it."}, nil
+				Message: "Incus still has an operation in progress on the instance; the close follows it."}, nil
 		}
 		return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
