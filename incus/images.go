@@ -2,6 +2,7 @@ package incus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -65,4 +66,16 @@ func (c *Client) GetImageAlias(ctx context.Context, alias string) (string, error
 		return "", fmt.Errorf("incus: get image alias %q: %w", alias, &Error{Op: "image.alias.get", Status: resp.httpStatus, Err: fmt.Errorf("%w: alias without target", ErrMalformedResponse)})
 	}
 	return a.Target, nil
+}
+
+// ImageExists says whether the image is in the client's project.
+func (c *Client) ImageExists(ctx context.Context, fingerprint string) (bool, error) {
+	_, err := c.GetImage(ctx, fingerprint)
+	if errors.Is(err, ErrNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return true, nil
 }

@@ -319,3 +319,13 @@ func cloneDevices(m map[string]map[string]string) map[string]map[string]string {
 	}
 	return out
 }
+
+// InitPID is the host PID of the instance's init process: what a caller
+// needs to enter the instance's namespaces. A stopped instance has none (0).
+func (c *Client) InitPID(ctx context.Context, name string) (int, error) {
+	st, err := c.GetInstanceState(ctx, name)
+	if err != nil {
+		return 0, err
+	}
+	return int(st.Pid), nil
+}
