@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -21,6 +19,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -50,50 +49,17 @@ func newE2E(t *testing.T) *e2e {
 	t.Helper()
 	client := incustest.Client(t)
 	image := incustest.Image(t)
-	path := filepath.Join(t.TempDir(), "templates.yaml")
 	// The template's default policy is long; the tests' targets name the
 	// short one at create, as target/create's idle lets them.
-	body := fmt.Sprintf(`templates:
+	catalog := testrig.Catalog(t, client, image, `templates:
   - templateId: dev
     displayName: development guest
     powerStates: [running, paused, stopped]
     idle: {pauseAfterMs: 600000, stopAfterMs: 3600000, closeAfterMs: 86400000}
-    imageAlias: %s
-`, image)
-	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	catalog, err := templates.Load(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := catalog.Resolve(ctx, resolver{client}); err != nil {
-		t.Fatal(err)
-	}
-	dialer, err := guest.New(guest.KindNetns, func(ctx context.Context, instance string) (int, error) {
-		st, err := client.GetInstanceState(ctx, instance)
-		if err != nil {
-			return 0, err
-		}
-		return int(st.Pid), nil
-	}, t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
+    imageAlias: {{image}}
+`)
+	dialer := testrig.NetnsDialer(t, client)
 	return &e2e{t: t, client: client, catalog: catalog, dialer: dialer}
-}
-
-type resolver struct{ c *incus.Client }
-
-func (r resolver) ImageAliasTarget(ctx context.Context, alias string) (string, error) {
-	return r.c.GetImageAlias(ctx, alias)
-}
-
-func (r resolver) ImageExists(ctx context.Context, fp string) (bool, error) {
-	_, err := r.c.GetImage(ctx, fp)
-	return err == nil, nil
 }
 
 // provider runs a targets service and an idle loop, as one provider

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -17,13 +15,12 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
-	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/targets"
-	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
 // These tests run the data routes against the real Incus on this machine,
@@ -57,40 +54,18 @@ func newIncusRig(t *testing.T) *incusRig {
 	t.Helper()
 	client := incustest.Client(t)
 	image := incustest.Image(t)
-	path := filepath.Join(t.TempDir(), "templates.yaml")
-	body := fmt.Sprintf(`templates:
+	catalog := testrig.Catalog(t, client, image, `templates:
   - templateId: t1
     displayName: test guest
     powerStates: [running, paused, stopped]
-    imageAlias: %s
+    imageAlias: {{image}}
   - templateId: wrongport
     displayName: a guest whose daemon is not where the template says
     powerStates: [running, paused, stopped]
-    imageAlias: %s
+    imageAlias: {{image}}
     daemonPort: 19999
-`, image, image)
-	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	catalog, err := templates.Load(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := catalog.Resolve(ctx, resolver{client}); err != nil {
-		t.Fatal(err)
-	}
-	dialer, err := guest.New(guest.KindNetns, func(ctx context.Context, instance string) (int, error) {
-		st, err := client.GetInstanceState(ctx, instance)
-		if err != nil {
-			return 0, err
-		}
-		return int(st.Pid), nil
-	}, t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
+`)
+	dialer := testrig.NetnsDialer(t, client)
 	svc := targets.New(client, catalog, dialer, zaptest.NewLogger(t).Named("targets"),
 		targets.Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
 	runCtx, stop := context.WithCancel(context.Background())
@@ -107,17 +82,6 @@ func newIncusRig(t *testing.T) *incusRig {
 	srv := httptest.NewServer(h)
 	t.Cleanup(func() { srv.Close(); stop(); <-done })
 	return &incusRig{t: t, client: client, svc: svc, counted: counted, h: h, srv: srv, metrics: m}
-}
-
-type resolver struct{ c *incus.Client }
-
-func (r resolver) ImageAliasTarget(ctx context.Context, alias string) (string, error) {
-	return r.c.GetImageAlias(ctx, alias)
-}
-
-func (r resolver) ImageExists(ctx context.Context, fp string) (bool, error) {
-	_, err := r.c.GetImage(ctx, fp)
-	return err == nil, nil
 }
 
 func (ir *incusRig) ctx() context.Context {

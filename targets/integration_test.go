@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -17,6 +16,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -35,61 +35,22 @@ func newHarnessB(t testing.TB) *harness {
 	t.Helper()
 	client := incustest.Client(t)
 	image := incustest.Image(t)
-	return &harness{t: t, client: client, catalog: loadCatalog(t, client, image, false), dialer: netnsDialer(t, client)}
-}
-
-func netnsDialer(t testing.TB, client *incus.Client) guest.Dialer {
-	d, err := guest.New("netns", func(ctx context.Context, instance string) (int, error) {
-		st, err := client.GetInstanceState(ctx, instance)
-		if err != nil {
-			return 0, err
-		}
-		return int(st.Pid), nil
-	}, t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return d
+	return &harness{t: t, client: client, catalog: loadCatalog(t, client, image, false), dialer: testrig.NetnsDialer(t, client)}
 }
 
 func loadCatalog(t testing.TB, client *incus.Client, image string, deprecated bool) *templates.Catalog {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "templates.yaml")
-	body := fmt.Sprintf(`templates:
+	return testrig.Catalog(t, client, image, fmt.Sprintf(`templates:
   - templateId: t1
     displayName: test guest
     powerStates: [running, paused, stopped]
     deprecated: %v
-    imageAlias: %s
+    imageAlias: {{image}}
   - templateId: old
     displayName: deprecated guest
     deprecated: true
-    imageAlias: %s
-`, deprecated, image, image)
-	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cat, err := templates.Load(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := cat.Resolve(ctx, resolver{client}); err != nil {
-		t.Fatal(err)
-	}
-	return cat
-}
-
-type resolver struct{ c *incus.Client }
-
-func (r resolver) ImageAliasTarget(ctx context.Context, alias string) (string, error) {
-	return r.c.GetImageAlias(ctx, alias)
-}
-
-func (r resolver) ImageExists(ctx context.Context, fp string) (bool, error) {
-	_, err := r.c.GetImage(ctx, fp)
-	return err == nil, nil
+    imageAlias: {{image}}
+`, deprecated))
 }
 
 // start runs a service (one "provider process") until the test ends or stop is called.

@@ -222,7 +222,7 @@ func normalizeYAML(v any) any {
 
 // ImageResolver is what Resolve needs from Incus.
 type ImageResolver interface {
-	ImageAliasTarget(ctx context.Context, alias string) (fingerprint string, err error)
+	GetImageAlias(ctx context.Context, alias string) (fingerprint string, err error)
 	ImageExists(ctx context.Context, fingerprint string) (bool, error)
 }
 
@@ -231,7 +231,7 @@ type ImageResolver interface {
 func (c *Catalog) Resolve(ctx context.Context, r ImageResolver) error {
 	for _, t := range c.list {
 		if t.ImageAlias != "" {
-			fp, err := r.ImageAliasTarget(ctx, t.ImageAlias)
+			fp, err := r.GetImageAlias(ctx, t.ImageAlias)
 			if err != nil {
 				return fmt.Errorf("templates file %s: template %q: image alias %q cannot be resolved in Incus: %w", c.path, t.Wire.TemplateID, t.ImageAlias, err)
 			}

@@ -98,18 +98,12 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if err := catalog.CheckHost(templates.HostOf(server)); err != nil {
 		return err
 	}
-	if err := catalog.Resolve(startCtx, imageResolver{client}); err != nil {
+	if err := catalog.Resolve(startCtx, client); err != nil {
 		return err
 	}
 	cancel()
 
-	dialer, err := guest.New(cfg.GuestDialer, func(ctx context.Context, instance string) (int, error) {
-		st, err := client.GetInstanceState(ctx, instance)
-		if err != nil {
-			return 0, fmt.Errorf("read instance state: %w", err)
-		}
-		return int(st.Pid), nil
-	}, cfg.GuestSocketDir)
+	dialer, err := guest.New(cfg.GuestDialer, client.InitPID, cfg.GuestSocketDir)
 	if err != nil {
 		return fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err)
 	}
@@ -278,27 +272,6 @@ func controlURL(cfg config, scheme string) string {
 		return "unix://" + strings.TrimPrefix(cfg.Listen, "unix:")
 	}
 	return scheme + "://" + cfg.Listen + "/control"
-}
-
-type imageResolver struct{ c *incus.Client }
-
-func (r imageResolver) ImageAliasTarget(ctx context.Context, alias string) (string, error) {
-	fp, err := r.c.GetImageAlias(ctx, alias)
-	if err != nil {
-		return "", fmt.Errorf("get image alias: %w", err)
-	}
-	return fp, nil
-}
-
-func (r imageResolver) ImageExists(ctx context.Context, fingerprint string) (bool, error) {
-	_, err := r.c.GetImage(ctx, fingerprint)
-	if errors.Is(err, incus.ErrNotFound) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("get image: %w", err)
-	}
-	return true, nil
 }
 
 func readyz(client *incus.Client, catalog *templates.Catalog) http.HandlerFunc {

@@ -67,10 +67,10 @@ func runChild() error {
 
 	rctx, rcancel := context.WithTimeout(ctx, 30*time.Second)
 	defer rcancel()
-	if err := catalog.Resolve(rctx, imageResolver{client}); err != nil {
+	if err := catalog.Resolve(rctx, client); err != nil {
 		return err
 	}
-	dialer, err := guest.New(guest.KindNetns, pidLookup(client), "")
+	dialer, err := guest.New(guest.KindNetns, client.InitPID, "")
 	if err != nil {
 		return err
 	}
@@ -152,16 +152,6 @@ func runChild() error {
 	return nil
 }
 
-func pidLookup(client *incus.Client) guest.PIDLookup {
-	return func(ctx context.Context, instance string) (int, error) {
-		st, err := client.GetInstanceState(ctx, instance)
-		if err != nil {
-			return 0, err
-		}
-		return int(st.Pid), nil
-	}
-}
-
 // residentBytes reads VmRSS from /proc/self/status.
 func residentBytes() (uint64, error) {
 	f, err := os.Open("/proc/self/status")
@@ -180,18 +170,4 @@ func residentBytes() (uint64, error) {
 		}
 	}
 	return 0, errors.New("no VmRSS in /proc/self/status")
-}
-
-type imageResolver struct{ c *incus.Client }
-
-func (r imageResolver) ImageAliasTarget(ctx context.Context, alias string) (string, error) {
-	return r.c.GetImageAlias(ctx, alias)
-}
-
-func (r imageResolver) ImageExists(ctx context.Context, fingerprint string) (bool, error) {
-	_, err := r.c.GetImage(ctx, fingerprint)
-	if errors.Is(err, incus.ErrNotFound) {
-		return false, nil
-	}
-	return err == nil, err
 }
