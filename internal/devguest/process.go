@@ -341,6 +341,10 @@ func (d *Daemon) supervise(pr *proc, cmd *exec.Cmd, eof <-chan struct{}) {
 	if live {
 		report = listGroup(pr.pgid)
 	}
+	// The idle clock learns of the exit before any reader can see it, so a
+	// client that reads "exited" and then asks env/getIdle never finds the
+	// process still counted as running.
+	d.idle.rootEnded(live)
 	pr.mu.Lock()
 	pr.exited = true
 	pr.exit = exit
@@ -348,7 +352,6 @@ func (d *Daemon) supervise(pr *proc, cmd *exec.Cmd, eof <-chan struct{}) {
 	pr.leftovers = report
 	pr.notifyLocked()
 	pr.mu.Unlock()
-	d.idle.rootEnded(live)
 	if !live {
 		pr.stopTimers()
 		return
