@@ -60,7 +60,7 @@ func Server(t testing.TB) *incus.Client {
 	if _, err := os.Stat(Socket()); err != nil {
 		unavailable(t, fmt.Sprintf("no Incus socket: %v", err))
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	srv, err := c.GetServer(ctx)
 	if err == nil && srv.Auth != "trusted" {
