@@ -4,7 +4,7 @@ set -euo pipefail
 STATE_DIR=${STATE_DIR:-/run/incus-provider-dev}
 pidfile="$STATE_DIR/incusd.pid"
 [ -f "$pidfile" ] || exit 0
-pid=$(cat "$pidfile")
+read -r pid _ < "$pidfile"
 rm -f "$pidfile"
 if kill -0 "$pid" 2>/dev/null && grep -q incusd "/proc/$pid/cmdline" 2>/dev/null; then
   incus admin shutdown --timeout 30 >/dev/null 2>&1 || kill "$pid" 2>/dev/null || true

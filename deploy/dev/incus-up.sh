@@ -47,7 +47,8 @@ if ! answering; then
   # Its own session, and no inherited output: a daemon holding the caller's
   # pipe open would keep a CI run from ever ending.
   setsid "$INCUSD" --group root --logfile "$LOG" </dev/null >>"$LOG.out" 2>&1 &
-  echo $! > "$STATE_DIR/incusd.pid"
+  # The start instant makes each start's record unique, even if a PID repeats.
+  echo "$! $(date +%s%N)" > "$STATE_DIR/incusd.pid"
   if ! incus admin waitready --timeout=60 >/dev/null 2>&1; then
     say "incusd did not become ready within 60 s; see $LOG"
     exit 1

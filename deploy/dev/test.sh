@@ -9,8 +9,10 @@ export GOFLAGS=${GOFLAGS:--mod=mod}
 STATE_DIR=${STATE_DIR:-/run/incus-provider-dev}
 step() { printf '\n== %s\n' "$*"; }
 
+# We stop incusd at the end only if this run started it: incus-up.sh
+# writes a new PID file exactly when it starts the daemon.
+pid_before=$(cat "$STATE_DIR/incusd.pid" 2>/dev/null || true)
 started_incus=0
-[ -f "$STATE_DIR/incusd.pid" ] || started_incus=1
 provider_pid=""
 conform_project="lsconform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 work=$(mktemp -d)
@@ -29,7 +31,8 @@ trap cleanup EXIT
 
 step "Incus"
 deploy/dev/incus-up.sh
-[ -f "$STATE_DIR/incusd.pid" ] || started_incus=0
+pid_after=$(cat "$STATE_DIR/incusd.pid" 2>/dev/null || true)
+if [ -n "$pid_after" ] && [ "$pid_after" != "$pid_before" ]; then started_incus=1; fi
 
 step "development guest image"
 deploy/guest/build-image.sh
