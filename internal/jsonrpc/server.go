@@ -171,7 +171,7 @@ func (c *conn) handle(ctx context.Context, data []byte) {
 		// Handshake rule 1 comes first: before initialize, every other
 		// request is notInitialized, whatever its params.
 		if _, isObject := raw.(map[string]any); !isObject && (method == "initialize" || c.isInitialized()) {
-			c.finish(env, time.Now(), nil, InvalidParams("", "The params must be an object of named members, not %s.", describe(raw)))
+			c.finish(env, time.Now(), nil, InvalidParams("", "The params must be an object of named members, not %s.", wire.Describe(raw)))
 			return
 		}
 		env.params, _ = json.Marshal(raw)
@@ -222,23 +222,6 @@ func envelopeProblem(obj map[string]any) string {
 		return "A request needs a string method."
 	}
 	return ""
-}
-
-func describe(v any) string {
-	switch v.(type) {
-	case nil:
-		return "null"
-	case []any:
-		return "an array"
-	case string:
-		return "a string"
-	case bool:
-		return "a boolean"
-	case json.Number:
-		return "a number"
-	default:
-		return fmt.Sprintf("%T", v)
-	}
 }
 
 func (c *conn) notify(ctx context.Context, obj map[string]any, method string) {

@@ -392,11 +392,14 @@ func sortedKeys(obj map[string]any) []string {
 }
 
 func typeError(path, want string, got any) *FieldError {
-	return &FieldError{Path: path, Problem: "must be " + want + ", not " + describe(got)}
+	return &FieldError{Path: path, Problem: "must be " + want + ", not " + Describe(got)}
 }
 
-func describe(v any) string {
+// Describe names the JSON type of a parsed value, as refusals quote it.
+func Describe(v any) string {
 	switch v.(type) {
+	case nil:
+		return "null"
 	case map[string]any:
 		return "an object"
 	case []any:
