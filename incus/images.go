@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/http"
 	"time"
 )
 
@@ -38,29 +37,20 @@ type ImageAliasEntry struct {
 // client's project. In a project with features.images=false that is the
 // default project's image store.
 func (c *Client) GetImage(ctx context.Context, fingerprint string) (*Image, error) {
-	resp, err := c.do(ctx, request{op: "image.get", method: http.MethodGet, scoped: true, path: "/1.0/images/" + escape(fingerprint)})
-	if err != nil {
-		return nil, fmt.Errorf("incus: get image %q: %w", fingerprint, err)
-	}
-	var img Image
-	if err := decode("image.get", resp, &img); err != nil {
-		return nil, fmt.Errorf("incus: get image %q: %w", fingerprint, err)
-	}
-	return &img, nil
+	img, _, err := get[Image](ctx, c, request{op: "image.get", scoped: true, path: "/1.0/images/" + escape(fingerprint)},
+		fmt.Sprintf("get image %q", fingerprint))
+	return img, err
 }
 
 // GetImageAlias resolves an image alias in the client's project to the
 // fingerprint it points at.
 func (c *Client) GetImageAlias(ctx context.Context, alias string) (string, error) {
-	resp, err := c.do(ctx, request{op: "image.alias.get", method: http.MethodGet, scoped: true, path: "/1.0/images/aliases/" + escape(alias)})
-	if err != nil {
-		return "", fmt.Errorf("incus: get image alias %q: %w", alias, err)
-	}
-	var a struct {
+	a, resp, err := get[struct {
 		Target string `json:"target"`
-	}
-	if err := decode("image.alias.get", resp, &a); err != nil {
-		return "", fmt.Errorf("incus: get image alias %q: %w", alias, err)
+	}](ctx, c, request{op: "image.alias.get", scoped: true, path: "/1.0/images/aliases/" + escape(alias)},
+		fmt.Sprintf("get image alias %q", alias))
+	if err != nil {
+		return "", err
 	}
 	if a.Target == "" {
 		return "", fmt.Errorf("incus: get image alias %q: %w", alias, &Error{Op: "image.alias.get", Status: resp.httpStatus, Err: fmt.Errorf("%w: alias without target", ErrMalformedResponse)})

@@ -152,46 +152,31 @@ func instancePath(name string) string { return "/1.0/instances/" + escape(name) 
 // GetInstance fetches an instance and its ETag (for UpdateInstance).
 // A missing instance gives an error matching ErrNotFound.
 func (c *Client) GetInstance(ctx context.Context, name string) (*Instance, string, error) {
-	resp, err := c.do(ctx, request{op: "instance.get", method: http.MethodGet, scoped: true, path: instancePath(name)})
+	inst, resp, err := get[Instance](ctx, c, request{op: "instance.get", scoped: true, path: instancePath(name)},
+		fmt.Sprintf("get instance %q", name))
 	if err != nil {
-		return nil, "", fmt.Errorf("incus: get instance %q: %w", name, err)
+		return nil, "", err
 	}
-	var inst Instance
-	if err := decode("instance.get", resp, &inst); err != nil {
-		return nil, "", fmt.Errorf("incus: get instance %q: %w", name, err)
-	}
-	return &inst, resp.etag, nil
+	return inst, resp.etag, nil
 }
 
 // ListInstances returns all instances of the client's project. Incus does
 // not check the project on list calls: a project that does not exist lists
 // as empty, not as an error (Incus 6.0.4; ListOperations alike).
 func (c *Client) ListInstances(ctx context.Context) ([]Instance, error) {
-	resp, err := c.do(ctx, request{
-		op: "instance.list", method: http.MethodGet, scoped: true,
-		path: "/1.0/instances", query: url.Values{"recursion": {"1"}},
-	})
+	out, _, err := get[[]Instance](ctx, c, request{op: "instance.list", scoped: true,
+		path: "/1.0/instances", query: url.Values{"recursion": {"1"}}}, "list instances")
 	if err != nil {
-		return nil, fmt.Errorf("incus: list instances: %w", err)
+		return nil, err
 	}
-	var out []Instance
-	if err := decode("instance.list", resp, &out); err != nil {
-		return nil, fmt.Errorf("incus: list instances: %w", err)
-	}
-	return out, nil
+	return *out, nil
 }
 
 // GetInstanceState fetches the runtime state of an instance.
 func (c *Client) GetInstanceState(ctx context.Context, name string) (*InstanceState, error) {
-	resp, err := c.do(ctx, request{op: "instance.state.get", method: http.MethodGet, scoped: true, path: instancePath(name) + "/state"})
-	if err != nil {
-		return nil, fmt.Errorf("incus: get instance state %q: %w", name, err)
-	}
-	var st InstanceState
-	if err := decode("instance.state.get", resp, &st); err != nil {
-		return nil, fmt.Errorf("incus: get instance state %q: %w", name, err)
-	}
-	return &st, nil
+	st, _, err := get[InstanceState](ctx, c, request{op: "instance.state.get", scoped: true, path: instancePath(name) + "/state"},
+		fmt.Sprintf("get instance state %q", name))
+	return st, err
 }
 
 // CreateInstance starts creating an instance and returns the operation

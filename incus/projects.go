@@ -41,15 +41,8 @@ func (c *Client) CreateProject(ctx context.Context, name string, config map[stri
 
 // GetProject fetches a project.
 func (c *Client) GetProject(ctx context.Context, name string) (*Project, error) {
-	resp, err := c.do(ctx, request{op: "project.get", method: http.MethodGet, path: projectPath(name)})
-	if err != nil {
-		return nil, fmt.Errorf("incus: get project %q: %w", name, err)
-	}
-	var p Project
-	if err := decode("project.get", resp, &p); err != nil {
-		return nil, fmt.Errorf("incus: get project %q: %w", name, err)
-	}
-	return &p, nil
+	p, _, err := get[Project](ctx, c, request{op: "project.get", path: projectPath(name)}, fmt.Sprintf("get project %q", name))
+	return p, err
 }
 
 // DeleteProject deletes an empty project. Incus refuses a project that

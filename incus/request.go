@@ -193,6 +193,21 @@ func outcome(err error) string {
 	}
 }
 
+// get runs a GET and decodes its metadata into a T; what names the call in
+// the error ("get instance \"x\"").
+func get[T any](ctx context.Context, c *Client, r request, what string) (*T, *response, error) {
+	r.method = http.MethodGet
+	resp, err := c.do(ctx, r)
+	if err != nil {
+		return nil, nil, fmt.Errorf("incus: %s: %w", what, err)
+	}
+	var v T
+	if err := decode(r.op, resp, &v); err != nil {
+		return nil, nil, fmt.Errorf("incus: %s: %w", what, err)
+	}
+	return &v, resp, nil
+}
+
 // decode unmarshals the response metadata into v.
 func decode(op string, resp *response, v any) error {
 	if err := json.Unmarshal(resp.Metadata, v); err != nil {

@@ -2,8 +2,6 @@ package incus
 
 import (
 	"context"
-	"fmt"
-	"net/http"
 	"slices"
 )
 
@@ -47,13 +45,6 @@ func (s *Server) HasExtension(name string) bool {
 // GetServer fetches the server description. It is also the cheapest way to
 // check that the server is reachable and trusts us (Auth == "trusted").
 func (c *Client) GetServer(ctx context.Context) (*Server, error) {
-	resp, err := c.do(ctx, request{op: "server.get", method: http.MethodGet, path: "/1.0"})
-	if err != nil {
-		return nil, fmt.Errorf("incus: get server: %w", err)
-	}
-	var s Server
-	if err := decode("server.get", resp, &s); err != nil {
-		return nil, fmt.Errorf("incus: get server: %w", err)
-	}
-	return &s, nil
+	s, _, err := get[Server](ctx, c, request{op: "server.get", path: "/1.0"}, "get server")
+	return s, err
 }
