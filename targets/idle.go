@@ -27,9 +27,11 @@ var (
 // IdleTargets lists every target the provider owns in its project, with
 // what the idle loop needs: phase and power as Observe reports them, the
 // idle policy recorded at create, the template's power-down stages, the
-// daemon port and the recorded idle-since instant. One Incus call.
+// daemon port and the recorded idle-since instant. It shares the
+// reconciler's listing (see instances), so the two loops decode the
+// project's inventory once per period between them, not twice.
 func (s *Service) IdleTargets(ctx context.Context) ([]idle.Target, error) {
-	list, err := s.incus.ListInstances(ctx)
+	list, err := s.instances(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -119,8 +121,15 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action
 		return ErrRelayOpen
 	}
 	if action == idle.ActionClose {
+		// Hold new dials off while the close is recorded, as a power-down
+		// does: a dial that wakes the target now would be cut by the delete.
+		release, err := s.quiesce(t.Name)
+		if err != nil {
+			return err
+		}
+		defer release()
 		if inst.Config[keyClosing] == "" {
-			if err := s.incus.PatchInstanceConfig(ctx, t.Name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+			if err := s.patch(ctx, t.Name, map[string]string{keyClosing: msString(s.now())}); err != nil {
 				return err
 			}
 		}

@@ -39,6 +39,7 @@ func (s *Service) act(ctx context.Context, name string, put incus.InstanceStateP
 		return err
 	}
 	_, err = s.wait(ctx, op, most)
+	s.listingChanged()
 	return err
 }
 
@@ -89,9 +90,11 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance) (from controll
 	if err != nil {
 		return o.Power, err
 	}
-	s.dialer.Forget(inst.Name)
+	if o.Power != controller.PowerPaused {
+		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
+	}
 	if inst.Config[KeyIdleSince] != "" {
-		if perr := s.incus.PatchInstanceConfig(ctx, inst.Name, map[string]string{KeyIdleSince: ""}); perr != nil {
+		if perr := s.patch(ctx, inst.Name, map[string]string{KeyIdleSince: ""}); perr != nil {
 			s.log.Warn("clearing idle-since failed", zap.String("instance", inst.Name), zap.Error(perr))
 		}
 	}
@@ -110,10 +113,12 @@ func (s *Service) PowerDown(ctx context.Context, name string, to controller.Powe
 		return err
 	}
 	defer release()
-	if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{KeyIdleSince: msString(idleSince)}); err != nil {
+	if err := s.patch(ctx, name, map[string]string{KeyIdleSince: msString(idleSince)}); err != nil {
 		return err
 	}
-	s.dialer.Forget(name)
+	if to != controller.PowerPaused {
+		s.dialer.Forget(name) // a freeze keeps the init process
+	}
 	switch to {
 	case controller.PowerPaused:
 		return s.act(ctx, name, incus.InstanceStatePut{Action: "freeze"}, 30*time.Second)
@@ -142,7 +147,12 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		return controller.Observation{}, jsonrpc.InvalidParams("power", "The target's template does not offer power state %s; template/list names the states it offers.", power)
 	}
 	unlock := s.locks.lock(name)
-	defer unlock()
+	released := false
+	defer func() {
+		if !released {
+			unlock()
+		}
+	}()
 	// Read again under the lock: the idle loop or another setPower may
 	// have moved the target meanwhile.
 	if inst, err = s.lookup(ctx, name); err != nil {
@@ -184,6 +194,10 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		s.moves.end(name, mv)
 		return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "The provider is shutting down; retry shortly.")
 	}
+	// The move is recorded: close, create and the idle loop need not wait
+	// on this answer's bound for the lock.
+	unlock()
+	released = true
 	wait, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
 	defer cancel()
 	select {

@@ -36,7 +36,7 @@ func (s *Service) Run(ctx context.Context) error {
 func (s *Service) pass(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	list, err := s.incus.ListInstances(ctx)
+	list, err := s.instances(ctx)
 	if err != nil {
 		return err
 	}
@@ -105,11 +105,7 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
 	if pending, err := s.createPending(ctx, name); err != nil || pending {
 		return // Incus is still creating (and starting) it
 	}
-	op, err := s.incus.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: "start"})
-	if err == nil {
-		_, err = s.wait(ctx, op, time.Minute)
-	}
-	if err != nil {
+	if err := s.act(ctx, name, incus.InstanceStatePut{Action: "start"}, time.Minute); err != nil {
 		if ctx.Err() != nil {
 			return
 		}
@@ -120,7 +116,7 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
 		s.log.Warn("starting a new instance failed", zap.String("instance", name), zap.Int("attempt", n), zap.Error(err))
 		if n >= s.cfg.StartAttempts {
 			msg := "The instance could not be started after several attempts; the provider's log has the details."
-			if perr := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyFailure: msg}); perr != nil {
+			if perr := s.patch(ctx, name, map[string]string{keyFailure: msg}); perr != nil {
 				s.log.Warn("recording the failure failed", zap.String("instance", name), zap.Error(perr))
 			}
 		}
@@ -133,7 +129,7 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
 }
 
 func (s *Service) markBooted(ctx context.Context, name string) {
-	if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyBooted: msString(s.now())}); err != nil {
+	if err := s.patch(ctx, name, map[string]string{keyBooted: msString(s.now())}); err != nil {
 		s.log.Warn("marking the instance booted failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
 		return
 	}
@@ -147,35 +143,21 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 	s.dialer.Forget(name)
 	if inst.Status == "Frozen" || inst.Status == "Freezing" {
 		// A frozen guest cannot shut itself down.
-		if op, err := s.incus.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}); err == nil {
-			_, _ = s.wait(ctx, op, 30*time.Second)
-		}
+		_ = s.act(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second)
 	}
 	if inst.Status != "Stopped" {
 		since, ok := parseMs(inst.Config[keyClosing])
 		if !ok {
 			since = s.now()
 		}
-		remaining := s.cfg.GracefulStop - s.now().Sub(since)
-		stopped := false
-		if remaining >= time.Second {
-			op, err := s.incus.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: "stop", Timeout: int(remaining / time.Second)})
-			if err == nil {
-				_, err = s.wait(ctx, op, remaining+10*time.Second)
-			}
-			stopped = err == nil
-		}
-		if !stopped {
-			op, err := s.incus.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: "stop", Force: true})
-			if err == nil {
-				_, err = s.wait(ctx, op, time.Minute)
-			}
-			if err != nil && !isAlreadyStopped(err) {
-				return err
-			}
+		// What is left of the grace since the close was recorded, so a
+		// restarted provider does not grant a second full grace.
+		if err := s.stop(ctx, name, s.cfg.GracefulStop-s.now().Sub(since), false); err != nil {
+			return err
 		}
 	}
 	op, err := s.incus.DeleteInstance(ctx, name)
+	s.listingChanged()
 	if errors.Is(err, incus.ErrNotFound) {
 		return nil
 	}
@@ -200,6 +182,49 @@ func (s *Service) wait(ctx context.Context, op *incus.Operation, most time.Durat
 	ctx, cancel := context.WithTimeout(ctx, most)
 	defer cancel()
 	return s.incus.Wait(ctx, op)
+}
+
+// listing is the last inventory of the project, shared by the reconciler
+// and the idle loop: at 10,000 targets decoding it is most of their CPU.
+type listing struct {
+	mu   sync.Mutex
+	at   time.Time
+	list []incus.Instance
+}
+
+// instances lists the project's instances, reusing a listing younger than
+// the reconcile interval. Callers only read it: every step that acts reads
+// its instance again first, so a listing this old is never acted on blindly.
+func (s *Service) instances(ctx context.Context) ([]incus.Instance, error) {
+	s.listing.mu.Lock()
+	defer s.listing.mu.Unlock()
+	if s.listing.list != nil && s.now().Sub(s.listing.at) < s.cfg.ReconcileInterval {
+		return s.listing.list, nil
+	}
+	list, err := s.incus.ListInstances(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if list == nil {
+		list = []incus.Instance{}
+	}
+	s.listing.at, s.listing.list = s.now(), list
+	return list, nil
+}
+
+// listingChanged drops the shared listing after a change this process made,
+// so neither loop acts a period late on what it just did.
+func (s *Service) listingChanged() {
+	s.listing.mu.Lock()
+	s.listing.list = nil
+	s.listing.mu.Unlock()
+}
+
+// patch sets instance config keys (an empty value removes one).
+func (s *Service) patch(ctx context.Context, name string, set map[string]string) error {
+	err := s.incus.PatchInstanceConfig(ctx, name, set)
+	s.listingChanged()
+	return err
 }
 
 // keyedMutex serializes work per instance name within this process; across

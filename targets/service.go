@@ -56,9 +56,10 @@ type Service struct {
 	cfg     Config
 	now     func() time.Time
 
-	locks  keyedMutex
-	work   *worker
-	relays Relays
+	locks   keyedMutex
+	listing listing
+	work    *worker
+	relays  Relays
 	// startFailures counts failed starts of not-yet-booted instances; the
 	// count lives in memory because a restart deserves fresh attempts.
 	failMu        sync.Mutex
@@ -199,6 +200,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		return controller.Observation{}, err
 	}
 	op, err := s.incus.CreateInstance(ctx, req)
+	s.listingChanged()
 	if err != nil {
 		// Created-but-answer-lost and lost races both end here: whatever
 		// Incus now holds under the name is the answer.
@@ -338,6 +340,15 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		if err != nil {
 			return controller.Observation{}, s.incusError("checking for a create in progress", err)
 		}
+		// Listing operations and then reading again closes the gap in which
+		// a create finishes between the first read and the listing.
+		if !pending {
+			if again, err := s.lookup(ctx, name); err != nil {
+				return controller.Observation{}, s.incusError("checking for a create in progress", err)
+			} else if again != nil {
+				pending = true
+			}
+		}
 		if pending {
 			return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
 				Message: "Incus still has an operation in progress on the instance; the close follows it."}, nil
@@ -345,7 +356,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
 	if inst.Config[keyClosing] == "" {
-		if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+		if err := s.patch(ctx, name, map[string]string{keyClosing: msString(s.now())}); err != nil {
 			unlock()
 			return controller.Observation{}, s.incusError("recording the close", err)
 		}
