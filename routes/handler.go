@@ -80,6 +80,8 @@ type Handler struct {
 	ready   *readiness
 	guarded http.Handler
 	relay   relayConfig
+	// closed is closed once every relay got its going-away close at shutdown.
+	closed chan struct{}
 
 	held atomic.Int64
 
@@ -152,11 +154,18 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 	h.guarded = opts.Credential.Require(http.HandlerFunc(h.serve), func(*http.Request) {
 		h.metrics.dial(OutcomeUnauthorized, 0)
 	})
+	h.closed = make(chan struct{})
 	context.AfterFunc(ctx, func() {
+		defer close(h.closed)
 		h.reg.closeAllRelays(CloseGoingAway, "the provider is shutting down", "shutdown")
 	})
 	return h, nil
 }
+
+// Closed is closed once the context given to New has ended and every relay
+// open then has been sent its going-away close: a process waits on it before
+// it exits, so the close frames are not lost to the exit.
+func (h *Handler) Closed() <-chan struct{} { return h.closed }
 
 // Registry is the relay registry, for targets.Service.UseRelays.
 func (h *Handler) Registry() *Registry { return h.reg }

@@ -227,6 +227,10 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	}
 	cancelServe() // ends WebSocket connections (hijacked, so Shutdown does not) and the reconciler
 	wg.Wait()
+	select {
+	case <-routeHandler.Closed():
+	case <-shutdownCtx.Done():
+	}
 	return runErr
 }
 
