@@ -254,6 +254,10 @@ func (h *Handler) connect(ctx context.Context, route Route) (*guestLink, *Refusa
 	for tk == nil {
 		var err error
 		inst, obs, err = h.opts.Targets.ResolveRoute(ctx, route.Owner, route.TargetID)
+		if errors.Is(err, targets.ErrRouteGone) && route.TargetID == targets.Name(route.Owner) {
+			// The owner's target is gone (closed): forget what was proved of it.
+			h.ready.drop(route.TargetID)
+		}
 		if ref, outcome := h.fenceRefusal(ctx, err); ref != nil {
 			return nil, ref, outcome
 		}

@@ -348,7 +348,8 @@ func (h *Handler) probeOnce(ctx context.Context, t guest.Target) error {
 	if err != nil {
 		return err
 	}
-	go func() { _ = sess.Close() }()
+	// Closed on this flight's goroutine, which owns it: nothing outlives the probe.
+	_ = sess.Close()
 	return nil
 }
 

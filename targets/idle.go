@@ -157,19 +157,14 @@ func idleSinceText(t time.Time) string {
 	return msString(t)
 }
 
+// stagesOf converts the template's power states for idle.StagesOf, the one
+// reading of which stages a template allows.
 func stagesOf(states []controller.Power) idle.Stages {
-	var s idle.Stages
-	for _, p := range states {
-		switch p {
-		case controller.PowerPaused:
-			s |= idle.StagePause
-		case controller.PowerSuspended:
-			s |= idle.StageSuspend
-		case controller.PowerStopped:
-			s |= idle.StageStop
-		}
+	names := make([]string, len(states))
+	for i, p := range states {
+		names[i] = string(p)
 	}
-	return s
+	return idle.StagesOf(names)
 }
 
 // Recorded policies are few distinct strings (a template default, or what a

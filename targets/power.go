@@ -376,6 +376,3 @@ func (s *Service) powerStates(inst *incus.Instance) []controller.Power {
 	}
 	return []controller.Power{controller.PowerRunning, controller.PowerPaused, controller.PowerStopped}
 }
-
-// TemplateOf is the template id recorded on an instance.
-func TemplateOf(inst *incus.Instance) string { return inst.Config[keyTemplate] }

@@ -386,10 +386,7 @@ func (s *Service) createPending(ctx context.Context, name string) (bool, error) 
 		return false, err
 	}
 	want := "/1.0/instances/" + name
-	for _, op := range ops {
-		if op.StatusCode >= 200 {
-			continue
-		}
+	for _, op := range ops { // ListOperations lists unfinished ones only
 		for _, urls := range op.Resources {
 			for _, u := range urls {
 				if u == want || (len(u) > len(want) && u[:len(want)+1] == want+"?") {
