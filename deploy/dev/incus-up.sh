@@ -45,8 +45,10 @@ if ! answering; then
   [ -x "$INCUSD" ] || INCUSD=/usr/libexec/incus/incusd
   say "starting incusd (log: $LOG)"
   # Its own session, and no inherited output: a daemon holding the caller's
-  # pipe open would keep a CI run from ever ending.
-  setsid "$INCUSD" --group root --logfile "$LOG" </dev/null >>"$LOG.out" 2>&1 &
+  # pipe open would keep a CI run from ever ending. INCUS_SKIP_INSTANCE_TYPES
+  # keeps incusd from looking up the public image server's instance types at
+  # start: nothing here may leave this machine.
+  INCUS_SKIP_INSTANCE_TYPES=1 setsid "$INCUSD" --group root --logfile "$LOG" </dev/null >>"$LOG.out" 2>&1 &
   # The start instant makes each start's record unique, even if a PID repeats.
   echo "$! $(date +%s%N)" > "$STATE_DIR/incusd.pid"
   if ! incus admin waitready --timeout=60 >/dev/null 2>&1; then
