@@ -20,6 +20,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
+	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -73,8 +74,11 @@ type provider struct {
 
 func (e *e2e) start() *provider {
 	log := zaptest.NewLogger(e.t)
-	svc := targets.New(e.client, e.catalog, e.dialer, log.Named("targets"),
+	svc, err := targets.New(e.client, e.catalog, e.dialer, relays.New(time.Second), log.Named("targets"),
 		targets.Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+	if err != nil {
+		e.t.Fatal(err)
+	}
 	reg := prometheus.NewRegistry()
 	loop := idle.New(idle.Config{
 		Inventory:       svc,

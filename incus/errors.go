@@ -30,6 +30,11 @@ var (
 	// mistaken for a missing instance.
 	ErrOperationLost = errors.New("incus: operation no longer known to the server")
 
+	// ErrBusy: the instance is busy with another operation (a start, a
+	// stop, a freeze) and Incus refuses to change it until that ends; the
+	// same call may succeed once it has.
+	ErrBusy = errors.New("incus: the instance is busy with another operation")
+
 	// ErrMalformedResponse: the server answered with something that is not
 	// an Incus response envelope.
 	ErrMalformedResponse = errors.New("incus: malformed response")
@@ -69,8 +74,18 @@ func (e *Error) Is(target error) bool {
 		return e.Status == http.StatusConflict || (e.Status >= 400 && isDuplicateMessage(e.Message))
 	case ErrPreconditionFailed:
 		return e.Status == http.StatusPreconditionFailed
+	case ErrBusy:
+		return e.Status >= 400 && isBusyMessage(e.Message)
 	}
 	return false
+}
+
+// isBusyMessage recognises Incus's refusal of a change to an instance that
+// another operation holds (Incus 6.0: "Failed to create instance update
+// operation: Instance is busy running a "start" operation", error code
+// 500); Incus gives it no code of its own.
+func isBusyMessage(msg string) bool {
+	return strings.Contains(msg, "is busy running a")
 }
 
 // OperationError is an operation that reached a final state other than

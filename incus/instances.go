@@ -13,7 +13,7 @@ import (
 type Instance struct {
 	Name         string                       `json:"name"`
 	Type         string                       `json:"type"` // "container" or "virtual-machine"
-	Status       string                       `json:"status"`
+	Status       InstanceStatus               `json:"status"`
 	StatusCode   int                          `json:"status_code"`
 	Description  string                       `json:"description"`
 	Architecture string                       `json:"architecture"`
@@ -49,7 +49,7 @@ func (i *Instance) Writable() InstancePut {
 
 // InstanceState is the runtime state of an instance.
 type InstanceState struct {
-	Status     string                          `json:"status"`
+	Status     InstanceStatus                  `json:"status"`
 	StatusCode int                             `json:"status_code"`
 	Pid        int64                           `json:"pid"`
 	Processes  int64                           `json:"processes"`
@@ -222,13 +222,21 @@ func (c *Client) UpdateInstanceState(ctx context.Context, name string, req Insta
 // removes the key. Incus answers a PATCH synchronously; should it ever hand
 // back an operation, it is waited for.
 func (c *Client) PatchInstanceConfig(ctx context.Context, name string, set map[string]string) error {
+	return c.PatchInstanceConfigIf(ctx, name, set, "")
+}
+
+// PatchInstanceConfigIf is PatchInstanceConfig applied only while the
+// instance is as it was when GetInstance answered etag (empty: always);
+// otherwise the error matches ErrPreconditionFailed. This is how a
+// read-compare-write of intent stays right across provider replicas.
+func (c *Client) PatchInstanceConfigIf(ctx context.Context, name string, set map[string]string, etag string) error {
 	if len(set) == 0 {
 		return nil
 	}
 	body := struct {
 		Config map[string]string `json:"config"`
 	}{set}
-	resp, err := c.do(ctx, request{op: "instance.patch", method: http.MethodPatch, scoped: true, path: instancePath(name), body: body})
+	resp, err := c.do(ctx, request{op: "instance.patch", method: http.MethodPatch, scoped: true, path: instancePath(name), body: body, etag: etag})
 	if err != nil {
 		return fmt.Errorf("incus: patch instance %q: %w", name, err)
 	}

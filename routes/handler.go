@@ -19,6 +19,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
 	"github.com/lightspeed-dev/incus-provider/internal/envd"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
@@ -26,16 +27,20 @@ import (
 type Targets interface {
 	// ResolveRoute fences the route (see targets.Service.ResolveRoute).
 	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error)
-	// Wake unfreezes a paused target, starts a stopped or suspended one.
-	Wake(ctx context.Context, inst *incus.Instance) (controller.Power, error)
+	// Wake records a dial's request for running, made at its arrival, and
+	// unfreezes a paused target or starts a stopped or suspended one.
+	Wake(ctx context.Context, inst *incus.Instance, at time.Time) (controller.Power, error)
 }
 
 var _ Targets = (*targets.Service)(nil)
 
 // Options configure the data routes. Zero values take the defaults.
 type Options struct {
-	Targets    Targets
-	Dialer     guest.Dialer
+	Targets Targets
+	Dialer  guest.Dialer
+	// Relays is the process's relay registry, shared with the targets:
+	// every dial and relay is entered in it.
+	Relays     *relays.Registry
 	Credential bearer.Credential
 	Metrics    *Metrics
 	Log        *zap.Logger
@@ -76,7 +81,7 @@ type Handler struct {
 	ctx     context.Context
 	log     *zap.Logger
 	metrics *Metrics
-	reg     *Registry
+	reg     *relays.Registry
 	ready   *readiness
 	guarded http.Handler
 	relay   relayConfig
@@ -92,8 +97,8 @@ type Handler struct {
 // New checks the options and builds the handler. ctx bounds everything it
 // serves: when it ends, every relay is closed with a going-away frame.
 func New(ctx context.Context, opts Options) (*Handler, error) {
-	if opts.Targets == nil || opts.Dialer == nil {
-		return nil, errors.New("routes: Targets and Dialer are required")
+	if opts.Targets == nil || opts.Dialer == nil || opts.Relays == nil {
+		return nil, errors.New("routes: Targets, Dialer and Relays are required")
 	}
 	if opts.Prefix == "" {
 		opts.Prefix = DefaultPrefix
@@ -150,14 +155,15 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 			lockWait:   time.Second,
 		},
 	}
-	h.reg = newRegistry(opts.Metrics, h.relay.closeWait+h.relay.lockWait, h.ready.forget)
+	h.reg = opts.Relays
+	h.reg.OnPowerChange(h.ready.forget)
 	h.guarded = opts.Credential.Require(http.HandlerFunc(h.serve), func(*http.Request) {
 		h.metrics.dial(OutcomeUnauthorized, 0)
 	})
 	h.closed = make(chan struct{})
 	context.AfterFunc(ctx, func() {
 		defer close(h.closed)
-		h.reg.closeAllRelays(CloseGoingAway, "the provider is shutting down", "shutdown")
+		h.reg.CloseEvery("the provider is shutting down", "shutdown")
 	})
 	return h, nil
 }
@@ -166,9 +172,6 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 // open then has been sent its going-away close: a process waits on it before
 // it exits, so the close frames are not lost to the exit.
 func (h *Handler) Closed() <-chan struct{} { return h.closed }
-
-// Registry is the relay registry, for targets.Service.UseRelays.
-func (h *Handler) Registry() *Registry { return h.reg }
 
 // Prefix is the path the routes are served under.
 func (h *Handler) Prefix() string { return h.opts.Prefix }
@@ -205,7 +208,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
 	stop := context.AfterFunc(h.ctx, cancel)
 	defer stop()
 
-	link, ref, outcome := h.connect(ctx, route)
+	link, ref, outcome := h.connect(ctx, route, arrived)
 	if ref != nil {
 		if r.Context().Err() != nil {
 			outcome = OutcomeAborted
@@ -222,8 +225,13 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
 		h.metrics.dial(OutcomeAborted, time.Since(arrived))
 		return
 	}
-	rl := newRelay(link.instance, conn, link.conn, early, link.early, h.relay, h.metrics, h.reg.removeRelay)
-	link.tk.adopt(rl)
+	rl := newRelay(link.instance, conn, link.conn, early, link.early, h.relay, h.metrics, func(rl *Relay) {
+		if h.reg.Remove(rl.instance, rl) {
+			h.metrics.relayClosed(rl.Reason())
+		}
+	})
+	link.tk.Adopt(rl)
+	h.metrics.relayOpened()
 	h.metrics.dial(OutcomeUpgraded, time.Since(arrived))
 	rl.start()
 	// The relay runs on its own goroutines: returning here lets the HTTP
@@ -235,21 +243,21 @@ type guestLink struct {
 	instance string
 	conn     net.Conn
 	early    []byte
-	tk       *ticket
+	tk       *relays.Ticket
 }
 
 func (l *guestLink) close() {
 	_ = l.conn.Close()
-	l.tk.leave()
+	l.tk.Leave()
 }
 
 // connect fences the route, wakes the target when it must, and opens the
 // provider's WebSocket to its daemon; or it answers why not.
-func (h *Handler) connect(ctx context.Context, route Route) (*guestLink, *Refusal, string) {
+func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (*guestLink, *Refusal, string) {
 	var (
 		inst *incus.Instance
 		obs  controller.Observation
-		tk   *ticket
+		tk   *relays.Ticket
 	)
 	for tk == nil {
 		var err error
@@ -265,7 +273,7 @@ func (h *Handler) connect(ctx context.Context, route Route) (*guestLink, *Refusa
 			return nil, ref, outcome
 		}
 		var quiet <-chan struct{}
-		if tk, quiet = h.reg.enter(inst.Name); tk != nil {
+		if tk, quiet = h.reg.Enter(inst.Name); tk != nil {
 			break
 		}
 		// A power-down holds the target; wait for it, then look again.
@@ -281,7 +289,10 @@ func (h *Handler) connect(ctx context.Context, route Route) (*guestLink, *Refusa
 		}
 	}
 
-	if running(inst) {
+	// A dial is a request for running: one that finds a power-down still
+	// pending goes through the wake, which replaces it.
+	downPending := targets.StateOf(inst).PowerPending()
+	if running(inst) && !downPending {
 		if h.ready.ok(inst.Name) {
 			link, err := h.openGuest(ctx, inst, tk)
 			if err == nil {
@@ -295,29 +306,29 @@ func (h *Handler) connect(ctx context.Context, route Route) (*guestLink, *Refusa
 	}
 
 	if !h.hold() {
-		f := h.flightFor(route.Owner, inst, obs) // the wake starts all the same
-		tk.leave()
+		f := h.flightFor(route.Owner, inst, obs, arrived) // the wake starts all the same
+		tk.Leave()
 		ref := f.refusalNow()
 		return nil, &Refusal{State: ref.State, RetryAfter: time.Second}, OutcomeShed
 	}
-	f := h.flightFor(route.Owner, inst, obs)
+	f := h.flightFor(route.Owner, inst, obs, arrived)
 	select {
 	case <-f.settled:
 		h.unhold()
 	case <-ctx.Done():
 		h.unhold()
-		tk.leave()
+		tk.Leave()
 		ref := f.refusalNow()
 		return nil, ref, outcomeOf(ref)
 	}
 	if f.result != nil {
-		tk.leave()
+		tk.Leave()
 		return nil, f.result, outcomeOf(f.result)
 	}
 	link, err := h.openGuest(ctx, inst, tk)
 	if err != nil {
 		h.ready.forget(inst.Name)
-		tk.leave()
+		tk.Leave()
 		h.log.Debug("the daemon answered the probe but not the relay", zap.String("instance", inst.Name), zap.Error(err))
 		return nil, refuse(StateBooting, time.Second), OutcomeBooting
 	}
@@ -385,16 +396,10 @@ func outcomeOf(r *Refusal) string {
 
 // running says whether Incus shows the instance running (not frozen, not
 // in a transition).
-func running(inst *incus.Instance) bool {
-	switch inst.Status {
-	case "Running", "Ready":
-		return true
-	}
-	return false
-}
+func running(inst *incus.Instance) bool { return inst.Status.Running() }
 
 // openGuest opens the provider's WebSocket to the instance's daemon.
-func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *ticket) (*guestLink, error) {
+func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *relays.Ticket) (*guestLink, error) {
 	conn, err := h.opts.Dialer.DialContext(ctx, guest.Target{Instance: inst.Name, Port: h.opts.Port(inst)})
 	if err != nil {
 		return nil, err

@@ -27,6 +27,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/devguest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
@@ -44,7 +45,7 @@ var testOwner = controller.Owner{UniverseID: "u1", EnvironmentID: "env1"}
 type fakeTargets struct {
 	mu        sync.Mutex
 	exists    bool
-	status    string // Incus status
+	status    incus.InstanceStatus
 	phase     controller.Phase
 	message   string
 	fenceErr  error
@@ -56,7 +57,7 @@ type fakeTargets struct {
 	wakes    atomic.Int32
 }
 
-func (f *fakeTargets) set(status string) {
+func (f *fakeTargets) set(status incus.InstanceStatus) {
 	f.mu.Lock()
 	f.exists, f.status, f.phase = true, status, controller.PhaseActive
 	f.mu.Unlock()
@@ -66,9 +67,9 @@ func (f *fakeTargets) observation() controller.Observation {
 	o := controller.Observation{TargetID: testInstance, Owner: testOwner, Phase: f.phase, Message: f.message}
 	if f.phase == controller.PhaseActive {
 		switch f.status {
-		case "Frozen":
+		case incus.InstanceFrozen:
 			o.Power = controller.PowerPaused
-		case "Stopped":
+		case incus.InstanceStopped:
 			o.Power = controller.PowerStopped
 		default:
 			o.Power = controller.PowerRunning
@@ -96,7 +97,7 @@ func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, ta
 	return &incus.Instance{Name: testInstance, Status: f.status}, f.observation(), nil
 }
 
-func (f *fakeTargets) Wake(ctx context.Context, inst *incus.Instance) (controller.Power, error) {
+func (f *fakeTargets) Wake(ctx context.Context, _ *incus.Instance, _ time.Time) (controller.Power, error) {
 	f.wakes.Add(1)
 	f.mu.Lock()
 	from := f.observation().Power
@@ -111,7 +112,7 @@ func (f *fakeTargets) Wake(ctx context.Context, inst *incus.Instance) (controlle
 		return from, werr
 	}
 	f.mu.Lock()
-	f.status = "Running"
+	f.status = incus.InstanceRunning
 	on := f.onWake
 	f.mu.Unlock()
 	if on != nil {
@@ -235,12 +236,12 @@ type rig struct {
 func newHandlerRig(t *testing.T, mutate func(*Options)) *rig {
 	t.Helper()
 	ft := &fakeTargets{}
-	ft.set("Running")
+	ft.set(incus.InstanceRunning)
 	g := newGuestSim(t)
 	ft.onWake = func(string) { g.thaw() }
 	m := newMetrics()
 	ctx, cancel := context.WithCancel(context.Background())
-	opts := Options{Targets: ft, Dialer: g, Metrics: m, Port: func(*incus.Instance) int { return 1 }}
+	opts := Options{Targets: ft, Dialer: g, Relays: relays.New(4 * time.Second), Metrics: m, Port: func(*incus.Instance) int { return 1 }}
 	if mutate != nil {
 		mutate(&opts)
 	}
@@ -370,8 +371,8 @@ func TestRouteToRunningTarget(t *testing.T) {
 	if n := r.guest.dials.Load(); n != 2 {
 		t.Fatalf("%d guest dials for the first route dial, want 2 (probe and relay)", n)
 	}
-	if r.h.Registry().Open(testInstance) != 1 {
-		t.Fatalf("Open = %d", r.h.Registry().Open(testInstance))
+	if r.h.reg.Open(testInstance) != 1 {
+		t.Fatalf("Open = %d", r.h.reg.Open(testInstance))
 	}
 	// A proved-ready running target costs no probe.
 	ws2, _, err := r.dial(ownRoute, nil)
@@ -394,7 +395,7 @@ func TestRouteToRunningTarget(t *testing.T) {
 	ws.Close()
 	ws2.Close()
 	deadline := time.Now().Add(10 * time.Second)
-	for r.h.Registry().Open(testInstance) != 0 {
+	for r.h.reg.Open(testInstance) != 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("relays never left the registry")
 		}
@@ -447,7 +448,7 @@ func TestRouteCredentialAndPath(t *testing.T) {
 func TestRouteRefusals(t *testing.T) {
 	t.Run("another owner's target reaches nothing", func(t *testing.T) {
 		r := newHandlerRig(t, nil)
-		r.targets.set("Frozen")
+		r.targets.set(incus.InstanceFrozen)
 		r.guest.freeze()
 		for _, route := range []Route{
 			{Owner: controller.Owner{UniverseID: "u1", EnvironmentID: "other"}, TargetID: testInstance},
@@ -505,7 +506,7 @@ func TestRouteRefusals(t *testing.T) {
 
 func TestRouteWakesPausedTarget(t *testing.T) {
 	r := newHandlerRig(t, nil)
-	r.targets.set("Frozen")
+	r.targets.set(incus.InstanceFrozen)
 	r.targets.wakeDelay = 50 * time.Millisecond
 	r.guest.freeze()
 	// Concurrent dials share one wake.
@@ -544,7 +545,7 @@ func TestRouteWakesPausedTarget(t *testing.T) {
 
 func TestRouteWakesStoppedTarget(t *testing.T) {
 	r := newHandlerRig(t, nil)
-	r.targets.set("Stopped")
+	r.targets.set(incus.InstanceStopped)
 	r.targets.wakeDelay = 80 * time.Millisecond
 	r.guest.mu.Lock()
 	r.guest.stopped = true
@@ -574,7 +575,7 @@ func TestRouteHoldBound(t *testing.T) {
 	})
 	t.Run("waking: the wake outlasts the hold", func(t *testing.T) {
 		r := newHandlerRig(t, func(o *Options) { o.Hold = hold })
-		r.targets.set("Frozen")
+		r.targets.set(incus.InstanceFrozen)
 		r.targets.wakeDelay = 3 * time.Second
 		r.guest.freeze()
 		d := r.dialRoute(ownRoute, "")
@@ -599,7 +600,7 @@ func TestRouteHoldBound(t *testing.T) {
 
 func TestRouteShedsPastTheCap(t *testing.T) {
 	r := newHandlerRig(t, func(o *Options) { o.MaxHeld = 2; o.Hold = 2 * time.Second })
-	r.targets.set("Frozen")
+	r.targets.set(incus.InstanceFrozen)
 	r.targets.wakeDelay = time.Hour
 	r.guest.freeze()
 	var wg sync.WaitGroup
@@ -636,7 +637,7 @@ func TestRouteShedsPastTheCap(t *testing.T) {
 
 func TestRegistryGuardsPowerChanges(t *testing.T) {
 	r := newHandlerRig(t, nil)
-	reg := r.h.Registry()
+	reg := r.h.reg
 	ws, _, err := r.dial(ownRoute, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -647,8 +648,12 @@ func TestRegistryGuardsPowerChanges(t *testing.T) {
 		t.Fatal("Quiesce succeeded with a relay open")
 	}
 	// An explicit power-down first closes the relays with going-away.
-	done := make(chan struct{})
-	go func() { reg.CloseAll(testInstance); close(done) }()
+	done := make(chan int, 1)
+	go func() {
+		release, left := reg.Drain(t.Context(), testInstance, "the target is powering down", nil)
+		release()
+		done <- left
+	}()
 	_ = ws.SetReadDeadline(time.Now().Add(10 * time.Second))
 	for {
 		_, _, err := ws.ReadMessage()
@@ -661,9 +666,8 @@ func TestRegistryGuardsPowerChanges(t *testing.T) {
 		break
 	}
 	ws.Close()
-	<-done
-	if reg.Open(testInstance) != 0 {
-		t.Fatalf("Open = %d after CloseAll", reg.Open(testInstance))
+	if left := <-done; left != 0 || reg.Open(testInstance) != 0 {
+		t.Fatalf("Drain left %d, Open = %d", left, reg.Open(testInstance))
 	}
 	release, ok := reg.Quiesce(testInstance)
 	if !ok {

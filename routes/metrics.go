@@ -23,6 +23,8 @@ const (
 	wakeOutcomeFailed    = "failed"
 	wakeOutcomeGaveUp    = "gave_up"
 	wakeOutcomeCancelled = "cancelled"
+	// A power change asked after the dial replaced its request for running.
+	wakeOutcomeSuperseded = "superseded"
 )
 
 // Outcomes lists every dial outcome, in the order dashboards show them.

@@ -308,6 +308,10 @@ func (r *Relay) finish(why string) {
 	_ = r.guest.conn.Close()
 }
 
+// Kill ends the relay at once: both connections are closed without
+// waiting for any close answer.
+func (r *Relay) Kill(why string) { r.finish(why) }
+
 // Reason is why the relay ended ("" while it runs).
 func (r *Relay) Reason() string {
 	r.mu.Lock()

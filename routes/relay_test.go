@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/lightspeed-dev/incus-provider/relays"
 )
 
 // tcpPair is a connected pair of loopback TCP connections.
@@ -525,14 +527,14 @@ func TestRelayIdle(t *testing.T) {
 }
 
 func TestNewRefusesIdleBelowFloor(t *testing.T) {
-	_, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, IdleTimeout: 59 * time.Second})
+	_, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Relays: relays.New(0), IdleTimeout: 59 * time.Second})
 	if err == nil {
 		t.Fatal("an idle timeout below 60 s was accepted")
 	}
-	if _, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Hold: 6 * time.Second}); err == nil {
+	if _, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Relays: relays.New(0), Hold: 6 * time.Second}); err == nil {
 		t.Fatal("a hold over 5 s was accepted")
 	}
-	h, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}})
+	h, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Relays: relays.New(0)})
 	if err != nil {
 		t.Fatal(err)
 	}

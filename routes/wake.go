@@ -12,6 +12,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/envd"
+	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
@@ -80,10 +81,15 @@ func (r *readiness) drop(instance string) {
 // flight is the one wake (and readiness probe) of a target that every
 // concurrent dial of it waits on.
 type flight struct {
-	name    string
-	tk      *ticket       // the flight counts as a dial in progress until it settles
-	settled chan struct{} // closed once result is set
-	result  *Refusal      // nil: the daemon answered
+	name string
+	tk   *relays.Ticket // the flight counts as a dial in progress until it settles
+	// requested is when the dial that started the flight arrived: its
+	// request for running is that old, whatever dials join it later.
+	requested time.Time
+	// superseded: a power change asked after the dial replaced its wake.
+	superseded bool
+	settled    chan struct{} // closed once result is set
+	result     *Refusal      // nil: the daemon answered
 
 	mu    sync.Mutex
 	state State         // what a dial refused now is told
@@ -105,13 +111,13 @@ func (f *flight) refusalNow() *Refusal {
 }
 
 // flightFor joins the target's flight, or starts it.
-func (h *Handler) flightFor(owner controller.Owner, inst *incus.Instance, obs controller.Observation) *flight {
+func (h *Handler) flightFor(owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time) *flight {
 	h.fmu.Lock()
 	defer h.fmu.Unlock()
 	if f := h.flights[inst.Name]; f != nil {
 		return f
 	}
-	f := &flight{name: inst.Name, settled: make(chan struct{}), state: StateWaking, retry: time.Second}
+	f := &flight{name: inst.Name, settled: make(chan struct{}), state: StateWaking, retry: time.Second, requested: arrived}
 	if running(inst) {
 		f.state = StateBooting
 	}
@@ -128,7 +134,7 @@ func (h *Handler) settle(f *flight, result *Refusal) {
 	}
 	h.fmu.Unlock()
 	if f.tk != nil {
-		f.tk.leave()
+		f.tk.Leave()
 	}
 	f.result = result
 	close(f.settled)
@@ -152,10 +158,10 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 	ctx, cancel := context.WithTimeout(h.ctx, h.opts.WakeBudget)
 	defer cancel()
 	started := time.Now()
-	var tk *ticket
+	var tk *relays.Ticket
 	for tk == nil {
 		var quiet <-chan struct{}
-		if tk, quiet = h.reg.enter(inst.Name); tk == nil {
+		if tk, quiet = h.reg.Enter(inst.Name); tk == nil {
 			select {
 			case <-quiet:
 			case <-ctx.Done():
@@ -168,7 +174,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 		}
 	}
 	f.tk = tk
-	defer tk.leave()
+	defer tk.Leave()
 	from := powerLabel(inst, o)
 	outcome := wakeOutcomeGaveUp
 	defer func() { h.metrics.wake(from, outcome, time.Since(started)) }()
@@ -189,8 +195,23 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			return
 		}
 		wakeable := o.Phase == controller.PhaseActive &&
-			(inst.Status == "Frozen" || inst.Status == "Stopped")
+			(inst.Status == incus.InstanceFrozen || inst.Status == incus.InstanceStopped)
 		switch {
+		case running(inst) && targets.StateOf(inst).PowerPending():
+			// Running, with a power-down asked and not yet carried out: the
+			// dial's request for running replaces it, unless it came later.
+			if _, err := h.opts.Targets.Wake(ctx, inst, f.requested); err != nil {
+				if errors.Is(err, targets.ErrSuperseded) {
+					outcome = wakeOutcomeSuperseded
+					h.settle(f, refuse(StateWaking, time.Second))
+					return
+				}
+				if ctx.Err() == nil {
+					h.log.Warn("recording a dial's request for running failed", zap.String("instance", inst.Name), zap.Error(err))
+				}
+				sleepCtx(ctx, 50*time.Millisecond)
+			}
+
 		case running(inst):
 			f.stage(StateBooting, h.bootingRetry(inst.Name))
 			if h.probeUntil(ctx, inst) {
@@ -209,6 +230,11 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 				outcome = wakeOutcomeReady
 				h.ready.mark(inst.Name)
 				h.settle(f, nil)
+				return
+			}
+			if f.superseded {
+				outcome = wakeOutcomeSuperseded
+				h.settle(f, refuse(StateWaking, time.Second))
 				return
 			}
 
@@ -267,20 +293,18 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 	// (Wake also clears the recorded idle-since instant), so that no
 	// power-down interleaves with it. The flight's own ticket keeps the
 	// instance from being quiesced, so this one is granted.
-	wtk, _ := h.reg.enter(inst.Name)
+	wtk := f.tk.Join()
 	go func() {
 		defer close(wakeDone)
-		if wtk != nil {
-			defer wtk.leave()
-		}
+		defer wtk.Leave()
 		wctx, cancel := context.WithTimeout(h.ctx, 2*time.Minute)
 		defer cancel()
-		_, wakeErr = h.opts.Targets.Wake(wctx, inst)
+		_, wakeErr = h.opts.Targets.Wake(wctx, inst, f.requested)
 	}()
 	pctx, cancelProbe := context.WithCancel(ctx)
 	defer cancelProbe()
 	probed := make(chan bool, 1)
-	paused := inst.Status == "Frozen"
+	paused := inst.Status == incus.InstanceFrozen
 	go func() {
 		if !paused {
 			// A stopped instance has no daemon (nor even an init process)
@@ -306,7 +330,9 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 		case <-done:
 			done = nil
 			if wakeErr != nil {
-				if ctx.Err() == nil {
+				if errors.Is(wakeErr, targets.ErrSuperseded) {
+					f.superseded = true
+				} else if ctx.Err() == nil {
 					h.log.Warn("waking a target failed", zap.String("instance", inst.Name), zap.Error(wakeErr))
 				}
 				cancelProbe()

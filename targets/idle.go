@@ -47,16 +47,15 @@ func (s *Service) IdleTargets(ctx context.Context) ([]idle.Target, error) {
 // idleTargetOf describes an instance for the idle loop; ok is false for an
 // instance that is not one of the provider's targets.
 func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
-	owner, ok := ownerOf(inst)
-	if !ok {
+	if _, ok := ownerOf(inst); !ok {
 		return idle.Target{}, false
 	}
-	o := Observe(inst, owner)
+	st := StateOf(inst)
 	t := idle.Target{
 		Name:    inst.Name,
-		Phase:   string(o.Phase),
-		Power:   string(o.Power),
-		Settled: o.Message == "",
+		Phase:   string(st.Phase),
+		Power:   string(st.Power),
+		Settled: st.Settled(),
 		Port:    DaemonPort(inst),
 		Stages:  stagesOf(s.powerStates(inst)),
 	}
@@ -83,11 +82,13 @@ func (s *Service) RelaysOpen(name string) int { return s.relays.Open(name) }
 // IdleAct applies an idle action to the target the loop last saw as t.
 // Under the target's lock it first checks that the target is still as t
 // says (the same phase and settled power, the same recorded idle-since for
-// a powered-down one, no power change in flight) and has no relay open;
-// otherwise it answers idle.ErrStale or idle.ErrRelayOpen and does nothing. A power-down
-// records idleSince and goes through the same moves as target/setPower; a
-// close takes the normal close path (the closing marker, then the
-// reconciler), after which target/get answers closing and then notFound.
+// a powered-down one, no power request pending) and has no relay open;
+// otherwise it answers idle.ErrStale or idle.ErrRelayOpen and does nothing.
+// A power-down is recorded as the target's wanted power (with idleSince)
+// and carried out by the reconciler like any other, yielding to a dial that
+// comes first; IdleAct waits for that step. A close takes the normal close
+// path (the closing marker, then the reconciler), after which target/get
+// answers closing and then notFound.
 func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action, idleSince time.Time) error {
 	unlock := s.locks.lock(t.Name)
 	locked := true
@@ -103,19 +104,15 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action
 	if inst == nil {
 		return idle.ErrStale
 	}
-	owner, ok := ownerOf(inst)
-	if !ok {
+	if _, ok := ownerOf(inst); !ok {
 		return idle.ErrStale
 	}
-	o := Observe(inst, owner)
-	if o.Phase != controller.PhaseActive || o.Message != "" || string(o.Power) != t.Power {
+	st := StateOf(inst)
+	if !st.Settled() || string(st.Power) != t.Power {
 		return idle.ErrStale
 	}
-	if o.Power != controller.PowerRunning && inst.Config[KeyIdleSince] != idleSinceText(t.IdleSince) {
+	if st.Power != controller.PowerRunning && inst.Config[KeyIdleSince] != idleSinceText(t.IdleSince) {
 		return idle.ErrStale
-	}
-	if s.moves.current(t.Name) != nil {
-		return idle.ErrStale // target/setPower is moving it
 	}
 	if s.relays.Open(t.Name) > 0 {
 		return ErrRelayOpen
@@ -123,9 +120,9 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action
 	if action == idle.ActionClose {
 		// Hold new dials off while the close is recorded, as a power-down
 		// does: a dial that wakes the target now would be cut by the delete.
-		release, err := s.quiesce(t.Name)
-		if err != nil {
-			return err
+		release, ok := s.relays.Quiesce(t.Name)
+		if !ok {
+			return ErrRelayOpen
 		}
 		defer release()
 		if inst.Config[keyClosing] == "" {
@@ -140,14 +137,39 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action
 	if to == "" || !slices.Contains(s.powerStates(inst), to) {
 		return fmt.Errorf("targets: idle action %s: the template does not offer %q", action, to)
 	}
-	// The move is recorded before the lock is let go, so that a setPower
-	// that comes meanwhile sees it (and follows it, or finds it moving
-	// where it asks) instead of waiting on the lock.
-	mv, _ := s.moves.start(t.Name, to)
-	defer s.moves.end(t.Name, mv)
+	_, _, err = s.want(ctx, t.Name, Intent{Power: to, At: s.now(), By: ByIdle},
+		map[string]string{KeyIdleSince: msString(idleSince)},
+		func(_ *incus.Instance, now State) error {
+			if now.Intent != st.Intent || now.Power != st.Power {
+				return idle.ErrStale
+			}
+			return nil
+		})
+	if err != nil {
+		return err
+	}
 	unlock()
 	locked = false
-	return s.movePower(ctx, t.Name, to, idleSince, false)
+	select {
+	case <-s.work.kick(t.Name):
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	after, err := s.lookup(ctx, t.Name)
+	if err != nil {
+		return err
+	}
+	if after == nil {
+		return idle.ErrStale
+	}
+	switch now := StateOf(after); {
+	case now.Power == to:
+		return nil
+	case now.Intent.Power != to:
+		return ErrRelayOpen // a use overtook the power-down
+	default:
+		return fmt.Errorf("targets: idle %s of %s is recorded; the reconciler retries it", action, t.Name)
+	}
 }
 
 func idleSinceText(t time.Time) string {

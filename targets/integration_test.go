@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
@@ -17,6 +18,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
+	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -55,7 +57,7 @@ func loadCatalog(t testing.TB, client *incus.Client, image string, deprecated bo
 
 // start runs a service (one "provider process") until the test ends or stop is called.
 func (h *harness) start(catalog *templates.Catalog) (*Service, func()) {
-	svc := New(h.client, catalog, h.dialer, zaptest.NewLogger(h.t), Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+	svc := mustNew(h.t, h.client, catalog, h.dialer, zaptest.NewLogger(h.t), Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -262,7 +264,7 @@ func TestRestartFinishesAnInterruptedCreate(t *testing.T) {
 	h := newHarness(t)
 	ctx := ctxT(t)
 	o := owner("env-crash-create")
-	svc := New(h.client, h.catalog, h.dialer, zaptest.NewLogger(t), Config{})
+	svc := mustNew(t, h.client, h.catalog, h.dialer, zaptest.NewLogger(t), Config{})
 	tmpl, _ := h.catalog.Get("t1")
 	req, err := svc.instanceRequest(Name(o), controller.CreateParams{Owner: o, TemplateID: "t1"}, tmpl)
 	if err != nil {
@@ -314,7 +316,7 @@ func TestRestartFinishesAnInterruptedClose(t *testing.T) {
 	if err := h.client.PatchInstanceConfig(ctx, Name(o), map[string]string{keyClosing: msString(time.Now())}); err != nil {
 		t.Fatal(err)
 	}
-	dead := New(h.client, h.catalog, h.dialer, zaptest.NewLogger(t), Config{})
+	dead := mustNew(t, h.client, h.catalog, h.dialer, zaptest.NewLogger(t), Config{})
 	if got, err := dead.GetTarget(ctx, controller.TargetRef{Owner: o}); err != nil || got.Phase != controller.PhaseClosing {
 		t.Fatalf("a recorded close observes closing: %+v %v", got, err)
 	}
@@ -332,10 +334,24 @@ func TestIncusUnreachableIsUnavailable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	svc := New(client, &templates.Catalog{}, nil, zaptest.NewLogger(t), Config{})
+	dialer, err := guest.New(guest.KindProxy, client.InitPID, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	svc := mustNew(t, client, &templates.Catalog{}, dialer, zaptest.NewLogger(t), Config{})
 	_, err = svc.GetTarget(context.Background(), controller.TargetRef{Owner: owner("e")})
 	var e *jsonrpc.Error
 	if !errors.As(err, &e) || e.Kind != jsonrpc.KindUnavailable || e.RetryAfterMs == nil {
 		t.Fatalf("want unavailable with retryAfterMs, got %v", err)
 	}
+}
+
+// mustNew builds a service with a relay registry of its own.
+func mustNew(t testing.TB, client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, log *zap.Logger, cfg Config) *Service {
+	t.Helper()
+	svc, err := New(client, catalog, dialer, relays.New(time.Second), log, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return svc
 }

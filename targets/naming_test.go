@@ -53,7 +53,7 @@ func TestObserveMapsIncusStatus(t *testing.T) {
 	booted := map[string]string{keyBooted: "1700000000000"}
 	cases := []struct {
 		name     string
-		status   string
+		status   incus.InstanceStatus
 		config   map[string]string
 		stateful bool
 		phase    controller.Phase

@@ -3,8 +3,8 @@ package targets
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
-	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -14,23 +14,11 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
-// Relays is what power changes ask of the data routes' relay registry: the
-// provider never powers a target down while it relays a data connection.
-type Relays interface {
-	// Open counts the relays open to the instance now.
-	Open(instance string) int
-	// CloseAll sends every relay of the instance a going-away close and
-	// ends it, before an explicit power-down.
-	CloseAll(instance string)
-}
-
-type noRelays struct{}
-
-func (noRelays) Open(string) int { return 0 }
-func (noRelays) CloseAll(string) {}
-
-// UseRelays connects the relay registry. Call before serving.
-func (s *Service) UseRelays(r Relays) { s.relays = r }
+// drainWait bounds how long one attempt of an explicit power-down waits for
+// the target's data connections to close: a relay's going-away close and
+// its forced end (the registry's close wait), or a dial's hold (5 s). A
+// power-down still waiting then is tried again, not given up.
+const drainWait = 8 * time.Second
 
 // act runs one Incus state action and waits for it within most.
 func (s *Service) act(ctx context.Context, name string, put incus.InstanceStatePut, most time.Duration) error {
@@ -66,55 +54,263 @@ func (s *Service) stop(ctx context.Context, name string, grace time.Duration, st
 	return err
 }
 
-// Wake brings a powered-down target back to running: unfreeze a paused one,
-// start a stopped or suspended one (Incus restores a stateful stop on
-// start). It returns the power the target had, and clears the recorded
-// idle-since instant so the idle clock is the daemon's again.
-func (s *Service) Wake(ctx context.Context, inst *incus.Instance) (from controller.Power, err error) {
-	owner, ok := ownerOf(inst)
-	if !ok {
+// Wake is a data-route dial's request for running, made when the dial
+// arrived (at). It records running as the target's wanted power, unless a
+// newer request is recorded (ErrSuperseded: the dial loses to a power
+// change asked after it), then brings the target there at once: unfreeze a
+// paused one, start a stopped or suspended one (Incus restores a stateful
+// stop on start). It answers the power the target had. Should the action
+// fail, the recorded request stays and the reconciler carries it out.
+func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) (from controller.Power, err error) {
+	if _, ok := ownerOf(inst); !ok {
 		return "", errors.New("targets: wake of an instance that is not a target")
 	}
-	o := Observe(inst, owner)
-	if o.Phase != controller.PhaseActive {
+	if st := StateOf(inst); st.Phase != controller.PhaseActive {
 		return "", errors.New("targets: wake of a target that is not active")
 	}
-	switch o.Power {
-	case controller.PowerPaused:
+	cur, _, err := s.want(ctx, inst.Name, Intent{Power: controller.PowerRunning, At: at, By: ByUse}, nil,
+		func(_ *incus.Instance, st State) error {
+			if st.Phase != controller.PhaseActive {
+				return errors.New("targets: wake of a target that is not active")
+			}
+			return nil
+		})
+	if err != nil {
+		return "", err
+	}
+	st := StateOf(cur)
+	if err := s.powerUp(ctx, cur); err != nil {
+		return st.Power, err
+	}
+	s.changes.note(inst.Name) // a wake is a use: the idle loop counts from it
+	return st.Power, nil
+}
+
+// powerUp brings a target to running and clears the recorded idle-since
+// instant, so that the idle clock is the daemon's again.
+func (s *Service) powerUp(ctx context.Context, inst *incus.Instance) error {
+	var err error
+	switch inst.Status {
+	case incus.InstanceFrozen:
 		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second)
-	case controller.PowerStopped, controller.PowerSuspended:
-		if inst.Status == "Stopped" {
-			err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "start"}, time.Minute)
-		}
+	case incus.InstanceStopped:
+		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
+		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "start"}, time.Minute)
 	}
 	if err != nil {
-		return o.Power, err
-	}
-	if o.Power != controller.PowerPaused {
-		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
+		return err
 	}
 	if inst.Config[KeyIdleSince] != "" {
 		if perr := s.patch(ctx, inst.Name, map[string]string{KeyIdleSince: ""}); perr != nil {
 			s.log.Warn("clearing idle-since failed", zap.String("instance", inst.Name), zap.Error(perr))
 		}
 	}
-	s.changes.note(inst.Name) // a wake is a use: the idle loop counts from it
-	return o.Power, nil
+	return nil
 }
 
-// PowerDown moves a running target to paused, suspended or stopped, first
-// recording idleSince (the instant its idleness began) so that the idle
-// clock keeps running while the guest cannot answer, across restarts. It
-// refuses with ErrRelayOpen while the target relays a data connection, and
-// holds new dials of its data route until it is done (see PowerGuard).
-func (s *Service) PowerDown(ctx context.Context, name string, to controller.Power, idleSince time.Time) error {
-	release, err := s.quiesce(name)
+// SetPower records the power asked of an active target on its instance and
+// lets the reconciler carry it out, answering within AnswerWithin with what
+// Incus then shows and, while the move goes on, a message saying what it
+// waits for. A target already there, or moving there, is observed without
+// action. A retryable error means nothing was recorded.
+func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (controller.Observation, error) {
+	name, inst, err := s.resolve(ctx, ref)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	if inst == nil {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+	}
+	if !slices.Contains(s.powerStates(inst), power) {
+		return controller.Observation{}, jsonrpc.InvalidParams("power", "The target's template does not offer power state %s; template/list names the states it offers.", power)
+	}
+	unlock := s.locks.lock(name)
+	extra := map[string]string{}
+	if power != controller.PowerRunning {
+		extra[KeyIdleSince] = msString(s.now())
+	}
+	in := Intent{Power: power, At: s.now(), By: BySetPower}
+	// Most of the answer bound may go to waiting out an Incus operation
+	// that holds the instance; the rest is for observing.
+	wctx, wcancel := context.WithTimeout(ctx, s.cfg.AnswerWithin*2/3)
+	_, wrote, err := s.want(wctx, name, in, extra,
+		func(inst *incus.Instance, st State) error {
+			if err := checkOwned(inst, ref.Owner); err != nil {
+				return err
+			}
+			if st.Phase != controller.PhaseActive {
+				return jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "targetNotActive",
+					"The target is %s, not active; power can change only once it is active.", st.Phase)
+			}
+			if w, ok := s.pending.get(name); ok && w.intent.At.After(st.Intent.At) {
+				st.Intent = w.intent
+			}
+			if st.Intent.Power == power || (st.Intent.Power == "" && st.Resting && st.Power == power) {
+				return errAlready
+			}
+			return nil
+		})
+	if err == nil && s.pending.drop(name, in.At) {
+		wrote = true // an older request kept in memory is replaced: converge again
+	}
+	wcancel()
+	unlock()
+	switch {
+	case errors.Is(err, incus.ErrBusy) && ctx.Err() == nil:
+		// An Incus operation (a graceful stop, a start) holds the
+		// instance: the request is kept and recorded as soon as it ends.
+		s.pending.put(name, pendingWrite{intent: in, extra: extra})
+		s.work.kick(name)
+		wrote = false
+	case errors.Is(err, errAlready):
+	case errors.Is(err, errGone):
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+	case err != nil:
+		var rpcErr *jsonrpc.Error
+		if errors.As(err, &rpcErr) {
+			return controller.Observation{}, err
+		}
+		s.log.Warn("recording a power change failed", zap.String("instance", name), zap.String("to", string(power)), zap.Error(err))
+		return controller.Observation{}, s.incusError("recording the power change", err)
+	}
+	if wrote {
+		done := s.work.kick(name)
+		wait, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
+		select {
+		case <-done:
+		case <-wait.Done():
+		}
+		cancel()
+	}
+	after, err := s.lookup(ctx, name)
+	if err != nil {
+		// The request is recorded: the reconciler carries it out whatever
+		// this answer says, so say it is under way rather than unavailable.
+		st := StateOf(inst)
+		st.Intent = Intent{Power: power, By: BySetPower}
+		return observation(inst, ref.Owner, st, s.progress.get(name), s.now()), nil
+	}
+	if after == nil {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target disappeared while its power changed.")
+	}
+	return s.observe(after, ref.Owner), nil
+}
+
+// errAlready: the target has, or is moving to, the power asked.
+var errAlready = errors.New("targets: already there or moving there")
+
+// observe is the observation of an instance, with what a move this process
+// carries out waits for, and a request it could not record yet.
+func (s *Service) observe(inst *incus.Instance, owner controller.Owner) controller.Observation {
+	st := StateOf(inst)
+	if w, ok := s.pending.get(inst.Name); ok && st.Phase == controller.PhaseActive && w.intent.At.After(st.Intent.At) {
+		st.Intent = w.intent
+	}
+	return observation(inst, owner, st, s.progress.get(inst.Name), s.now())
+}
+
+// drivePower takes one step toward the target's recorded power and answers
+// when to look at it again (0: it is there, or nothing is wanted).
+func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) time.Duration {
+	name := inst.Name
+	st := StateOf(inst)
+	if !st.PowerPending() {
+		s.progress.clear(name)
+		return 0
+	}
+	to := st.Intent.Power
+	if !st.Resting {
+		return 200 * time.Millisecond // Incus finishes its own transition first
+	}
+	var err error
+	if to == controller.PowerRunning {
+		err = s.powerUp(ctx, inst)
+	} else {
+		err = s.powerDown(ctx, inst, st)
+	}
+	var open errStillOpen
+	switch {
+	case err == nil:
+		s.progress.clear(name)
+		s.changes.note(name)
+		return 50 * time.Millisecond // confirm from what Incus shows
+	case errors.As(err, &open):
+		return 250 * time.Millisecond
+	case ctx.Err() != nil:
+		return 0
+	}
+	d := s.progress.failed(name, to, s.now())
+	s.log.Warn("power change failed; retrying", zap.String("instance", name), zap.String("to", string(to)),
+		zap.Duration("in", d), zap.Error(err))
+	return d
+}
+
+// errStillOpen: an explicit power-down is still waiting for data
+// connections to close.
+type errStillOpen struct{ n int }
+
+func (e errStillOpen) Error() string {
+	return fmt.Sprintf("targets: %d data connections still open", e.n)
+}
+
+// powerDown moves a target to the recorded paused, suspended or stopped,
+// guarded by the relay registry: an explicit request first closes the
+// target's relays and waits for them to end; the idle loop's yields to any
+// use and is replaced by running. New dials are held off until it is done.
+func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State) error {
+	name, to := inst.Name, st.Intent.Power
+	var release func()
+	if st.Intent.By == ByIdle {
+		r, ok := s.relays.Quiesce(name)
+		if !ok {
+			// A dial came after the idle loop decided: the use wins.
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, nil, nil)
+			if err != nil && !errors.Is(err, ErrSuperseded) {
+				return err
+			}
+			return nil
+		}
+		release = r
+	} else {
+		dctx, cancel := context.WithTimeout(ctx, drainWait)
+		r, left := s.relays.Drain(dctx, name, "the target is powering down", func(n int) { s.progress.waiting(name, to, n) })
+		cancel()
+		if left > 0 {
+			r()
+			s.progress.waiting(name, to, left)
+			return errStillOpen{left}
+		}
+		s.progress.waiting(name, to, 0)
+		release = r
+	}
+	defer release()
+	// The request may have been replaced while the connections closed.
+	cur, err := s.lookup(ctx, name)
 	if err != nil {
 		return err
 	}
-	defer release()
-	if err := s.patch(ctx, name, map[string]string{KeyIdleSince: msString(idleSince)}); err != nil {
-		return err
+	if cur == nil {
+		return nil
+	}
+	now := StateOf(cur)
+	if now.Intent != st.Intent || now.Phase != controller.PhaseActive || !now.Resting {
+		return nil // the next step reads the newer state
+	}
+	if now.Power == to {
+		return nil
+	}
+	// From one powered-down state to another, through running: a stopped
+	// instance cannot be frozen, a frozen one cannot shut itself down.
+	switch cur.Status {
+	case incus.InstanceFrozen:
+		if err := s.act(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second); err != nil {
+			return err
+		}
+	case incus.InstanceStopped:
+		s.dialer.Forget(name)
+		if err := s.act(ctx, name, incus.InstanceStatePut{Action: "start"}, time.Minute); err != nil {
+			return err
+		}
 	}
 	if to != controller.PowerPaused {
 		s.dialer.Forget(name) // a freeze keeps the init process
@@ -128,244 +324,6 @@ func (s *Service) PowerDown(ctx context.Context, name string, to controller.Powe
 		return s.stop(ctx, name, s.cfg.GracefulStop, false)
 	}
 	return errors.New("targets: power down to " + string(to))
-}
-
-// SetPower moves an active target to one of its template's power states.
-// It answers within AnswerWithin with what Incus shows; a longer move goes
-// on in the background. A target already there, or moving there, is
-// observed without action; a move asked for while another runs follows it.
-func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (controller.Observation, error) {
-	name, inst, err := s.resolve(ctx, ref)
-	if err != nil {
-		return controller.Observation{}, err
-	}
-	if inst == nil {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
-	}
-	states := s.powerStates(inst)
-	if !slices.Contains(states, power) {
-		return controller.Observation{}, jsonrpc.InvalidParams("power", "The target's template does not offer power state %s; template/list names the states it offers.", power)
-	}
-	unlock := s.locks.lock(name)
-	released := false
-	defer func() {
-		if !released {
-			unlock()
-		}
-	}()
-	// Read again under the lock: the idle loop or another setPower may
-	// have moved the target meanwhile.
-	if inst, err = s.lookup(ctx, name); err != nil {
-		return controller.Observation{}, s.incusError("looking up the owner's target", err)
-	}
-	if inst == nil {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
-	}
-	o := Observe(inst, ref.Owner)
-	if o.Phase != controller.PhaseActive {
-		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "targetNotActive",
-			"The target is %s, not active; power can change only once it is active.", o.Phase)
-	}
-	// Moving there already (this provider's own move, or Incus's transition),
-	// or there and going nowhere else.
-	current := s.moves.current(name)
-	if current != nil && current.to == power {
-		return moving(o, power), nil
-	}
-	if current == nil && (movingTo(inst.Status) == power || (o.Message == "" && o.Power == power)) {
-		return o, nil
-	}
-	mv, prev := s.moves.start(name, power)
-	done := make(chan error, 1)
-	spawned := s.work.spawn(func(ctx context.Context) {
-		defer s.moves.end(name, mv)
-		if prev != nil {
-			select {
-			case <-prev.done:
-			case <-ctx.Done():
-				done <- ctx.Err()
-				return
-			}
-		}
-		done <- s.movePower(ctx, name, power, s.now(), true)
-		s.changes.note(name)
-	})
-	if !spawned {
-		s.moves.end(name, mv)
-		return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "The provider is shutting down; retry shortly.")
-	}
-	// The move is recorded: close, create and the idle loop need not wait
-	// on this answer's bound for the lock.
-	unlock()
-	released = true
-	wait, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
-	defer cancel()
-	select {
-	case err := <-done:
-		if err != nil {
-			s.log.Warn("power change failed", zap.String("instance", name), zap.String("to", string(power)), zap.Error(err))
-			if incus.IsRetryable(err) {
-				return controller.Observation{}, s.incusError("changing power", err)
-			}
-		}
-	case <-wait.Done():
-	}
-	after, err := s.lookup(ctx, name)
-	if err != nil {
-		return controller.Observation{}, s.incusError("observing the power change", err)
-	}
-	if after == nil {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target disappeared while its power changed.")
-	}
-	obs := Observe(after, ref.Owner)
-	if obs.Phase == controller.PhaseActive && obs.Power != power && obs.Message == "" {
-		obs = moving(obs, power)
-	}
-	return obs, nil
-}
-
-func moving(o controller.Observation, to controller.Power) controller.Observation {
-	if o.Power != to && o.Message == "" {
-		o.Message = "Moving to " + string(to) + "."
-	}
-	return o
-}
-
-// movePower moves an active target to power `to`, first waiting out a
-// transition Incus has in progress. A power-down records idleSince as the
-// instant the target's idleness began. An explicit move (target/setPower)
-// closes the target's relays first; any other (the idle loop's) answers
-// ErrRelayOpen instead.
-func (s *Service) movePower(ctx context.Context, name string, to controller.Power, idleSince time.Time, explicit bool) error {
-	inst, err := s.lookup(ctx, name)
-	if err != nil {
-		return err
-	}
-	if inst == nil {
-		return errors.New("targets: the instance disappeared before its power changed")
-	}
-	if inst, err = s.settle(ctx, inst); err != nil {
-		return err
-	}
-	owner, ok := ownerOf(inst)
-	if !ok {
-		return errors.New("targets: power change of an instance that is not a target")
-	}
-	o := Observe(inst, owner)
-	if o.Phase != controller.PhaseActive {
-		return errors.New("targets: power change of a target that is no longer active")
-	}
-	from := o.Power
-	if from == to {
-		return nil
-	}
-	if to == controller.PowerRunning {
-		_, err := s.Wake(ctx, inst)
-		return err
-	}
-	if s.relays.Open(name) > 0 {
-		if !explicit {
-			return ErrRelayOpen
-		}
-		s.relays.CloseAll(name)
-	}
-	switch from {
-	case controller.PowerPaused:
-		if err := s.act(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second); err != nil {
-			return err
-		}
-	case controller.PowerStopped, controller.PowerSuspended:
-		// A stopped instance cannot be frozen: start it, then freeze.
-		if err := s.act(ctx, name, incus.InstanceStatePut{Action: "start"}, time.Minute); err != nil {
-			return err
-		}
-	}
-	return s.PowerDown(ctx, name, to, idleSince)
-}
-
-// settle waits, within a minute, for a power transition Incus has in
-// progress (freezing, stopping, starting) to end, and returns the instance
-// as it then is.
-func (s *Service) settle(ctx context.Context, inst *incus.Instance) (*incus.Instance, error) {
-	deadline := time.Now().Add(time.Minute)
-	for {
-		owner, _ := ownerOf(inst)
-		if o := Observe(inst, owner); o.Phase != controller.PhaseActive || o.Message == "" {
-			return inst, nil
-		}
-		if time.Now().After(deadline) {
-			return nil, errors.New("targets: the instance stayed in status " + inst.Status + " for a minute")
-		}
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-time.After(100 * time.Millisecond):
-		}
-		next, err := s.lookup(ctx, inst.Name)
-		if err != nil {
-			return nil, err
-		}
-		if next == nil {
-			return nil, errors.New("targets: the instance disappeared during a power change")
-		}
-		inst = next
-	}
-}
-
-// moveTable records the power changes in flight, by instance: Incus shows
-// a graceful stop as Running until it ends, so only the provider knows a
-// target is on its way somewhere.
-type moveTable struct {
-	mu sync.Mutex
-	m  map[string]*powerMove
-}
-
-type powerMove struct {
-	to   controller.Power
-	done chan struct{}
-}
-
-// current is the move in flight for name, or nil.
-func (t *moveTable) current(name string) *powerMove {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.m[name]
-}
-
-// start records a move to `to` and returns it with the move it follows, if any.
-func (t *moveTable) start(name string, to controller.Power) (mv, prev *powerMove) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.m == nil {
-		t.m = map[string]*powerMove{}
-	}
-	prev = t.m[name]
-	mv = &powerMove{to: to, done: make(chan struct{})}
-	t.m[name] = mv
-	return mv, prev
-}
-
-// end marks a move finished.
-func (t *moveTable) end(name string, mv *powerMove) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.m[name] == mv {
-		delete(t.m, name)
-	}
-	close(mv.done)
-}
-
-// movingTo is the power an in-flight Incus transition ends in.
-func movingTo(status string) controller.Power {
-	switch status {
-	case "Freezing":
-		return controller.PowerPaused
-	case "Stopping", "Shutdown":
-		return controller.PowerStopped
-	case "Starting", "Thawed":
-		return controller.PowerRunning
-	}
-	return ""
 }
 
 // powerStates are the states the target's template offers. A target whose

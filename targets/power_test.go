@@ -17,7 +17,7 @@ import (
 
 // startWith runs a service with its own configuration until the test ends.
 func (h *harness) startWith(cfg Config) *Service {
-	svc := New(h.client, h.catalog, h.dialer, zaptest.NewLogger(h.t), cfg)
+	svc := mustNew(h.t, h.client, h.catalog, h.dialer, zaptest.NewLogger(h.t), cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -88,7 +88,7 @@ func TestSetPowerPauseResumeStopStart(t *testing.T) {
 	before := time.Now()
 	setPower(t, svc, ref, controller.PowerPaused)
 	until(t, "paused", get, powerIs(controller.PowerPaused))
-	if h.instance(ref.TargetID).Status != "Frozen" {
+	if h.instance(ref.TargetID).Status != incus.InstanceFrozen {
 		t.Fatal("paused is a frozen instance")
 	}
 	since, ok := parseMs(h.instance(ref.TargetID).Config[KeyIdleSince])
@@ -236,7 +236,7 @@ func TestSetPowerOfAProvisioningTarget(t *testing.T) {
 	ctx := ctxT(t)
 	o := owner("env-early")
 	// A created instance that has not started yet (no reconciler runs).
-	svc := New(h.client, h.catalog, h.dialer, zaptest.NewLogger(t), Config{})
+	svc := mustNew(t, h.client, h.catalog, h.dialer, zaptest.NewLogger(t), Config{})
 	tmpl, _ := h.catalog.Get("t1")
 	req, err := svc.instanceRequest(Name(o), controller.CreateParams{Owner: o, TemplateID: "t1"}, tmpl)
 	if err != nil {
@@ -257,32 +257,6 @@ func TestSetPowerOfAProvisioningTarget(t *testing.T) {
 	}
 }
 
-// fakeRelays counts relays by hand.
-type fakeRelays struct {
-	mu     sync.Mutex
-	open   map[string]int
-	closed []string
-}
-
-func (f *fakeRelays) Open(instance string) int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.open[instance]
-}
-
-func (f *fakeRelays) CloseAll(instance string) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.closed = append(f.closed, instance)
-	f.open[instance] = 0
-}
-
-func (f *fakeRelays) set(instance string, n int) {
-	f.mu.Lock()
-	f.open[instance] = n
-	f.mu.Unlock()
-}
-
 func idleTargetOfName(t *testing.T, svc *Service, name string) idle.Target {
 	t.Helper()
 	tg, ok, err := svc.IdleTarget(ctxT(t), name)
@@ -297,8 +271,6 @@ func idleTargetOfName(t *testing.T, svc *Service, name string) idle.Target {
 func TestIdleActOnIncus(t *testing.T) {
 	h := newHarness(t)
 	svc := h.startWith(Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
-	relays := &fakeRelays{open: map[string]int{}}
-	svc.UseRelays(relays)
 	ctx := ctxT(t)
 	o := owner("env-idleact")
 	created, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1",
@@ -320,16 +292,16 @@ func TestIdleActOnIncus(t *testing.T) {
 		t.Fatalf("IdleTargets: %+v %v", listed, err)
 	}
 
-	// A relay is open: nothing happens.
-	relays.set(name, 1)
+	// A dial is in progress: nothing happens.
+	tk, _ := svc.relays.Enter(name)
 	since := time.UnixMilli(time.Now().Add(-1500 * time.Millisecond).UnixMilli())
 	if err := svc.IdleAct(ctx, seen, idle.ActionPause, since); !errors.Is(err, idle.ErrRelayOpen) {
 		t.Fatalf("IdleAct under a relay: want ErrRelayOpen, got %v", err)
 	}
-	if len(relays.closed) != 0 || h.instance(name).Status != "Running" {
+	if svc.relays.Open(name) != 1 || h.instance(name).Status != incus.InstanceRunning {
 		t.Fatal("the idle loop must neither close relays nor power down under one")
 	}
-	relays.set(name, 0)
+	tk.Leave()
 
 	// What the loop saw is not what is there: nothing happens.
 	stale := seen

@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
@@ -53,52 +54,71 @@ func (s *Service) pass(ctx context.Context) error {
 }
 
 func needsWork(inst *incus.Instance) bool {
-	if inst.Config[keyClosing] != "" {
+	st := StateOf(inst)
+	switch {
+	case st.Phase == controller.PhaseClosing:
+		return true
+	case st.Failure != "":
+		return false
+	case !st.Booted:
 		return true
 	}
-	if inst.Config[keyFailure] != "" {
-		return false
-	}
-	_, booted := parseMs(inst.Config[keyBooted])
-	return !booted
+	return st.PowerPending()
 }
 
-// converge takes one idempotent step towards the instance's intent. It is
-// never run twice at once for one name (see worker).
-func (s *Service) converge(ctx context.Context, name string) {
+// converge takes one idempotent step towards the instance's intent and
+// answers when to look at it again (0: when kicked, or at the next pass).
+// It is never run twice at once for one name (see worker).
+func (s *Service) converge(ctx context.Context, name string) time.Duration {
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
-		s.log.Warn("converge: read failed", zap.String("instance", name), zap.Error(err))
-		return
+		if ctx.Err() == nil {
+			s.log.Warn("converge: read failed; retrying", zap.String("instance", name), zap.Error(err))
+		}
+		return 2 * time.Second
 	}
 	if inst == nil {
 		s.dialer.Forget(name)
-		return
+		s.progress.clear(name)
+		return 0
 	}
 	if _, ok := ownerOf(inst); !ok {
-		return
+		return 0
 	}
+	if _, ok := s.pending.get(name); ok {
+		if !s.flushPending(ctx, name) {
+			return 100 * time.Millisecond
+		}
+		if inst, err = s.lookup(ctx, name); err != nil || inst == nil {
+			return 100 * time.Millisecond
+		}
+	}
+	st := StateOf(inst)
 	switch {
-	case inst.Config[keyClosing] != "":
+	case st.Phase == controller.PhaseClosing:
+		s.progress.clear(name)
 		if err := s.closeInstance(ctx, inst); err != nil && ctx.Err() == nil {
 			s.log.Warn("close step failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
+			return 2 * time.Second
 		}
-	case inst.Config[keyFailure] != "":
-	default:
-		if _, booted := parseMs(inst.Config[keyBooted]); !booted {
-			s.bringUp(ctx, inst)
-		}
+		return 0
+	case st.Failure != "":
+		return 0
+	case !st.Booted:
+		s.bringUp(ctx, inst)
+		return 0
 	}
+	return s.drivePower(ctx, inst)
 }
 
 // bringUp starts a created instance that never ran and marks it booted.
 func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
 	name := inst.Name
 	switch inst.Status {
-	case "Running", "Ready", "Frozen", "Freezing", "Thawed":
+	case incus.InstanceRunning, incus.InstanceReady, incus.InstanceFrozen, incus.InstanceFreezing, incus.InstanceThawed:
 		s.markBooted(ctx, name)
 		return
-	case "Stopped":
+	case incus.InstanceStopped:
 	default:
 		return // in transition; the next pass looks again
 	}
@@ -141,11 +161,11 @@ func (s *Service) markBooted(ctx context.Context, name string) {
 func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error {
 	name := inst.Name
 	s.dialer.Forget(name)
-	if inst.Status == "Frozen" || inst.Status == "Freezing" {
+	if inst.Status == incus.InstanceFrozen || inst.Status == incus.InstanceFreezing {
 		// A frozen guest cannot shut itself down.
 		_ = s.act(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second)
 	}
-	if inst.Status != "Stopped" {
+	if inst.Status != incus.InstanceStopped {
 		since, ok := parseMs(inst.Config[keyClosing])
 		if !ok {
 			since = s.now()
@@ -264,15 +284,17 @@ func (k *keyedMutex) lock(key string) (unlock func()) {
 }
 
 // worker runs one converge per name at a time; a kick during a run asks for
-// one more run after it. It owns every goroutine it starts.
+// one more run after it, and a run may ask for another after a delay (a
+// retry). It owns every goroutine and timer it starts.
 type worker struct {
-	fn     func(ctx context.Context, name string)
+	fn     func(ctx context.Context, name string) time.Duration
 	ctx    context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	mu   sync.Mutex
-	jobs map[string]*job
+	mu     sync.Mutex
+	jobs   map[string]*job
+	timers map[string]*time.Timer
 }
 
 type job struct {
@@ -281,9 +303,9 @@ type job struct {
 	next  chan struct{}
 }
 
-func newWorker(fn func(ctx context.Context, name string)) *worker {
+func newWorker(fn func(ctx context.Context, name string) time.Duration) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &worker{fn: fn, ctx: ctx, cancel: cancel, jobs: map[string]*job{}}
+	return &worker{fn: fn, ctx: ctx, cancel: cancel, jobs: map[string]*job{}, timers: map[string]*time.Timer{}}
 }
 
 // kick schedules a converge of name and returns a channel closed once a run
@@ -291,6 +313,14 @@ func newWorker(fn func(ctx context.Context, name string)) *worker {
 func (w *worker) kick(name string) <-chan struct{} {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	return w.kickLocked(name)
+}
+
+func (w *worker) kickLocked(name string) <-chan struct{} {
+	if t := w.timers[name]; t != nil {
+		t.Stop() // this run covers the retry
+		delete(w.timers, name)
+	}
 	if j, running := w.jobs[name]; running {
 		j.again = true
 		if j.next == nil {
@@ -313,7 +343,7 @@ func (w *worker) kick(name string) <-chan struct{} {
 func (w *worker) run(name string, j *job) {
 	defer w.wg.Done()
 	for {
-		w.fn(w.ctx, name)
+		again := w.fn(w.ctx, name)
 		w.mu.Lock()
 		close(j.done)
 		if !j.again || w.ctx.Err() != nil {
@@ -321,6 +351,9 @@ func (w *worker) run(name string, j *job) {
 				close(j.next)
 			}
 			delete(w.jobs, name)
+			if again > 0 && w.ctx.Err() == nil {
+				w.retryLocked(name, again)
+			}
 			w.mu.Unlock()
 			return
 		}
@@ -329,20 +362,22 @@ func (w *worker) run(name string, j *job) {
 	}
 }
 
-// kickAfter converges name once op has ended (or after its bound).
-func (w *worker) kickAfter(name string, op *incus.Operation, wait func(ctx context.Context, op *incus.Operation) error) {
-	w.mu.Lock()
-	if w.ctx.Err() != nil {
-		w.mu.Unlock()
-		return
+// retryLocked kicks name again after d, unless a kick comes first.
+func (w *worker) retryLocked(name string, d time.Duration) {
+	if t := w.timers[name]; t != nil {
+		t.Stop()
 	}
-	w.wg.Add(1)
-	w.mu.Unlock()
-	go func() {
-		defer w.wg.Done()
-		_ = wait(w.ctx, op)
-		w.kick(name)
-	}()
+	var t *time.Timer
+	t = time.AfterFunc(d, func() {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.timers[name] != t || w.ctx.Err() != nil {
+			return
+		}
+		delete(w.timers, name)
+		w.kickLocked(name)
+	})
+	w.timers[name] = t
 }
 
 // spawn runs fn on a goroutine the worker owns; false when it is stopping.
@@ -363,6 +398,10 @@ func (w *worker) spawn(fn func(ctx context.Context)) bool {
 func (w *worker) stop() {
 	w.mu.Lock()
 	w.cancel()
+	for name, t := range w.timers {
+		t.Stop()
+		delete(w.timers, name)
+	}
 	w.mu.Unlock()
 	w.wg.Wait()
 }

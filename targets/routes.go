@@ -55,30 +55,3 @@ func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targ
 	}
 	return inst, Observe(inst, owner), nil
 }
-
-// PowerGuard is implemented by a relay registry (Relays) that can hold off
-// new data connections while a target is powered down.
-type PowerGuard interface {
-	// Quiesce succeeds, and holds every new dial of the instance's data
-	// route until release is called, only when nothing relays to the
-	// instance and no dial of it is in progress. It also forgets any
-	// readiness the registry had proved for the instance.
-	Quiesce(instance string) (release func(), ok bool)
-}
-
-// quiesce takes the relay registry's guard for a power-down, when the
-// registry offers one: ErrRelayOpen while anything relays to the instance.
-func (s *Service) quiesce(name string) (release func(), err error) {
-	g, ok := s.relays.(PowerGuard)
-	if !ok {
-		if s.relays.Open(name) > 0 {
-			return func() {}, ErrRelayOpen
-		}
-		return func() {}, nil
-	}
-	release, ok = g.Quiesce(name)
-	if !ok {
-		return func() {}, ErrRelayOpen
-	}
-	return release, nil
-}

@@ -15,6 +15,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -59,27 +60,37 @@ type Service struct {
 	locks   keyedMutex
 	listing listing
 	work    *worker
-	relays  Relays
+	// relays is the process's relay registry: no power-down without it.
+	relays *relays.Registry
 	// startFailures counts failed starts of not-yet-booted instances; the
 	// count lives in memory because a restart deserves fresh attempts.
 	failMu        sync.Mutex
 	startFailures map[string]int
-	// moves are the power changes in flight (see power.go).
-	moves moveTable
+	// progress is what the power moves this process carries out wait for.
+	progress progressTable
+	// pending are power requests answered but not yet recorded (see pendingTable).
+	pending pendingTable
+	// creates are the creates this process answered and still follows.
+	creates createTable
 	// changes tells the idle loop which targets this process changed (see idle.go).
 	changes changeFeed
 }
 
-// New builds the service. Call Run to start its reconciler.
-func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, log *zap.Logger, cfg Config) *Service {
+// New builds the service. Call Run to start its reconciler. The relay
+// registry is the one the process's data routes enter every relay in: the
+// service consults it before every power-down.
+func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, reg *relays.Registry, log *zap.Logger, cfg Config) (*Service, error) {
+	if client == nil || catalog == nil || dialer == nil || reg == nil {
+		return nil, errors.New("targets: the Incus client, catalog, guest dialer and relay registry are all required")
+	}
 	cfg.defaults()
 	if log == nil {
 		log = zap.NewNop()
 	}
-	s := &Service{incus: client, catalog: catalog, dialer: dialer, log: log, cfg: cfg, now: time.Now,
-		startFailures: map[string]int{}, relays: noRelays{}}
+	s := &Service{incus: client, catalog: catalog, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
+		startFailures: map[string]int{}}
 	s.work = newWorker(s.converge)
-	return s
+	return s, nil
 }
 
 var _ controller.Backend = (*Service)(nil)
@@ -167,7 +178,7 @@ func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (cont
 	if inst == nil {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
 	}
-	return Observe(inst, ref.Owner), nil
+	return s.observe(inst, ref.Owner), nil
 }
 
 // CreateTarget is idempotent per owner: the owner's existing target is
@@ -185,7 +196,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		if err := checkOwned(inst, p.Owner); err != nil {
 			return controller.Observation{}, err
 		}
-		return Observe(inst, p.Owner), nil
+		return s.observe(inst, p.Owner), nil
 	}
 	tmpl, ok := s.catalog.Get(p.TemplateID)
 	if !ok {
@@ -209,56 +220,160 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 			if err := checkOwned(again, p.Owner); err != nil {
 				return controller.Observation{}, err
 			}
-			return Observe(again, p.Owner), nil
+			return s.observe(again, p.Owner), nil
 		}
 		return controller.Observation{}, s.incusError("creating the instance", err)
 	}
-	// Wait until Incus holds the instance record, so a close or a restart
-	// that follows this answer finds it; the start goes on in the background.
-	if err := s.awaitRecord(ctx, name, op); err != nil {
+	// The create is followed from now on: should it fail after this answer,
+	// the owner is not left with an id that answers notFound.
+	s.creates.start(name)
+	// An id is answered only once Incus holds the instance record, so that
+	// a get, a close or a restart that follows the answer finds it; until
+	// then the answer carries none (the contract allows an asynchronous
+	// create to answer without an id) and the runtime asks again.
+	recorded, err := s.awaitRecord(ctx, name, op)
+	if !s.work.spawn(func(ctx context.Context) { s.finishCreate(ctx, name, op, req, recorded) }) {
+		s.creates.end(name)
+	}
+	if err != nil {
 		return controller.Observation{}, err
 	}
-	s.work.kickAfter(name, op, func(ctx context.Context, op *incus.Operation) error {
-		_, err := s.wait(ctx, op, 2*time.Minute)
-		return err
-	})
-	return controller.Observation{TargetID: name, Owner: p.Owner, Phase: controller.PhaseProvisioning,
-		Message: "Creating and starting the instance."}, nil
+	o := controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Creating and starting the instance."}
+	if recorded {
+		o.TargetID = name
+	}
+	return o, nil
 }
 
 // awaitRecord waits, within the answer bound, for the instance to exist or
-// the create operation to end.
-func (s *Service) awaitRecord(ctx context.Context, name string, op *incus.Operation) error {
+// the create operation to end; recorded says Incus holds the record.
+func (s *Service) awaitRecord(ctx context.Context, name string, op *incus.Operation) (recorded bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
 	defer cancel()
 	for delay := 10 * time.Millisecond; ; delay = min(delay*2, 200*time.Millisecond) {
 		inst, err := s.lookup(ctx, name)
 		if err == nil && inst != nil {
-			return nil
+			return true, nil
 		}
-		if cur, err := s.incus.GetOperation(ctx, op.ID); err == nil && cur.StatusCode >= 200 {
-			if cur.StatusCode >= 400 {
-				// Lost a race to another replica, or Incus refused: read again.
-				if again, _ := s.lookup(ctx, name); again != nil {
-					return nil
-				}
-				s.log.Error("instance create failed", zap.String("instance", name), zap.String("incus", cur.Err))
-				return jsonrpc.Unavailable(retryAfter, "Incus could not create the instance; the provider's log has the details. Retry shortly.")
+		if cur, err := s.incus.GetOperation(ctx, op.ID); err == nil && cur.Final() {
+			if again, _ := s.lookup(ctx, name); again != nil {
+				return true, nil
 			}
-			return nil
+			if cur.StatusCode >= incus.StatusFailure {
+				s.log.Error("instance create failed", zap.String("instance", name), zap.String("incus", cur.Err))
+				return false, jsonrpc.Unavailable(retryAfter, "Incus could not create the instance; the provider's log has the details. Retry shortly.")
+			}
+			return false, nil
 		}
 		select {
 		case <-ctx.Done():
 			// Still going: Incus finishes the operation whatever we do, and
 			// the owner's next create or get observes it.
-			return nil
+			return false, nil
 		case <-time.After(delay):
 		}
 	}
 }
 
+// finishCreate follows a create this process answered until Incus is done
+// with it. Should it fail and leave no instance after its id was handed out
+// (idGiven), while the owner has not asked for a close, it records the
+// failure on an empty instance under the owner's name, so that the id
+// answers failed with a message rather than notFound (which would fail the
+// environment for nothing), and a close removes it like any target. An
+// answer without an id leaves nothing to record: the runtime asks again.
+func (s *Service) finishCreate(ctx context.Context, name string, op *incus.Operation, req incus.InstancesPost, idGiven bool) {
+	defer s.creates.end(name)
+	_, err := s.wait(ctx, op, 5*time.Minute)
+	if ctx.Err() != nil {
+		return // shutting down: Incus goes on, and the next process observes it
+	}
+	if err == nil {
+		s.work.kick(name)
+		return
+	}
+	unlock := s.locks.lock(name)
+	defer unlock()
+	inst, lerr := s.lookup(ctx, name)
+	switch {
+	case lerr != nil:
+		s.log.Error("a create failed and its outcome cannot be read", zap.String("instance", name), zap.Error(err), zap.NamedError("read", lerr))
+		return
+	case inst != nil:
+		s.work.kick(name) // another create won the name, or it exists all the same
+		return
+	case !idGiven:
+		s.log.Warn("a create answered without an id failed; the owner's next create tries again",
+			zap.String("instance", name), zap.Error(err))
+		return
+	case s.creates.closeAsked(name):
+		return
+	}
+	s.log.Error("a create failed after its answer; recording the failure on the owner's name",
+		zap.String("instance", name), zap.Error(err))
+	config := make(map[string]string, len(req.Config)+1)
+	for k, v := range req.Config {
+		if len(k) > len("user.") && k[:len("user.")] == "user." {
+			config[k] = v
+		}
+	}
+	config[keyFailure] = "Incus could not create the instance; the provider's log has the details."
+	rec, cerr := s.incus.CreateInstance(ctx, incus.InstancesPost{Name: name, Type: req.Type,
+		Source: incus.InstanceSource{Type: "none"}, Config: config, Profiles: req.Profiles})
+	if cerr == nil {
+		_, cerr = s.wait(ctx, rec, time.Minute)
+	}
+	s.listingChanged()
+	if cerr != nil && !errors.Is(cerr, incus.ErrConflict) {
+		s.log.Error("recording a failed create failed: the owner's target answers notFound",
+			zap.String("instance", name), zap.Error(cerr))
+	}
+}
+
+// createTable holds the creates this process answered and still follows,
+// and whether a close was asked of one meanwhile.
+type createTable struct {
+	mu sync.Mutex
+	m  map[string]bool // name → a close was asked
+}
+
+func (t *createTable) start(name string) {
+	t.mu.Lock()
+	if t.m == nil {
+		t.m = map[string]bool{}
+	}
+	t.m[name] = false
+	t.mu.Unlock()
+}
+
+func (t *createTable) end(name string) {
+	t.mu.Lock()
+	delete(t.m, name)
+	t.mu.Unlock()
+}
+
+// askClose notes a close of a followed create; false when none is followed.
+func (t *createTable) askClose(name string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if _, ok := t.m[name]; !ok {
+		return false
+	}
+	t.m[name] = true
+	return true
+}
+
+func (t *createTable) closeAsked(name string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.m[name]
+}
+
 func (s *Service) instanceRequest(name string, p controller.CreateParams, t *templates.Template) (incus.InstancesPost, error) {
 	config := map[string]string{
+		keyPower:       string(controller.PowerRunning),
+		keyPowerAt:     msString(s.now()),
+		keyPowerBy:     string(ByCreate),
 		keySchema:      schemaVersion,
 		keyUniverse:    p.Owner.UniverseID,
 		keyEnvironment: p.Owner.EnvironmentID,
@@ -335,7 +450,14 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		return controller.Observation{}, err
 	}
 	if inst == nil {
+		// A create this process follows that fails now must not leave a
+		// record of its failure behind a close answered closed.
+		following := s.creates.askClose(name)
 		unlock()
+		if following {
+			return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
+				Message: "The instance is still being created; the close follows it."}, nil
+		}
 		pending, err := s.createPending(ctx, name)
 		if err != nil {
 			return controller.Observation{}, s.incusError("checking for a create in progress", err)
@@ -376,7 +498,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	if after == nil {
 		return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
-	return Observe(after, ref.Owner), nil
+	return s.observe(after, ref.Owner), nil
 }
 
 // createPending reports an Incus operation still creating the named instance.

@@ -45,6 +45,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/idle/idletest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -121,7 +122,10 @@ func run() error {
 	if o.verbose {
 		log, _ = zap.NewDevelopment(zap.IncreaseLevel(zap.WarnLevel))
 	}
-	svc := targets.New(client, catalog, fleet, log, targets.Config{})
+	svc, err := targets.New(client, catalog, fleet, relays.New(0), log, targets.Config{})
+	if err != nil {
+		return err
+	}
 	// The inventory must see every target with its policy, or the bench
 	// measures nothing.
 	listed, err := svc.IdleTargets(context.Background())

@@ -23,13 +23,10 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
-	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
-	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
-	"github.com/lightspeed-dev/incus-provider/routes"
-	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -112,42 +109,17 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		return fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err)
 	}
 
-	svc := targets.New(client, catalog, dialer, log.Named("targets"), targets.Config{
-		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval,
-	})
 	srvCtx, cancelServe := context.WithCancel(ctx)
 	defer cancelServe()
-	routeHandler, err := routes.New(srvCtx, routes.Options{
-		Targets:     svc,
-		Dialer:      dialer,
-		Credential:  credential,
-		Metrics:     routes.NewMetrics(reg),
-		Log:         log.Named("routes"),
-		IdleTimeout: cfg.RelayIdleTimeout,
-		MaxHeld:     cfg.RouteMaxHeld,
+	prov, err := provider.New(srvCtx, provider.Config{
+		Incus: client, Catalog: catalog, Dialer: dialer, Credential: credential, Log: log, Metrics: reg,
+		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
+		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
 	})
 	if err != nil {
-		return fmt.Errorf("data routes: %w", err)
+		return err
 	}
-	// Before the reconciler and the idle loop run: power changes consult the relays.
-	svc.UseRelays(routeHandler.Registry())
-	idleLoop := idle.New(idle.Config{Inventory: svc, Dialer: dialer, Metrics: idle.NewMetrics(reg), Log: log.Named("idle")})
-	ctrl := controller.NewHandler(srvCtx, controller.Options{
-		Backend:      svc,
-		Capabilities: controller.Capabilities{Power: true},
-		Credential:   credential,
-		MaxInFlight:  cfg.MaxInFlight,
-		Metrics:      controller.NewMetrics(reg),
-		Log:          log.Named("controller"),
-	})
-
-	mux := http.NewServeMux()
-	// Any path is allowed for a controller URL, and a unix:// registration
-	// names none, so the root serves the controller too.
-	mux.Handle("/control", ctrl)
-	mux.Handle("/{$}", ctrl)
-	mux.Handle(routeHandler.Prefix()+"/", routeHandler)
-	main := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, ErrorLog: zap.NewStdLog(log.Named("http"))}
+	main := &http.Server{Handler: prov.Handler(), ReadHeaderTimeout: 10 * time.Second, ErrorLog: zap.NewStdLog(log.Named("http"))}
 	ln, scheme, err := listen(ctx, cfg)
 	if err != nil {
 		return err
@@ -158,15 +130,8 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if err := svc.Run(srvCtx); err != nil {
-			errc <- fmt.Errorf("reconciler: %w", err)
-		}
-	}()
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		if err := idleLoop.Run(srvCtx); err != nil {
-			errc <- fmt.Errorf("idle loop: %w", err)
+		if err := prov.Run(srvCtx); err != nil {
+			errc <- err
 		}
 	}()
 	wg.Add(1)
@@ -225,12 +190,11 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if metricsSrv != nil {
 		_ = metricsSrv.Shutdown(shutdownCtx)
 	}
-	cancelServe() // ends WebSocket connections (hijacked, so Shutdown does not) and the reconciler
+	// Ends WebSocket connections (hijacked, so Shutdown does not), the
+	// reconciler and the idle loop; waits for the relays' going-away closes.
+	prov.Stop(shutdownCtx)
+	cancelServe()
 	wg.Wait()
-	select {
-	case <-routeHandler.Closed():
-	case <-shutdownCtx.Done():
-	}
 	return runErr
 }
 

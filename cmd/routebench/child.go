@@ -19,12 +19,10 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
-	"github.com/lightspeed-dev/incus-provider/routes"
-	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -78,20 +76,16 @@ func runChild() error {
 	if os.Getenv("ROUTEBENCH_DEBUG") != "" {
 		log, _ = zap.NewDevelopment()
 	}
-	svc := targets.New(client, catalog, dialer, log.Named("targets"), targets.Config{GracefulStop: 5 * time.Second})
-	go func() { _ = svc.Run(ctx) }()
 	cred := bearer.New(credential)
-	rh, err := routes.New(ctx, routes.Options{Targets: svc, Dialer: dialer, Credential: cred, Log: log.Named("routes")})
+	prov, err := provider.New(ctx, provider.Config{Incus: client, Catalog: catalog, Dialer: dialer, Credential: cred,
+		Log: log, GracefulStop: 5 * time.Second, MaxInFlight: 64})
 	if err != nil {
 		return err
 	}
-	svc.UseRelays(rh.Registry())
-	ctrl := controller.NewHandler(ctx, controller.Options{Backend: svc, Credential: cred,
-		Capabilities: controller.Capabilities{Power: true}, MaxInFlight: 64, Log: log.Named("controller")})
+	go func() { _ = prov.Run(ctx) }()
 
 	mux := http.NewServeMux()
-	mux.Handle("/control", ctrl)
-	mux.Handle(rh.Prefix()+"/", rh)
+	mux.Handle("/", prov.Handler())
 	mux.Handle("/bench/mem", cred.Require(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		runtime.GC()
 		debug.FreeOSMemory()
@@ -103,7 +97,7 @@ func runChild() error {
 			return
 		}
 		_ = json.NewEncoder(w).Encode(memReport{RSSBytes: rss, HeapInuseBytes: ms.HeapInuse, StackBytes: ms.StackInuse,
-			Goroutines: runtime.NumGoroutine(), Relays: rh.Registry().Relays()})
+			Goroutines: runtime.NumGoroutine(), Relays: prov.Relays.Relays()})
 	}), nil))
 	// The floor: a plain byte pipe from a loopback port to the daemon,
 	// through the same GuestDialer, reading nothing. What the relay adds over

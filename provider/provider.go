@@ -1,0 +1,173 @@
+// Package provider assembles the service from its parts: the targets on
+// Incus and their reconciler, the relay registry, the data routes, the idle
+// loop and the controller plane. It is the one wiring of them: the command,
+// the benchmarks and the integration tests all build the provider here, so
+// a test runs the provider that ships.
+package provider
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/relays"
+	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+// Config is what the provider is built from. Incus, Catalog (resolved) and
+// Dialer are required; zero values of the rest take their parts' defaults.
+type Config struct {
+	Incus      *incus.Client
+	Catalog    *templates.Catalog
+	Dialer     guest.Dialer
+	Credential bearer.Credential
+	Log        *zap.Logger
+	// Metrics is where the provider's collectors are registered; nil
+	// registers none.
+	Metrics prometheus.Registerer
+
+	GracefulStop      time.Duration
+	ReconcileInterval time.Duration
+	MaxInFlight       int
+	RelayIdleTimeout  time.Duration
+	RouteMaxHeld      int
+	// RelayCloseWait bounds how long a relay told to go away may take to
+	// end before it is killed (default 4 s).
+	RelayCloseWait time.Duration
+}
+
+// Provider is the assembled service.
+type Provider struct {
+	Targets *targets.Service
+	Relays  *relays.Registry
+	Routes  *routes.Handler
+	Idle    *idle.Loop
+	Control *controller.Handler
+
+	log     *zap.Logger
+	handler http.Handler
+	cancel  context.CancelFunc
+	ctx     context.Context
+}
+
+// New builds the provider. ctx bounds everything it serves: when it ends,
+// controller connections and relays are closed with going-away frames.
+func New(ctx context.Context, cfg Config) (*Provider, error) {
+	if cfg.Incus == nil || cfg.Catalog == nil || cfg.Dialer == nil {
+		return nil, errors.New("provider: an Incus client, a resolved catalog and a guest dialer are required")
+	}
+	log := cfg.Log
+	if log == nil {
+		log = zap.NewNop()
+	}
+	closeWait := cfg.RelayCloseWait
+	if closeWait <= 0 {
+		closeWait = 4 * time.Second
+	}
+	reg := relays.New(closeWait)
+	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
+		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval,
+	})
+	if err != nil {
+		return nil, err
+	}
+	var (
+		routeMetrics *routes.Metrics
+		idleMetrics  *idle.Metrics
+		ctrlMetrics  *controller.Metrics
+	)
+	if cfg.Metrics != nil {
+		routeMetrics = routes.NewMetrics(cfg.Metrics)
+		idleMetrics = idle.NewMetrics(cfg.Metrics)
+		ctrlMetrics = controller.NewMetrics(cfg.Metrics)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	rh, err := routes.New(ctx, routes.Options{
+		Targets:     svc,
+		Dialer:      cfg.Dialer,
+		Relays:      reg,
+		Credential:  cfg.Credential,
+		Metrics:     routeMetrics,
+		Log:         log.Named("routes"),
+		IdleTimeout: cfg.RelayIdleTimeout,
+		MaxHeld:     cfg.RouteMaxHeld,
+	})
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("data routes: %w", err)
+	}
+	loop := idle.New(idle.Config{Inventory: svc, Dialer: cfg.Dialer, Metrics: idleMetrics, Log: log.Named("idle")})
+	ctrl := controller.NewHandler(ctx, controller.Options{
+		Backend:      svc,
+		Capabilities: controller.Capabilities{Power: true},
+		Credential:   cfg.Credential,
+		MaxInFlight:  cfg.MaxInFlight,
+		Metrics:      ctrlMetrics,
+		Log:          log.Named("controller"),
+	})
+	mux := http.NewServeMux()
+	// Any path is allowed for a controller URL, and a unix:// registration
+	// names none, so the root serves the controller too.
+	mux.Handle("/control", ctrl)
+	mux.Handle("/{$}", ctrl)
+	mux.Handle(rh.Prefix()+"/", rh)
+	return &Provider{Targets: svc, Relays: reg, Routes: rh, Idle: loop, Control: ctrl,
+		log: log, handler: mux, cancel: cancel, ctx: ctx}, nil
+}
+
+// Handler serves the controller plane at /control (and /) and the data
+// routes under their prefix.
+func (p *Provider) Handler() http.Handler { return p.handler }
+
+// Run runs the reconciler and the idle loop until ctx ends (or the
+// provider's own context does), and returns once both have stopped.
+func (p *Provider) Run(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(p.ctx, cancel)
+	defer stop()
+	var wg sync.WaitGroup
+	errc := make(chan error, 2)
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		if err := p.Targets.Run(ctx); err != nil {
+			errc <- fmt.Errorf("reconciler: %w", err)
+			cancel()
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		if err := p.Idle.Run(ctx); err != nil {
+			errc <- fmt.Errorf("idle loop: %w", err)
+			cancel()
+		}
+	}()
+	wg.Wait()
+	close(errc)
+	return <-errc
+}
+
+// Stop ends what the provider serves: controller connections and relays
+// get their going-away closes. It returns once the relays' closes are out,
+// or ctx ends.
+func (p *Provider) Stop(ctx context.Context) {
+	p.cancel()
+	select {
+	case <-p.Routes.Closed():
+	case <-ctx.Done():
+	}
+}

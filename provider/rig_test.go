@@ -1,0 +1,326 @@
+package provider_test
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gorilla/websocket"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/lightspeed-dev/incus-provider/conformance"
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/testrig"
+	"github.com/lightspeed-dev/incus-provider/provider"
+	"github.com/lightspeed-dev/incus-provider/routes"
+)
+
+// These tests run the provider as it ships (provider.New, served over
+// HTTP on loopback) against the real Incus on this machine, with the
+// development guest image, in a throwaway project, and drive it from
+// outside as the runtime does: the controller plane over a WebSocket, the
+// data routes with the bearer credential. They skip without Incus (fail
+// with INCUS_PROVIDER_REQUIRE_INCUS=1).
+
+const credential = "provider-test-credential"
+
+const testTemplates = `templates:
+  - templateId: t1
+    displayName: test guest
+    powerStates: [running, paused, stopped]
+    imageAlias: {{image}}
+  - templateId: wrongport
+    displayName: a guest whose daemon is not where the template says
+    powerStates: [running, paused, stopped]
+    imageAlias: {{image}}
+    daemonPort: 19999
+`
+
+type rig struct {
+	t *testing.T
+	// client reads Incus for the checks; the provider may be given another
+	// way to Incus (one that injects faults).
+	client  *incus.Client
+	p       *provider.Provider
+	srv     *httptest.Server
+	metrics *prometheus.Registry
+	ctl     *jsonrpc.Client
+	stop    func()
+}
+
+type rigOptions struct {
+	// providerIncus, when set, is the provider's own client (the same
+	// project as the checks').
+	providerIncus func(project string) *incus.Client
+}
+
+func newRig(t *testing.T, o rigOptions) *rig {
+	t.Helper()
+	client := incustest.Client(t)
+	image := incustest.Image(t)
+	catalog := testrig.Catalog(t, client, image, testTemplates)
+	pc := client
+	if o.providerIncus != nil {
+		pc = o.providerIncus(client.Project())
+	}
+	dialer := testrig.NetnsDialer(t, client)
+	reg := prometheus.NewRegistry()
+	ctx, cancel := context.WithCancel(context.Background())
+	p, err := provider.New(ctx, provider.Config{Incus: pc, Catalog: catalog, Dialer: dialer,
+		Credential: bearer.New(credential), Log: zaptest.NewLogger(t), Metrics: reg,
+		GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = p.Run(ctx) }()
+	srv := httptest.NewServer(p.Handler())
+	r := &rig{t: t, client: client, p: p, srv: srv, metrics: reg}
+	var once bool
+	r.stop = func() {
+		if once {
+			return
+		}
+		once = true
+		if r.ctl != nil {
+			_ = r.ctl.Close()
+		}
+		srv.Close()
+		sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
+		p.Stop(sctx)
+		scancel()
+		cancel()
+		<-done
+	}
+	t.Cleanup(r.stop)
+	r.ctl = r.connect()
+	return r
+}
+
+// connect opens a controller connection and runs its handshake.
+func (r *rig) connect() *jsonrpc.Client {
+	r.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	h := http.Header{"Authorization": {"Bearer " + credential}}
+	ws, _, err := websocket.DefaultDialer.DialContext(ctx, "ws://"+r.srv.Listener.Addr().String()+"/control", h)
+	if err != nil {
+		r.t.Fatalf("dial /control: %v", err)
+	}
+	c := jsonrpc.NewClient(ws)
+	var res controller.InitializeResult
+	if err := c.Call(ctx, "initialize", controller.InitializeParams{ProtocolVersion: 4,
+		ClientInfo: controller.BuildInfo{Name: "provider-test"}}, &res); err != nil {
+		r.t.Fatalf("initialize: %v", err)
+	}
+	if !res.Capabilities.Power {
+		r.t.Fatal("the provider does not advertise power")
+	}
+	return c
+}
+
+func (r *rig) ctx() context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	r.t.Cleanup(cancel)
+	return ctx
+}
+
+// call runs one controller method and answers the observation.
+func (r *rig) call(method string, params any) (controller.Observation, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var res controller.TargetResult
+	err := r.ctl.Call(ctx, method, params, &res)
+	return res.Target, err
+}
+
+func (r *rig) get(owner controller.Owner) (controller.Observation, error) {
+	return r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: owner}})
+}
+
+func (r *rig) setPower(owner controller.Owner, p controller.Power) (controller.Observation, error) {
+	return r.call("target/setPower", controller.SetPowerParams{Target: controller.TargetRef{Owner: owner}, Power: p})
+}
+
+func (r *rig) closeTarget(owner controller.Owner) (controller.Observation, error) {
+	return r.call("target/close", controller.TargetParams{Target: controller.TargetRef{Owner: owner}})
+}
+
+// create makes a target through the controller plane and waits until it runs.
+func (r *rig) create(env, template string) routes.Route {
+	r.t.Helper()
+	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: env}
+	if _, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: template}); err != nil {
+		r.t.Fatal(err)
+	}
+	o := r.until(owner, "active and running", 90*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
+	})
+	return routes.Route{Owner: owner, TargetID: o.TargetID}
+}
+
+func (r *rig) until(owner controller.Owner, what string, most time.Duration, cond func(controller.Observation) bool) controller.Observation {
+	r.t.Helper()
+	deadline := time.Now().Add(most)
+	for {
+		o, err := r.get(owner)
+		if err == nil && cond(o) {
+			return o
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("target never %s within %s: last %+v, %v", what, most, o, err)
+		}
+		time.Sleep(25 * time.Millisecond)
+	}
+}
+
+// power moves the target and waits until Incus shows it there, settled.
+func (r *rig) power(route routes.Route, p controller.Power) {
+	r.t.Helper()
+	if _, err := r.setPower(route.Owner, p); err != nil {
+		r.t.Fatal(err)
+	}
+	r.until(route.Owner, "at "+string(p), 60*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == p && o.Message == ""
+	})
+}
+
+func (r *rig) status(name string) incus.InstanceStatus {
+	r.t.Helper()
+	inst, _, err := r.client.GetInstance(r.ctx(), name)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return inst.Status
+}
+
+func (r *rig) url(route routes.Route) string {
+	return "ws://" + r.srv.Listener.Addr().String() + routes.Path("/routes", route)
+}
+
+// dial dials the route with the conformance package's helper, which checks
+// the hold bound and the typed refusal.
+func (r *rig) dial(route routes.Route) conformance.RouteDial {
+	r.t.Helper()
+	d, err := conformance.DialRoute(context.Background(), r.url(route), credential)
+	if err != nil {
+		r.t.Fatalf("DialRoute: %v", err)
+	}
+	if d.Conn != nil {
+		r.t.Cleanup(func() { d.Conn.Close() })
+	}
+	return d
+}
+
+func (r *rig) mustUpgrade(route routes.Route) *websocket.Conn {
+	r.t.Helper()
+	d := r.dial(route)
+	if d.Conn == nil {
+		r.t.Fatalf("route refused: %+v after %s", d.Refusal, d.Elapsed)
+	}
+	initialize(r.t, d.Conn)
+	return d.Conn
+}
+
+// wakes counts the wakes the data routes finished, by the provider's own
+// metric.
+func (r *rig) wakes() int {
+	r.t.Helper()
+	mfs, err := r.metrics.Gather()
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	n := 0
+	for _, mf := range mfs {
+		if mf.GetName() != "incus_provider_route_wake_duration_seconds" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			n += int(m.GetHistogram().GetSampleCount())
+		}
+	}
+	return n
+}
+
+// counter sums a counter's series whose labels include all of want.
+func (r *rig) counter(name string, want map[string]string) float64 {
+	r.t.Helper()
+	mfs, err := r.metrics.Gather()
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	var v float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			for k, want := range want {
+				found := false
+				for _, l := range m.GetLabel() {
+					if l.GetName() == k && l.GetValue() == want {
+						found = true
+					}
+				}
+				if !found {
+					continue next
+				}
+			}
+			v += m.GetCounter().GetValue()
+		}
+	}
+	return v
+}
+
+// initialize runs the data-plane handshake through the relay, leaving the
+// connection to the test.
+func initialize(t testing.TB, ws *websocket.Conn) {
+	t.Helper()
+	_ = ws.SetWriteDeadline(time.Now().Add(10 * time.Second))
+	req := `{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":5,"clientInfo":{"name":"provider-test"}}}`
+	if err := ws.WriteMessage(websocket.TextMessage, []byte(req)); err != nil {
+		t.Fatalf("initialize through the relay: %v", err)
+	}
+	_ = ws.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_, data, err := ws.ReadMessage()
+	if err != nil {
+		t.Fatalf("initialize through the relay: %v", err)
+	}
+	_ = ws.SetReadDeadline(time.Time{})
+	if !strings.Contains(string(data), `"plane":"data"`) {
+		t.Fatalf("initialize answered %s", data)
+	}
+}
+
+// awaitGoingAway reads until the server closes the connection, which must
+// be with a going-away close.
+func awaitGoingAway(t testing.TB, ws *websocket.Conn) {
+	t.Helper()
+	_ = ws.SetReadDeadline(time.Now().Add(15 * time.Second))
+	for {
+		_, _, err := ws.ReadMessage()
+		if err == nil {
+			continue
+		}
+		if !websocket.IsCloseError(err, websocket.CloseGoingAway) {
+			t.Fatalf("the client got %v, want a going-away close", err)
+		}
+		return
+	}
+}
+
+func isKind(err error, kind jsonrpc.Kind) bool {
+	var e *jsonrpc.Error
+	return errors.As(err, &e) && e.Kind == kind
+}

@@ -1,0 +1,336 @@
+// Package relays is the registry of the data connections the provider
+// relays to its targets and of the dials of their data routes in progress.
+// It is built once per process and given to both sides that need it: the
+// data routes, which enter every dial and relay in it, and the targets,
+// which consult it before any power-down, because the provider never powers
+// a target down while it relays a data connection to it.
+package relays
+
+import (
+	"context"
+	"sync"
+	"time"
+)
+
+// GoingAway is the WebSocket close code a relay is sent before a power-down
+// or a shutdown (RFC 6455: the endpoint is going away).
+const GoingAway = 1001
+
+// Conn is one relayed data connection, as the registry holds it.
+type Conn interface {
+	// GoAway sends both ends a close frame with code and reason; the
+	// connection ends once both have answered it, or after its own wait.
+	GoAway(code int, reason, why string)
+	// Kill ends the connection at once, without waiting for any answer.
+	Kill(why string)
+	// Done is closed once the connection has ended.
+	Done() <-chan struct{}
+}
+
+// Registry knows, per Incus instance, the relays open to it and the dials
+// of its data route in progress.
+type Registry struct {
+	// closeWait bounds how long a relay told to go away may take to end
+	// before it is killed.
+	closeWait time.Duration
+
+	mu      sync.Mutex
+	entries map[string]*entry
+	total   int
+	hooks   []func(instance string)
+}
+
+type entry struct {
+	conns   map[Conn]struct{}
+	pending int           // dials in progress, and wakes under way
+	quiet   chan struct{} // non-nil while a power-down holds new dials off
+	// changed is closed (and replaced) whenever conns or pending shrink,
+	// so a drain waits on events rather than polling.
+	changed chan struct{}
+}
+
+// New builds a registry; closeWait bounds the wait for a relay to end after
+// its going-away close (default 3 s).
+func New(closeWait time.Duration) *Registry {
+	if closeWait <= 0 {
+		closeWait = 3 * time.Second
+	}
+	return &Registry{closeWait: closeWait, entries: map[string]*entry{}}
+}
+
+// OnPowerChange adds fn to what is told of every power-down the registry
+// guards (at its start and at its end): the data routes forget the
+// readiness they had proved of that instance. Add hooks before serving.
+func (g *Registry) OnPowerChange(fn func(instance string)) {
+	g.mu.Lock()
+	g.hooks = append(g.hooks, fn)
+	g.mu.Unlock()
+}
+
+func (g *Registry) powerChanged(instance string) {
+	g.mu.Lock()
+	hooks := g.hooks
+	g.mu.Unlock()
+	for _, fn := range hooks {
+		fn(instance)
+	}
+}
+
+func (g *Registry) entryLocked(instance string) *entry {
+	e := g.entries[instance]
+	if e == nil {
+		e = &entry{conns: map[Conn]struct{}{}, changed: make(chan struct{})}
+		g.entries[instance] = e
+	}
+	return e
+}
+
+func (g *Registry) dropIfEmptyLocked(instance string, e *entry) {
+	if len(e.conns) == 0 && e.pending == 0 && e.quiet == nil {
+		delete(g.entries, instance)
+	}
+}
+
+func (e *entry) signalLocked() {
+	close(e.changed)
+	e.changed = make(chan struct{})
+}
+
+// Open counts the relays open to the instance and the dials of its data
+// route in progress (a dial about to relay is as good as a relay).
+func (g *Registry) Open(instance string) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e := g.entries[instance]
+	if e == nil {
+		return 0
+	}
+	return len(e.conns) + e.pending
+}
+
+// Relays counts every relay open now.
+func (g *Registry) Relays() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.total
+}
+
+// Quiesce holds off new dials of the instance's data route until release,
+// when nothing relays to it and no dial of it is in progress; otherwise it
+// fails and holds nothing. Dials that arrive meanwhile wait (within their
+// hold) and then find the target in its new power state. This is the guard
+// of a power-down nobody asked for explicitly (the idle loop's): it yields
+// to any use of the target.
+func (g *Registry) Quiesce(instance string) (release func(), ok bool) {
+	g.mu.Lock()
+	e := g.entryLocked(instance)
+	if len(e.conns) > 0 || e.pending > 0 || e.quiet != nil {
+		g.dropIfEmptyLocked(instance, e)
+		g.mu.Unlock()
+		return func() {}, false
+	}
+	quiet := make(chan struct{})
+	e.quiet = quiet
+	g.mu.Unlock()
+	g.powerChanged(instance)
+	return g.releaser(instance, quiet), true
+}
+
+func (g *Registry) releaser(instance string, quiet chan struct{}) func() {
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			g.powerChanged(instance)
+			g.mu.Lock()
+			close(quiet)
+			if cur := g.entries[instance]; cur != nil && cur.quiet == quiet {
+				cur.quiet = nil
+				g.dropIfEmptyLocked(instance, cur)
+			}
+			g.mu.Unlock()
+		})
+	}
+}
+
+// Drain is the guard of an explicit power-down (target/setPower): it holds
+// every new dial of the instance off, sends each relay of it a going-away
+// close, kills one that has not ended closeWait later, and waits until no
+// relay and no dial of the instance remains, or ctx ends. onWait, when not
+// nil, is told the count still open each time it changes. The caller must
+// call release, which lets the held dials go on; left is what still
+// relayed or dialled when ctx ended (0: drained, safe to power down).
+func (g *Registry) Drain(ctx context.Context, instance, reason string, onWait func(open int)) (release func(), left int) {
+	// Wait for another guard of the instance (an idle power-down) to end.
+	var e *entry
+	var quiet chan struct{}
+	for {
+		g.mu.Lock()
+		e = g.entryLocked(instance)
+		if e.quiet == nil {
+			quiet = make(chan struct{})
+			e.quiet = quiet
+			g.mu.Unlock()
+			break
+		}
+		other := e.quiet
+		g.mu.Unlock()
+		select {
+		case <-other:
+		case <-ctx.Done():
+			return func() {}, g.Open(instance)
+		}
+	}
+	g.powerChanged(instance)
+	release = g.releaser(instance, quiet)
+
+	told := map[Conn]struct{}{}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	last := -1
+	for {
+		g.mu.Lock()
+		var fresh []Conn
+		for c := range e.conns {
+			if _, ok := told[c]; !ok {
+				told[c] = struct{}{}
+				fresh = append(fresh, c)
+			}
+		}
+		open := len(e.conns) + e.pending
+		changed := e.changed
+		g.mu.Unlock()
+		for _, c := range fresh {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				g.goAway(c, reason, "power_down")
+			}()
+		}
+		if open != last && onWait != nil {
+			onWait(open)
+		}
+		last = open
+		if open == 0 {
+			return release, 0
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return release, g.Open(instance)
+		}
+	}
+}
+
+// goAway tells c to go away and kills it if it has not ended in time.
+func (g *Registry) goAway(c Conn, reason, why string) {
+	c.GoAway(GoingAway, reason, why)
+	t := time.NewTimer(g.closeWait)
+	defer t.Stop()
+	select {
+	case <-c.Done():
+	case <-t.C:
+		c.Kill(why)
+		<-c.Done()
+	}
+}
+
+// CloseEvery sends every relay a going-away close and waits, within the
+// close wait, for each to end (provider shutdown).
+func (g *Registry) CloseEvery(reason, why string) {
+	g.mu.Lock()
+	var cs []Conn
+	for _, e := range g.entries {
+		for c := range e.conns {
+			cs = append(cs, c)
+		}
+	}
+	g.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, c := range cs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			g.goAway(c, reason, why)
+		}()
+	}
+	wg.Wait()
+}
+
+// Ticket is one dial (or wake) counted as in progress.
+type Ticket struct {
+	g        *Registry
+	instance string
+	once     sync.Once
+}
+
+// Enter counts a dial of the instance as in progress. While a power-down
+// holds the instance it returns no ticket but the channel to wait on.
+func (g *Registry) Enter(instance string) (*Ticket, <-chan struct{}) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e := g.entryLocked(instance)
+	if e.quiet != nil {
+		return nil, e.quiet
+	}
+	e.pending++
+	return &Ticket{g: g, instance: instance}, nil
+}
+
+// Join counts one more dial of the instance as in progress, even while a
+// power-down holds it: for work a dial already admitted starts (its wake),
+// which must not be told to wait for the power-down that waits for it.
+func (t *Ticket) Join() *Ticket {
+	g := t.g
+	g.mu.Lock()
+	g.entryLocked(t.instance).pending++
+	g.mu.Unlock()
+	return &Ticket{g: g, instance: t.instance}
+}
+
+// Leave ends the dial without a relay.
+func (t *Ticket) Leave() {
+	t.once.Do(func() {
+		g := t.g
+		g.mu.Lock()
+		if e := g.entries[t.instance]; e != nil {
+			e.pending--
+			e.signalLocked()
+			g.dropIfEmptyLocked(t.instance, e)
+		}
+		g.mu.Unlock()
+	})
+}
+
+// Adopt turns the dial into the relay c, in one step, so the instance is
+// never seen without either.
+func (t *Ticket) Adopt(c Conn) {
+	t.once.Do(func() {
+		g := t.g
+		g.mu.Lock()
+		e := g.entryLocked(t.instance)
+		e.pending--
+		e.conns[c] = struct{}{}
+		g.total++
+		e.signalLocked()
+		g.mu.Unlock()
+	})
+}
+
+// Remove forgets an ended relay of the instance; false when it was not
+// registered.
+func (g *Registry) Remove(instance string, c Conn) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	e := g.entries[instance]
+	if e == nil {
+		return false
+	}
+	if _, ok := e.conns[c]; !ok {
+		return false
+	}
+	delete(e.conns, c)
+	g.total--
+	e.signalLocked()
+	g.dropIfEmptyLocked(instance, e)
+	return true
+}

@@ -1,0 +1,233 @@
+package targets
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+// Power intent: the power last asked of a target, recorded on its instance
+// so that it outlives the request, a failed attempt and the provider
+// process. The reconciler drives every target to its recorded power and
+// retries until it gets there, the target leaves active, or a newer request
+// replaces the record.
+const (
+	keyPower   = "user.lightspeed.power"
+	keyPowerAt = "user.lightspeed.power_at_ms"
+	keyPowerBy = "user.lightspeed.power_by"
+)
+
+// Requester is who asked for a power: it decides what a power-down may do
+// to the target's open data connections.
+type Requester string
+
+// The requesters of a power.
+const (
+	// ByCreate: a new target is wanted running.
+	ByCreate Requester = "create"
+	// BySetPower: target/setPower. A power-down first closes the target's
+	// relays with going-away frames and waits for them to end.
+	BySetPower Requester = "setPower"
+	// ByIdle: the idle loop. A power-down yields to any use of the target:
+	// a relay or a dial that comes first replaces it with running.
+	ByIdle Requester = "idle"
+	// ByUse: a data-route dial (a wake), or a use that overtook an idle
+	// power-down.
+	ByUse Requester = "use"
+)
+
+// Intent is a recorded power request.
+type Intent struct {
+	Power controller.Power
+	At    time.Time
+	By    Requester
+}
+
+func intentOf(inst *incus.Instance) Intent {
+	p := controller.Power(inst.Config[keyPower])
+	switch p {
+	case controller.PowerRunning, controller.PowerPaused, controller.PowerSuspended, controller.PowerStopped:
+	default:
+		return Intent{}
+	}
+	at, _ := parseMs(inst.Config[keyPowerAt])
+	return Intent{Power: p, At: at, By: Requester(inst.Config[keyPowerBy])}
+}
+
+func (in Intent) config() map[string]string {
+	return map[string]string{keyPower: string(in.Power), keyPowerAt: msString(in.At), keyPowerBy: string(in.By)}
+}
+
+// ErrSuperseded: a newer power request than the one being recorded is on
+// the instance already; the older one is dropped.
+var ErrSuperseded = errors.New("targets: a newer power request is recorded")
+
+// errGone: the instance disappeared while its intent was recorded.
+var errGone = errors.New("targets: the instance is gone")
+
+// want records in as the instance's wanted power, with the extra keys,
+// unless a newer request is recorded (ErrSuperseded). check, when not nil,
+// is applied to the instance as read just before the write and may refuse.
+// The write is conditional on the instance's ETag, so a request recorded
+// by another process in between is never overwritten unseen. It answers
+// the instance as read, and whether it wrote.
+func (s *Service) want(ctx context.Context, name string, in Intent, extra map[string]string, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
+	for attempt := 0; ; attempt++ {
+		inst, etag, err := s.incus.GetInstance(ctx, name)
+		if errors.Is(err, incus.ErrNotFound) {
+			return nil, false, errGone
+		}
+		if err != nil {
+			return nil, false, err
+		}
+		st := StateOf(inst)
+		if check != nil {
+			if err := check(inst, st); err != nil {
+				return inst, false, err
+			}
+		}
+		if st.Intent.Power != "" && st.Intent.At.After(in.At) {
+			return inst, false, ErrSuperseded
+		}
+		if st.Intent.Power == in.Power && st.Intent.By == in.By && len(extra) == 0 {
+			return inst, false, nil
+		}
+		set := in.config()
+		for k, v := range extra {
+			set[k] = v
+		}
+		err = s.incus.PatchInstanceConfigIf(ctx, name, set, etag)
+		s.listingChanged()
+		if err == nil {
+			return inst, true, nil
+		}
+		if errors.Is(err, incus.ErrBusy) {
+			// Incus changes no config while an operation holds the
+			// instance (a start, a graceful stop): wait within ctx.
+			if !clockSleep(ctx, min(10*time.Millisecond<<min(attempt, 4), 200*time.Millisecond)) {
+				return nil, false, fmt.Errorf("record power %s: %w", in.Power, err)
+			}
+			continue
+		}
+		if !errors.Is(err, incus.ErrPreconditionFailed) || attempt >= 12 {
+			if landed := s.landed(ctx, name, in); landed {
+				// The answer was lost, not the write.
+				return inst, true, nil
+			}
+			return nil, false, fmt.Errorf("record power %s: %w", in.Power, err)
+		}
+		// Incus itself rewrites volatile keys while an instance starts or
+		// stops, which changes the ETag: read again shortly.
+		if !clockSleep(ctx, min(5*time.Millisecond<<attempt, 100*time.Millisecond)) {
+			return nil, false, ctx.Err()
+		}
+	}
+}
+
+// landed checks whether a write whose answer failed took effect after all.
+func (s *Service) landed(ctx context.Context, name string, in Intent) bool {
+	inst, err := s.lookup(ctx, name)
+	if err != nil || inst == nil {
+		return false
+	}
+	got := intentOf(inst)
+	return got.Power == in.Power && got.By == in.By && got.At.UnixMilli() == in.At.UnixMilli()
+}
+
+// clockSleep pauses for d; false when ctx ended first.
+func clockSleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// pendingTable holds power requests this process answered but could not
+// yet record, because an Incus operation held the instance. The next step
+// of the reconciler for the instance records each before anything else;
+// until then observations show it. It is the one window in which a request
+// lives in memory only: a provider killed in it loses the request, and
+// says so in its log.
+type pendingTable struct {
+	mu sync.Mutex
+	m  map[string]pendingWrite
+}
+
+type pendingWrite struct {
+	intent Intent
+	extra  map[string]string
+}
+
+// put keeps w unless a newer request is kept already.
+func (t *pendingTable) put(name string, w pendingWrite) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m == nil {
+		t.m = map[string]pendingWrite{}
+	}
+	if cur, ok := t.m[name]; ok && cur.intent.At.After(w.intent.At) {
+		return
+	}
+	t.m[name] = w
+}
+
+func (t *pendingTable) get(name string) (pendingWrite, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	w, ok := t.m[name]
+	return w, ok
+}
+
+// done drops w once it is recorded, unless a newer one came meanwhile.
+func (t *pendingTable) done(name string, w pendingWrite) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if cur, ok := t.m[name]; ok && cur.intent == w.intent {
+		delete(t.m, name)
+	}
+}
+
+// drop forgets a kept request older than at (a newer one was recorded),
+// and says whether there was one.
+func (t *pendingTable) drop(name string, at time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if cur, ok := t.m[name]; ok && !cur.intent.At.After(at) {
+		delete(t.m, name)
+		return true
+	}
+	return false
+}
+
+// flushPending records the instance's pending request, if any; false when
+// Incus still holds the instance (try again shortly).
+func (s *Service) flushPending(ctx context.Context, name string) bool {
+	w, ok := s.pending.get(name)
+	if !ok {
+		return true
+	}
+	wctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	_, _, err := s.want(wctx, name, w.intent, w.extra, nil)
+	switch {
+	case err == nil, errors.Is(err, ErrSuperseded), errors.Is(err, errGone):
+		s.pending.done(name, w)
+		return true
+	case ctx.Err() != nil:
+		s.log.Warn("shutting down with a power request not yet recorded; it is lost",
+			zap.String("instance", name), zap.String("to", string(w.intent.Power)))
+		return false
+	}
+	return false
+}

@@ -1,0 +1,91 @@
+package targets
+
+import (
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+)
+
+// progress is what a power move this process carries out waits for. It is
+// for people (the observation's message) and for the retry's backoff; no
+// decision reads it, since another process may carry out the move instead.
+type progress struct {
+	to controller.Power
+	// waiting counts the data connections a power-down waits to see closed.
+	waiting int
+	// failures counts attempts that failed in a row; retryAt is the next.
+	failures int
+	retryAt  time.Time
+}
+
+// detail is the message's tail: what the move waits for, or "".
+func (p *progress) detail(now time.Time) string {
+	switch {
+	case p == nil:
+		return ""
+	case p.waiting == 1:
+		return ": waiting for 1 data connection to close"
+	case p.waiting > 1:
+		return fmt.Sprintf(": waiting for %d data connections to close", p.waiting)
+	case p.failures > 0:
+		in := max(p.retryAt.Sub(now), 0).Round(100 * time.Millisecond)
+		return fmt.Sprintf(": the last attempt failed; retrying in %s", in)
+	}
+	return ""
+}
+
+// progressTable holds the progress of every move in flight, by instance.
+type progressTable struct {
+	mu sync.Mutex
+	m  map[string]*progress
+}
+
+func (t *progressTable) get(name string) *progress {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if p := t.m[name]; p != nil {
+		c := *p
+		return &c
+	}
+	return nil
+}
+
+func (t *progressTable) update(name string, to controller.Power, fn func(p *progress)) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m == nil {
+		t.m = map[string]*progress{}
+	}
+	p := t.m[name]
+	if p == nil || p.to != to {
+		p = &progress{to: to}
+		t.m[name] = p
+	}
+	fn(p)
+}
+
+// waiting records how many data connections the move to `to` waits for.
+func (t *progressTable) waiting(name string, to controller.Power, n int) {
+	t.update(name, to, func(p *progress) { p.waiting = n })
+}
+
+// failed records a failed attempt and answers when to try again: 250 ms
+// after the first failure, doubling, at most 30 s.
+func (t *progressTable) failed(name string, to controller.Power, now time.Time) time.Duration {
+	var d time.Duration
+	t.update(name, to, func(p *progress) {
+		p.waiting = 0
+		p.failures++
+		d = min(250*time.Millisecond<<min(p.failures-1, 7), 30*time.Second)
+		p.retryAt = now.Add(d)
+	})
+	return d
+}
+
+func (t *progressTable) clear(name string) {
+	t.mu.Lock()
+	delete(t.m, name)
+	t.mu.Unlock()
+}

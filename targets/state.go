@@ -1,0 +1,134 @@
+package targets
+
+import (
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+// State is what an instance is, for every decision the provider takes on
+// it: the protocol's phase and power as Incus shows them, whether Incus
+// rests or has a transition under way, and the power recorded as wanted.
+// Decisions read these fields; messages are written from them for people
+// and never read back.
+type State struct {
+	Phase controller.Phase
+	// Power is what Incus shows, present when Phase is active. During an
+	// Incus transition it is the power the target still has.
+	Power controller.Power
+	// Status is Incus's own status of the instance.
+	Status incus.InstanceStatus
+	// Resting: Incus has no transition of the instance under way.
+	Resting bool
+	// Booted: the instance ran at least once (before that, a stopped
+	// instance is still being provisioned).
+	Booted bool
+	// Intent is the power recorded as wanted; zero when none is.
+	Intent Intent
+	// Failure is the reason recorded when the provider gave up on it.
+	Failure string
+}
+
+// Settled says the target is active, Incus rests, and it has the power
+// wanted of it: nothing about its power is under way, and a new power
+// decision (the idle loop's) may be taken on it.
+func (st State) Settled() bool {
+	return st.Phase == controller.PhaseActive && st.Resting &&
+		(st.Intent.Power == "" || st.Intent.Power == st.Power)
+}
+
+// PowerPending says a recorded request for another power than the one the
+// target has is not yet carried out.
+func (st State) PowerPending() bool {
+	return st.Phase == controller.PhaseActive && st.Intent.Power != "" &&
+		(st.Intent.Power != st.Power || !st.Resting)
+}
+
+// StateOf reads an instance. It is the one place where Incus's statuses
+// become the protocol's phases and powers.
+func StateOf(inst *incus.Instance) State {
+	_, booted := parseMs(inst.Config[keyBooted])
+	st := State{Status: inst.Status, Resting: inst.Status.Final(), Booted: booted, Intent: intentOf(inst)}
+	switch {
+	case inst.Config[keyClosing] != "":
+		st.Phase = controller.PhaseClosing
+		return st
+	case inst.Config[keyFailure] != "":
+		st.Phase, st.Failure = controller.PhaseFailed, inst.Config[keyFailure]
+		return st
+	}
+	active := func(p controller.Power) State {
+		st.Phase, st.Power = controller.PhaseActive, p
+		return st
+	}
+	switch inst.Status {
+	case incus.InstanceRunning, incus.InstanceReady, incus.InstanceThawed,
+		incus.InstanceFreezing, incus.InstanceStopping, incus.InstanceShutdown, incus.InstanceAborting:
+		return active(controller.PowerRunning)
+	case incus.InstanceFrozen:
+		return active(controller.PowerPaused)
+	case incus.InstanceStopped, incus.InstanceStarting, incus.InstancePending:
+		if !booted {
+			st.Phase = controller.PhaseProvisioning
+			return st
+		}
+		if inst.Status == incus.InstanceStopped && inst.Stateful {
+			return active(controller.PowerSuspended)
+		}
+		return active(controller.PowerStopped)
+	case incus.InstanceError:
+		st.Phase = controller.PhaseFailed
+		return st
+	default:
+		st.Phase = controller.PhaseUnknown
+		return st
+	}
+}
+
+// Observe maps an instance to the protocol's observation: what Incus
+// shows, with a message saying what a transition waits for.
+func Observe(inst *incus.Instance, owner controller.Owner) controller.Observation {
+	return observation(inst, owner, StateOf(inst), nil, time.Time{})
+}
+
+// observation writes the observation of st for people. A move this process
+// is carrying out may say more about what it waits for (p).
+func observation(inst *incus.Instance, owner controller.Owner, st State, p *progress, now time.Time) controller.Observation {
+	o := controller.Observation{TargetID: inst.Name, Owner: owner, Phase: st.Phase}
+	switch st.Phase {
+	case controller.PhaseClosing:
+		o.Message = "The instance is being stopped and deleted."
+	case controller.PhaseFailed:
+		o.Message = st.Failure
+		if o.Message == "" {
+			o.Message = "Incus reports the instance in an error state."
+		}
+	case controller.PhaseProvisioning:
+		o.Message = "Starting the instance."
+	case controller.PhaseUnknown:
+		o.Message = "Incus reports an instance status this provider does not know: " + string(st.Status) + "."
+	case controller.PhaseActive:
+		o.Power = st.Power
+		switch {
+		case st.PowerPending() && st.Intent.Power != st.Power:
+			o.Message = "Moving to " + string(st.Intent.Power) + p.detail(now) + "."
+		case !st.Resting:
+			o.Message = transitionMessage(st.Status)
+		}
+	}
+	return o
+}
+
+func transitionMessage(s incus.InstanceStatus) string {
+	switch s {
+	case incus.InstanceFreezing:
+		return "Pausing."
+	case incus.InstanceThawed:
+		return "Resuming."
+	case incus.InstanceStarting, incus.InstancePending:
+		return "Starting."
+	default:
+		return "Stopping."
+	}
+}
