@@ -177,7 +177,7 @@ func (e *e2e) startProcess(name string) {
 	for ctx.Err() == nil {
 		last = func() error {
 			d := websocket.Dialer{NetDialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-				return e.dialer.DialContext(ctx, guest.Target{Instance: name, Port: templates.DefaultDaemonPort})
+				return e.dialer.DialContext(ctx, guest.Target{Instance: name, Port: guest.DefaultPort})
 			}}
 			dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 			defer cancel()
