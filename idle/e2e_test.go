@@ -16,6 +16,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
@@ -31,9 +32,9 @@ const (
 	closeAfter = 6 * time.Second
 )
 
-func shortPolicy() *idle.Policy {
+func shortPolicy() *idlepolicy.Policy {
 	ms := func(d time.Duration) *uint64 { v := uint64(d.Milliseconds()); return &v }
-	return &idle.Policy{PauseAfterMs: ms(pauseAfter), StopAfterMs: ms(stopAfter), CloseAfterMs: ms(closeAfter)}
+	return &idlepolicy.Policy{PauseAfterMs: ms(pauseAfter), StopAfterMs: ms(stopAfter), CloseAfterMs: ms(closeAfter)}
 }
 
 // e2e is one provider's worth of targets service and idle loop on the real

@@ -12,7 +12,9 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
 	"github.com/lightspeed-dev/incus-provider/internal/envd"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
@@ -166,7 +168,7 @@ type Loop struct {
 // entry is the loop's state of one target.
 type entry struct {
 	t     Target
-	level Action // where t.Power stands on the ladder
+	level idlepolicy.Action // where t.Power stands on the ladder
 
 	due   time.Time
 	index int // in queue; -1 when not scheduled
@@ -188,7 +190,7 @@ type entry struct {
 type actRequest struct {
 	e      *entry
 	t      Target
-	action Action
+	action idlepolicy.Action
 	since  time.Time
 }
 
@@ -326,7 +328,7 @@ func (l *Loop) evaluate(e *entry, now time.Time) {
 	if e.gone || e.probing || e.acting || !e.t.Settled {
 		return // rescheduled when the work ends, or by the next listing
 	}
-	if e.level == ActionNone {
+	if e.level == idlepolicy.ActionNone {
 		if !e.queued {
 			e.queued = true
 			l.ready = append(l.ready, e)
@@ -347,7 +349,7 @@ func (l *Loop) evaluateDown(e *entry, now time.Time) {
 		since = e.downSince
 	}
 	idleMs := msSince(since, now)
-	if a := e.t.Policy.DueAction(idleMs, e.t.Stages, e.level); a != ActionNone {
+	if a := e.t.Policy.DueAction(idleMs, e.t.Stages, e.level); a != idlepolicy.ActionNone {
 		l.startAct(e, a, since)
 		return
 	}
@@ -365,7 +367,7 @@ func (l *Loop) dispatch(ctx context.Context) {
 		l.ready[0] = nil
 		l.ready = l.ready[1:]
 		e.queued = false
-		if e.gone || e.probing || e.acting || e.level != ActionNone || !e.t.Settled {
+		if e.gone || e.probing || e.acting || e.level != idlepolicy.ActionNone || !e.t.Settled {
 			continue
 		}
 		l.startProbe(ctx, e)
@@ -498,7 +500,7 @@ func (l *Loop) onProbe(r probeResult) {
 		l.stats.probesFailed.Add(1)
 	}
 	l.passProbed(e, r.at)
-	if e.gone || e.level != ActionNone || !e.t.Settled {
+	if e.gone || e.level != idlepolicy.ActionNone || !e.t.Settled {
 		// Removed or powered down while the probe ran: its answer is moot.
 		if r.sess != nil {
 			l.closeLater(r.sess)
@@ -531,7 +533,7 @@ func (l *Loop) onProbe(r probeResult) {
 			e.wokeAt = time.Time{}
 		}
 	}
-	if a := e.t.Policy.DueAction(idleMs, e.t.Stages, ActionNone); a != ActionNone {
+	if a := e.t.Policy.DueAction(idleMs, e.t.Stages, idlepolicy.ActionNone); a != idlepolicy.ActionNone {
 		if l.inv.RelaysOpen(e.t.Name) > 0 {
 			l.m.acted(a, ResultRelayOpen)
 			l.scheduleIn(e, l.cfg.RelayRecheck)
@@ -541,7 +543,7 @@ func (l *Loop) onProbe(r probeResult) {
 		return
 	}
 	d := jitter(l.cfg.MaxInterval)
-	if th, ok := e.t.Policy.NextThreshold(idleMs, e.t.Stages, ActionNone); ok {
+	if th, ok := e.t.Policy.NextThreshold(idleMs, e.t.Stages, idlepolicy.ActionNone); ok {
 		d = min(d, msDuration(th-idleMs)+thresholdSlack)
 	}
 	l.scheduleAt(e, r.at.Add(d))
@@ -550,7 +552,7 @@ func (l *Loop) onProbe(r probeResult) {
 // startAct queues an action. The target's session is dropped once the
 // action is done (its guest then no longer answers, or is gone), not
 // before: closing it makes the daemon busy just as Incus freezes it.
-func (l *Loop) startAct(e *entry, a Action, since time.Time) {
+func (l *Loop) startAct(e *entry, a idlepolicy.Action, since time.Time) {
 	l.unschedule(e)
 	e.acting = true
 	l.acts = append(l.acts, &actRequest{e: e, t: e.t, action: a, since: since})
@@ -586,11 +588,11 @@ func (l *Loop) onAct(r actResult) {
 		e.actFails = 0
 		e.changedAt = time.Now()
 		l.dropSession(e)
-		if r.action == ActionClose {
+		if r.action == idlepolicy.ActionClose {
 			l.remove(e)
 			return
 		}
-		e.t.Power, e.level, e.t.IdleSince, e.t.Settled = r.action.Power(), r.action, r.since, true
+		e.t.Power, e.level, e.t.IdleSince, e.t.Settled = PowerOf(r.action), r.action, r.since, true
 		e.wokeAt, e.downSince = time.Time{}, time.Time{}
 		l.passLeft(e)
 		if !e.gone {
@@ -667,7 +669,7 @@ func (l *Loop) onList(r listResult) {
 func (l *Loop) apply(t Target, started, now time.Time, first bool) bool {
 	e := l.entries[t.Name]
 	level, known := LevelOf(t.Power)
-	if t.Phase != "active" || !known || t.Policy == nil {
+	if t.Phase != controller.PhaseActive || !known || t.Policy == nil {
 		if e != nil && !e.acting && !e.changedAt.After(started) {
 			l.remove(e)
 		}
@@ -680,7 +682,7 @@ func (l *Loop) apply(t Target, started, now time.Time, first bool) bool {
 			return true
 		}
 		switch {
-		case level != ActionNone:
+		case level != idlepolicy.ActionNone:
 			l.scheduleIn(e, 0)
 		case first:
 			l.scheduleIn(e, time.Duration(rand.Int64N(int64(l.cfg.StartSpread)+1)))
@@ -695,13 +697,13 @@ func (l *Loop) apply(t Target, started, now time.Time, first bool) bool {
 	was := e.t
 	wasLevel := e.level
 	e.t, e.level = t, level
-	if wasLevel != ActionNone && level == ActionNone {
+	if wasLevel != idlepolicy.ActionNone && level == idlepolicy.ActionNone {
 		e.wokeAt = now // woken by someone else: a wake is a use
 	}
-	if level == ActionNone {
+	if level == idlepolicy.ActionNone {
 		e.downSince = time.Time{}
 	}
-	if wasLevel == ActionNone && level != ActionNone {
+	if wasLevel == idlepolicy.ActionNone && level != idlepolicy.ActionNone {
 		l.dropSession(e)
 		l.passLeft(e)
 	}
@@ -712,7 +714,7 @@ func (l *Loop) apply(t Target, started, now time.Time, first bool) bool {
 	case e.probing:
 		// onProbe looks at the new state.
 	case !was.Settled || wasLevel != level || !was.IdleSince.Equal(t.IdleSince) || e.index < 0:
-		if level == ActionNone {
+		if level == idlepolicy.ActionNone {
 			l.scheduleIn(e, time.Duration(rand.Int64N(int64(100*time.Millisecond))))
 		} else {
 			l.scheduleIn(e, 0)
@@ -906,7 +908,7 @@ func (l *Loop) passMaybeStart(now time.Time) {
 	l.pass.gen++
 	l.pass.start = now
 	for _, e := range l.entries {
-		if e.level == ActionNone && !e.gone {
+		if e.level == idlepolicy.ActionNone && !e.gone {
 			e.passGen = l.pass.gen
 			l.pass.remaining++
 		}
