@@ -11,7 +11,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
-	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
@@ -296,7 +296,7 @@ func checkCreateIdempotency(ctx context.Context, r *checkRun) {
 	defer c.close()
 	owner := r.owner("create")
 	params := controller.CreateParams{Owner: owner, TemplateID: tmpl.id, DisplayName: "Lightspeed conformance",
-		Idle: &idle.Policy{PauseAfterMs: u64(600_000), CloseAfterMs: u64(86_400_000)}}
+		Idle: &idlepolicy.Policy{PauseAfterMs: u64(600_000), CloseAfterMs: u64(86_400_000)}}
 
 	first := r.mustTarget(ctx, c, "the first target/create", controller.MethodTargetCreate, params, owner)
 	if first.Phase != controller.PhaseProvisioning && first.Phase != controller.PhaseActive {

@@ -171,8 +171,8 @@ func DialRoute(ctx context.Context, routeURL, credential string) (RouteDial, err
 	return RouteDialer{}.Dial(ctx, routeURL, credential)
 }
 
-// clock is replaced by tests that need a slow answer without waiting for one.
-var clock = time.Now
+// timeNow is replaced by tests that need a slow answer without waiting for one.
+var timeNow = time.Now
 
 // Dial is DialRoute with d's TLS configuration.
 func (d RouteDialer) Dial(ctx context.Context, routeURL, credential string) (RouteDial, error) {
@@ -221,9 +221,9 @@ func (d RouteDialer) Dial(ctx context.Context, routeURL, credential string) (Rou
 	if credential != "" {
 		header.Set("Authorization", "Bearer "+credential)
 	}
-	start := clock()
+	start := timeNow()
 	ws, resp, err := wd.DialContext(ctx, routeURL, header)
-	out := RouteDial{Elapsed: clock().Sub(start)}
+	out := RouteDial{Elapsed: timeNow().Sub(start)}
 	if resp != nil {
 		// Only the status and the request are read from resp: the library
 		// keeps at most 1024 bytes of a refusal's body, so the refusal is

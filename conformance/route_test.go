@@ -226,18 +226,18 @@ func TestDialRouteUpgrades(t *testing.T) {
 }
 
 // A refusal that arrives after the hold bound fails, whatever it says. The
-// clock is replaced, so the test waits for nothing.
+// clock (timeNow) is replaced, so the test waits for nothing.
 func TestDialRouteRefusesALateAnswer(t *testing.T) {
 	start := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
 	calls := 0
-	clock = func() time.Time {
+	timeNow = func() time.Time {
 		calls++
 		if calls == 1 {
 			return start
 		}
 		return start.Add(MaxDataRouteHold + RouteHoldGrace + time.Second)
 	}
-	t.Cleanup(func() { clock = time.Now })
+	t.Cleanup(func() { timeNow = time.Now })
 	url, _, _ := routeServer(t, refusal{503, jsonType, []string{"1"}, `{"state":"booting"}`}, false)
 	d, err := DialRoute(t.Context(), url, "")
 	if err == nil || !strings.Contains(err.Error(), "hold bound") {

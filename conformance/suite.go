@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
@@ -411,15 +412,13 @@ func (r *checkRun) createActive(ctx context.Context, c *conn, label string) (con
 	return owner, obs
 }
 
+// sleep is clock.Sleep for the suite's polls, which end with the
+// context's error.
 func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
+	if !clock.Sleep(ctx, d) {
 		return ctx.Err()
-	case <-t.C:
-		return nil
 	}
+	return nil
 }
 
 // templateChoice is the template the suite creates targets from, and a

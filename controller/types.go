@@ -3,7 +3,7 @@ package controller
 import (
 	"strconv"
 
-	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
@@ -82,15 +82,15 @@ type Resources struct {
 
 // Template is what a universe may create targets from.
 type Template struct {
-	TemplateID    string            `json:"templateId" wire:"opaque"`
-	DisplayName   string            `json:"displayName" wire:"text"`
-	Description   string            `json:"description,omitempty" wire:"text"`
-	PowerStates   []Power           `json:"powerStates,omitempty"`
-	PublicIngress bool              `json:"publicIngress,omitempty"`
-	Idle          *idle.Policy      `json:"idle,omitempty"`
-	Deprecated    bool              `json:"deprecated,omitempty"`
-	Resources     *Resources        `json:"resources,omitempty"`
-	Metadata      map[string]string `json:"metadata,omitempty"`
+	TemplateID    string             `json:"templateId" wire:"opaque"`
+	DisplayName   string             `json:"displayName" wire:"text"`
+	Description   string             `json:"description,omitempty" wire:"text"`
+	PowerStates   []Power            `json:"powerStates,omitempty"`
+	PublicIngress bool               `json:"publicIngress,omitempty"`
+	Idle          *idlepolicy.Policy `json:"idle,omitempty"`
+	Deprecated    bool               `json:"deprecated,omitempty"`
+	Resources     *Resources         `json:"resources,omitempty"`
+	Metadata      map[string]string  `json:"metadata,omitempty"`
 }
 
 // CheckWire refuses a power state the protocol does not name, and a repeated one.
@@ -122,10 +122,10 @@ type TemplateListResult struct {
 
 // CreateParams asks for the owner's target.
 type CreateParams struct {
-	Owner       Owner        `json:"owner"`
-	TemplateID  string       `json:"templateId" wire:"opaque"`
-	DisplayName string       `json:"displayName,omitempty" wire:"text"`
-	Idle        *idle.Policy `json:"idle,omitempty"`
+	Owner       Owner              `json:"owner"`
+	TemplateID  string             `json:"templateId" wire:"opaque"`
+	DisplayName string             `json:"displayName,omitempty" wire:"text"`
+	Idle        *idlepolicy.Policy `json:"idle,omitempty"`
 }
 
 // TargetParams is the params of target/get, target/close and the ingress methods.

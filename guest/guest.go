@@ -9,6 +9,8 @@ import (
 )
 
 // DefaultPort is the port the guest daemon listens on, on the guest loopback.
+// It is the only definition: a template that names no daemonPort, and
+// lsenvd-dev without --listen, take it from here, so the two cannot drift.
 const DefaultPort = 19091
 
 // Dialer kinds accepted by New.

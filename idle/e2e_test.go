@@ -16,6 +16,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
@@ -32,9 +33,9 @@ const (
 	closeAfter = 6 * time.Second
 )
 
-func shortPolicy() *idle.Policy {
+func shortPolicy() *idlepolicy.Policy {
 	ms := func(d time.Duration) *uint64 { v := uint64(d.Milliseconds()); return &v }
-	return &idle.Policy{PauseAfterMs: ms(pauseAfter), StopAfterMs: ms(stopAfter), CloseAfterMs: ms(closeAfter)}
+	return &idlepolicy.Policy{PauseAfterMs: ms(pauseAfter), StopAfterMs: ms(stopAfter), CloseAfterMs: ms(closeAfter)}
 }
 
 // e2e is one provider's worth of targets service and idle loop on the real
@@ -181,7 +182,7 @@ func (e *e2e) startProcess(name string) {
 	for ctx.Err() == nil {
 		last = func() error {
 			d := websocket.Dialer{NetDialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-				return e.dialer.DialContext(ctx, guest.Target{Instance: name, Port: templates.DefaultDaemonPort})
+				return e.dialer.DialContext(ctx, guest.Target{Instance: name, Port: guest.DefaultPort})
 			}}
 			dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 			defer cancel()

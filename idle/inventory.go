@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 )
 
 // Target is one of the provider's targets as the loop needs to see it.
@@ -11,18 +14,18 @@ type Target struct {
 	// Name is the Incus instance name (the target id).
 	Name string
 	// Phase and Power are the controller plane's observation: Power is set
-	// exactly when Phase is "active".
-	Phase string
-	Power string
+	// exactly when Phase is active.
+	Phase controller.Phase
+	Power controller.Power
 	// Settled is false while Incus moves the target between power states.
 	Settled bool
 	// Port is the guest daemon's port on the guest's loopback.
 	Port int
 	// Policy is the target's idle policy (the template's default or the one
 	// target/create named); nil when it has none.
-	Policy *Policy
+	Policy *idlepolicy.Policy
 	// Stages are the power-down stages the target's template offers.
-	Stages Stages
+	Stages idlepolicy.Stages
 	// IdleSince is the instant idleness began, recorded when the provider
 	// powered the target down; zero when none is recorded.
 	IdleSince time.Time
@@ -42,7 +45,7 @@ type Inventory interface {
 	// first, under the target's lock, that the target is still as t says
 	// and that no relay is open, and answers ErrStale or ErrRelayOpen
 	// without acting otherwise.
-	IdleAct(ctx context.Context, t Target, action Action, idleSince time.Time) error
+	IdleAct(ctx context.Context, t Target, action idlepolicy.Action, idleSince time.Time) error
 }
 
 // ErrStale says the target changed since the loop looked at it (woken by a

@@ -11,8 +11,12 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idle/idletest"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 )
+
+func ms(v uint64) *uint64 { return &v }
 
 // fakeInventory stands for the targets package: what the real one does on
 // Incus is covered by the integration tests in targets/.
@@ -29,7 +33,7 @@ type fakeInventory struct {
 
 type act struct {
 	name   string
-	action Action
+	action idlepolicy.Action
 	since  time.Time
 	at     time.Time
 }
@@ -85,7 +89,7 @@ func (f *fakeInventory) RelaysOpen(name string) int {
 	return f.relays[name]
 }
 
-func (f *fakeInventory) IdleAct(_ context.Context, t Target, a Action, since time.Time) error {
+func (f *fakeInventory) IdleAct(_ context.Context, t Target, a idlepolicy.Action, since time.Time) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	cur := f.targets[t.Name]
@@ -94,18 +98,18 @@ func (f *fakeInventory) IdleAct(_ context.Context, t Target, a Action, since tim
 		return ErrStale
 	}
 	if cur == nil || cur.Phase != "active" || !cur.Settled || cur.Power != t.Power ||
-		(cur.Power != PowerRunning && !cur.IdleSince.Equal(t.IdleSince)) {
+		(cur.Power != controller.PowerRunning && !cur.IdleSince.Equal(t.IdleSince)) {
 		return ErrStale
 	}
 	if f.relays[t.Name] > 0 {
 		return ErrRelayOpen
 	}
 	f.acts = append(f.acts, act{name: t.Name, action: a, since: since, at: time.Now()})
-	if a == ActionClose {
+	if a == idlepolicy.ActionClose {
 		cur.Phase, cur.Power = "closing", ""
 		return nil
 	}
-	cur.Power, cur.IdleSince = a.Power(), since
+	cur.Power, cur.IdleSince = PowerOf(a), since
 	if d := f.fleet.Get(t.Name); d != nil {
 		d.SetMode(idletest.Silent) // a frozen or stopped guest answers nothing
 	}
@@ -212,8 +216,8 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-func policy(pause, stop, closeMs uint64) *Policy {
-	p := &Policy{}
+func policy(pause, stop, closeMs uint64) *idlepolicy.Policy {
+	p := &idlepolicy.Policy{}
 	if pause > 0 {
 		p.PauseAfterMs = ms(pause)
 	}
@@ -226,22 +230,22 @@ func policy(pause, stop, closeMs uint64) *Policy {
 	return p
 }
 
-const containerStages = StagePause | StageStop
+const containerStages = idlepolicy.StagePause | idlepolicy.StageStop
 
 func TestLoopPausesStopsThenClosesOnSchedule(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("a")
 	origin := time.Now()
 	d.SetIdleSince(origin)
-	h.inv.add(Target{Name: "a", Power: PowerRunning, Policy: policy(300, 600, 900), Stages: containerStages})
+	h.inv.add(Target{Name: "a", Power: controller.PowerRunning, Policy: policy(300, 600, 900), Stages: containerStages})
 	h.run(nil)
 
 	eventually(t, "close", func() bool { return len(h.inv.actions()) == 3 })
 	acts := h.inv.actions()
 	want := []struct {
-		a         Action
+		a         idlepolicy.Action
 		threshold time.Duration
-	}{{ActionPause, 300 * time.Millisecond}, {ActionStop, 600 * time.Millisecond}, {ActionClose, 900 * time.Millisecond}}
+	}{{idlepolicy.ActionPause, 300 * time.Millisecond}, {idlepolicy.ActionStop, 600 * time.Millisecond}, {idlepolicy.ActionClose, 900 * time.Millisecond}}
 	for i, w := range want {
 		got := acts[i]
 		if got.action != w.a {
@@ -265,7 +269,7 @@ func TestLoopLeavesBusyTargetsAwake(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("busy")
 	d.SetBusy(true) // a running process holds idleForMs at zero
-	h.inv.add(Target{Name: "busy", Power: PowerRunning, Policy: policy(50, 100, 150), Stages: containerStages})
+	h.inv.add(Target{Name: "busy", Power: controller.PowerRunning, Policy: policy(50, 100, 150), Stages: containerStages})
 	l, _ := h.run(nil)
 	eventually(t, "several probes", func() bool { return l.Stats().ProbesOK >= 10 })
 	if acts := h.inv.actions(); len(acts) != 0 {
@@ -273,7 +277,7 @@ func TestLoopLeavesBusyTargetsAwake(t *testing.T) {
 	}
 	d.SetBusy(false)
 	eventually(t, "pause after the work ended", func() bool { return len(h.inv.actions()) >= 1 })
-	if a := h.inv.actions()[0]; a.action != ActionPause {
+	if a := h.inv.actions()[0]; a.action != idlepolicy.ActionPause {
 		t.Fatalf("first action after work ended: %s", a.action)
 	}
 }
@@ -283,7 +287,7 @@ func TestLoopTreatsASilentDaemonAsNotIdle(t *testing.T) {
 	d := h.fleet.Add("mute")
 	d.SetIdleSince(time.Now().Add(-time.Hour))
 	d.SetMode(idletest.Silent)
-	h.inv.add(Target{Name: "mute", Power: PowerRunning, Policy: policy(1, 2, 3), Stages: containerStages})
+	h.inv.add(Target{Name: "mute", Power: controller.PowerRunning, Policy: policy(1, 2, 3), Stages: containerStages})
 	h.run(func(c *Config) { c.ProbeTimeout = 50 * time.Millisecond })
 	eventually(t, "timeouts counted", func() bool {
 		return h.counter("incus_provider_idle_probes_total", map[string]string{"outcome": OutcomeTimeout}) >= 2
@@ -298,7 +302,7 @@ func TestLoopTreatsAMalformedAnswerAsNotIdle(t *testing.T) {
 	d := h.fleet.Add("odd")
 	d.SetIdleSince(time.Now().Add(-time.Hour))
 	d.SetMode(idletest.Malformed)
-	h.inv.add(Target{Name: "odd", Power: PowerRunning, Policy: policy(1, 2, 3), Stages: containerStages})
+	h.inv.add(Target{Name: "odd", Power: controller.PowerRunning, Policy: policy(1, 2, 3), Stages: containerStages})
 	h.run(nil)
 	eventually(t, "malformed answers counted", func() bool {
 		return h.counter("incus_provider_idle_probes_total", map[string]string{"outcome": OutcomeMalformed}) >= 2
@@ -313,7 +317,7 @@ func TestLoopAcceptsDiagnosticCountMembers(t *testing.T) {
 	d := h.fleet.Add("chatty")
 	d.SetIdleSince(time.Now().Add(-time.Second))
 	d.SetExtra(map[string]uint64{"runningProcessCount": 0, "leftoverProcessGroupCount": 0, "someFutureCount": 7})
-	h.inv.add(Target{Name: "chatty", Power: PowerRunning, Policy: policy(100, 0, 0), Stages: containerStages})
+	h.inv.add(Target{Name: "chatty", Power: controller.PowerRunning, Policy: policy(100, 0, 0), Stages: containerStages})
 	h.run(nil)
 	eventually(t, "pause", func() bool { return len(h.inv.actions()) == 1 })
 }
@@ -322,7 +326,7 @@ func TestLoopNeverPowersDownATargetWithAnOpenRelay(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("relayed")
 	d.SetIdleSince(time.Now().Add(-time.Hour))
-	h.inv.add(Target{Name: "relayed", Power: PowerRunning, Policy: policy(1, 2, 3), Stages: containerStages})
+	h.inv.add(Target{Name: "relayed", Power: controller.PowerRunning, Policy: policy(1, 2, 3), Stages: containerStages})
 	h.inv.setRelays("relayed", 1)
 	h.run(nil)
 	eventually(t, "relay hold-offs counted", func() bool {
@@ -333,7 +337,7 @@ func TestLoopNeverPowersDownATargetWithAnOpenRelay(t *testing.T) {
 	}
 	h.inv.setRelays("relayed", 0)
 	eventually(t, "the due action once the relay closed", func() bool { return len(h.inv.actions()) >= 1 })
-	if a := h.inv.actions()[0]; a.action != ActionClose {
+	if a := h.inv.actions()[0]; a.action != idlepolicy.ActionClose {
 		t.Fatalf("the most escalated stage is due: got %s", a.action)
 	}
 }
@@ -341,7 +345,7 @@ func TestLoopNeverPowersDownATargetWithAnOpenRelay(t *testing.T) {
 func TestLoopKeepsOneSessionAcrossProbes(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("steady")
-	h.inv.add(Target{Name: "steady", Power: PowerRunning, Policy: policy(0, 0, 3_600_000), Stages: containerStages})
+	h.inv.add(Target{Name: "steady", Power: controller.PowerRunning, Policy: policy(0, 0, 3_600_000), Stages: containerStages})
 	l, stop := h.run(func(c *Config) { c.MaxInterval = 20 * time.Millisecond })
 	eventually(t, "many probes", func() bool { return d.GetIdles.Load() >= 10 })
 	if n := d.Handshakes.Load(); n != 1 {
@@ -360,7 +364,7 @@ func TestLoopKeepsOneSessionAcrossProbes(t *testing.T) {
 func TestLoopReplacesAnEndedSessionWithinOneProbe(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("blink")
-	h.inv.add(Target{Name: "blink", Power: PowerRunning, Policy: policy(0, 0, 3_600_000), Stages: containerStages})
+	h.inv.add(Target{Name: "blink", Power: controller.PowerRunning, Policy: policy(0, 0, 3_600_000), Stages: containerStages})
 	l, _ := h.run(func(c *Config) { c.MaxInterval = 30 * time.Millisecond })
 	eventually(t, "first session", func() bool { return d.Handshakes.Load() == 1 && d.GetIdles.Load() >= 1 })
 	for i := 0; i < 3; i++ {
@@ -382,13 +386,13 @@ func TestLoopContinuesAPausedTargetsEscalationAfterARestart(t *testing.T) {
 	h := newHarness(t)
 	h.fleet.Add("sleeper").SetMode(idletest.Silent) // frozen
 	since := truncMs(time.Now().Add(-200 * time.Millisecond))
-	h.inv.add(Target{Name: "sleeper", Power: PowerPaused, IdleSince: since, Policy: policy(100, 400, 600), Stages: containerStages})
+	h.inv.add(Target{Name: "sleeper", Power: controller.PowerPaused, IdleSince: since, Policy: policy(100, 400, 600), Stages: containerStages})
 	// A new loop, as after a provider restart: it knows only what the
 	// inventory records.
 	h.run(nil)
 	eventually(t, "stop then close", func() bool { return len(h.inv.actions()) == 2 })
 	acts := h.inv.actions()
-	if acts[0].action != ActionStop || acts[1].action != ActionClose {
+	if acts[0].action != idlepolicy.ActionStop || acts[1].action != idlepolicy.ActionClose {
 		t.Fatalf("want stop then close, got %+v", acts)
 	}
 	for _, a := range acts {
@@ -408,7 +412,7 @@ func TestLoopCountsAWakeAsUse(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("woken")
 	d.SetMode(idletest.Silent)
-	h.inv.add(Target{Name: "woken", Power: PowerPaused, IdleSince: truncMs(time.Now()), Policy: policy(150, 60_000, 0), Stages: containerStages})
+	h.inv.add(Target{Name: "woken", Power: controller.PowerPaused, IdleSince: truncMs(time.Now()), Policy: policy(150, 60_000, 0), Stages: containerStages})
 	h.run(nil)
 	time.Sleep(100 * time.Millisecond) // the loop knows it paused
 	// A data route wakes it: the guest's clock ran on while it was frozen,
@@ -416,10 +420,10 @@ func TestLoopCountsAWakeAsUse(t *testing.T) {
 	d.SetIdleSince(time.Now().Add(-10 * time.Minute))
 	d.SetMode(idletest.Normal)
 	woke := time.Now()
-	h.inv.set("woken", func(t *Target) { t.Power, t.IdleSince = PowerRunning, time.Time{} })
+	h.inv.set("woken", func(t *Target) { t.Power, t.IdleSince = controller.PowerRunning, time.Time{} })
 	eventually(t, "paused again", func() bool { return len(h.inv.actions()) == 1 })
 	a := h.inv.actions()[0]
-	if a.action != ActionPause || a.since.Before(truncMs(woke).Add(-60*time.Millisecond)) || a.at.Sub(woke) < 150*time.Millisecond {
+	if a.action != idlepolicy.ActionPause || a.since.Before(truncMs(woke).Add(-60*time.Millisecond)) || a.at.Sub(woke) < 150*time.Millisecond {
 		t.Fatalf("after a wake, idleness counts from the wake: %+v (woke %v)", a, woke)
 	}
 }
@@ -427,7 +431,7 @@ func TestLoopCountsAWakeAsUse(t *testing.T) {
 func TestLoopRetriesAfterAStaleAction(t *testing.T) {
 	h := newHarness(t)
 	h.fleet.Add("moving").SetIdleSince(time.Now().Add(-time.Hour))
-	h.inv.add(Target{Name: "moving", Power: PowerRunning, Policy: policy(1, 0, 0), Stages: containerStages})
+	h.inv.add(Target{Name: "moving", Power: controller.PowerRunning, Policy: policy(1, 0, 0), Stages: containerStages})
 	h.inv.stale = 2
 	h.run(nil)
 	eventually(t, "pause after two stale answers", func() bool { return len(h.inv.actions()) == 1 })
@@ -441,7 +445,7 @@ func TestLoopIgnoresTargetsWithoutPolicyOrNotActive(t *testing.T) {
 	for _, n := range []string{"nopolicy", "provisioning", "closing"} {
 		h.fleet.Add(n).SetIdleSince(time.Now().Add(-time.Hour))
 	}
-	h.inv.add(Target{Name: "nopolicy", Power: PowerRunning, Stages: containerStages})
+	h.inv.add(Target{Name: "nopolicy", Power: controller.PowerRunning, Stages: containerStages})
 	h.inv.add(Target{Name: "provisioning", Phase: "provisioning", Policy: policy(1, 0, 0), Stages: containerStages})
 	h.inv.add(Target{Name: "closing", Phase: "closing", Policy: policy(1, 0, 0), Stages: containerStages})
 	l, _ := h.run(nil)
@@ -466,7 +470,7 @@ func TestLoopBoundsConcurrentProbes(t *testing.T) {
 	for i := range 40 {
 		n := fmt.Sprintf("t%d", i)
 		h.fleet.Add(n).SetMode(idletest.Silent)
-		h.inv.add(Target{Name: n, Power: PowerRunning, Policy: policy(0, 0, 3_600_000), Stages: containerStages})
+		h.inv.add(Target{Name: n, Power: controller.PowerRunning, Policy: policy(0, 0, 3_600_000), Stages: containerStages})
 	}
 	h.run(func(c *Config) { c.MaxProbes = 4; c.ProbeTimeout = 2 * time.Second })
 	// Silent daemons hold each probe for its whole deadline, so the
@@ -509,10 +513,10 @@ func TestLoopLooksAtChangedTargetsAtOnce(t *testing.T) {
 	d := h.fleet.Add("new")
 	origin := time.Now()
 	d.SetIdleSince(origin)
-	h.inv.add(Target{Name: "new", Power: PowerRunning, Policy: policy(300, 0, 0), Stages: containerStages})
+	h.inv.add(Target{Name: "new", Power: controller.PowerRunning, Policy: policy(300, 0, 0), Stages: containerStages})
 	w.changes <- "new"
 	eventually(t, "the new target paused", func() bool { return len(h.inv.actions()) == 1 })
-	if a := h.inv.actions()[0]; a.action != ActionPause || a.at.Sub(a.since) < 300*time.Millisecond {
+	if a := h.inv.actions()[0]; a.action != idlepolicy.ActionPause || a.at.Sub(a.since) < 300*time.Millisecond {
 		t.Fatalf("pause of a target seen through a change note: %+v", a)
 	}
 
@@ -521,7 +525,7 @@ func TestLoopLooksAtChangedTargetsAtOnce(t *testing.T) {
 	d.SetMode(idletest.Normal)
 	d.SetIdleSince(time.Now().Add(-time.Hour))
 	woke := time.Now()
-	h.inv.set("new", func(t *Target) { t.Power, t.IdleSince = PowerRunning, time.Time{} })
+	h.inv.set("new", func(t *Target) { t.Power, t.IdleSince = controller.PowerRunning, time.Time{} })
 	w.changes <- "new"
 	eventually(t, "paused again", func() bool { return len(h.inv.actions()) == 2 })
 	if a := h.inv.actions()[1]; a.at.Sub(woke) < 300*time.Millisecond {

@@ -4,6 +4,9 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 )
 
 // Metrics are the idle loop's collectors. A nil *Metrics records nothing.
@@ -18,8 +21,9 @@ type Metrics struct {
 // The label values the targets gauge always carries, so that a phase or
 // power that empties goes to zero instead of keeping its last value.
 var (
-	gaugePhases = []string{"provisioning", "active", "closing", "closed", "failed", "unknown"}
-	gaugePowers = []string{PowerRunning, PowerPaused, PowerSuspended, PowerStopped}
+	gaugePhases = []controller.Phase{controller.PhaseProvisioning, controller.PhaseActive, controller.PhaseClosing,
+		controller.PhaseClosed, controller.PhaseFailed, controller.PhaseUnknown}
+	gaugePowers = []controller.Power{controller.PowerRunning, controller.PowerPaused, controller.PowerSuspended, controller.PowerStopped}
 )
 
 // NewMetrics registers the idle loop's collectors on reg.
@@ -52,7 +56,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for _, o := range []string{OutcomeOK, OutcomeUnreachable, OutcomeHandshake, OutcomeTimeout, OutcomeMalformed, OutcomeError} {
 		m.probes.WithLabelValues(o)
 	}
-	for _, a := range []Action{ActionPause, ActionSuspend, ActionStop, ActionClose} {
+	for _, a := range []idlepolicy.Action{idlepolicy.ActionPause, idlepolicy.ActionSuspend, idlepolicy.ActionStop, idlepolicy.ActionClose} {
 		for _, r := range []string{ResultOK, ResultFailed, ResultStale, ResultRelayOpen} {
 			m.actions.WithLabelValues(a.String(), r)
 		}
@@ -69,7 +73,7 @@ func (m *Metrics) probed(outcome string, took time.Duration) {
 	m.probeDuration.Observe(took.Seconds())
 }
 
-func (m *Metrics) acted(a Action, result string) {
+func (m *Metrics) acted(a idlepolicy.Action, result string) {
 	if m == nil {
 		return
 	}
@@ -88,22 +92,25 @@ func (m *Metrics) inventory(ts []Target) {
 	if m == nil {
 		return
 	}
-	type key struct{ phase, power string }
+	type key struct {
+		phase controller.Phase
+		power controller.Power
+	}
 	counts := map[key]int{}
 	for _, t := range ts {
 		k := key{t.Phase, t.Power}
-		if t.Phase != "active" || t.Power == "" {
+		if t.Phase != controller.PhaseActive || t.Power == "" {
 			k.power = "none"
 		}
 		counts[k]++
 	}
 	for _, ph := range gaugePhases {
-		if ph == "active" {
+		if ph == controller.PhaseActive {
 			for _, pw := range gaugePowers {
-				m.targets.WithLabelValues(ph, pw).Set(float64(counts[key{ph, pw}]))
+				m.targets.WithLabelValues(string(ph), string(pw)).Set(float64(counts[key{ph, pw}]))
 			}
 			continue
 		}
-		m.targets.WithLabelValues(ph, "none").Set(float64(counts[key{ph, "none"}]))
+		m.targets.WithLabelValues(string(ph), "none").Set(float64(counts[key{ph, "none"}]))
 	}
 }

@@ -10,6 +10,8 @@ import (
 	"sort"
 	"strconv"
 	"time"
+
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 )
 
 // Status codes Incus uses for operations and instances.
@@ -241,7 +243,7 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 		// that does not really wait) is followed by a growing pause, so
 		// this loop never spins.
 		if time.Since(started) < time.Duration(n)*time.Second/2 {
-			if !sleep(ctx, backoff) {
+			if !clock.Sleep(ctx, backoff) {
 				return cur, wrap(ctxErr(ctx))
 			}
 			backoff = min(backoff*2, time.Second)
@@ -287,16 +289,4 @@ func ctxErr(ctx context.Context) error {
 		return cause
 	}
 	return err
-}
-
-// sleep waits d or until ctx ends; it reports whether ctx is still live.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }

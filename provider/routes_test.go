@@ -11,6 +11,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
@@ -109,7 +110,7 @@ func TestRoutes(t *testing.T) {
 		if err != nil || !ok {
 			t.Fatalf("IdleTarget: %v %v", ok, err)
 		}
-		err = r.p.Targets.IdleAct(r.ctx(), it, idle.ActionPause, time.Now())
+		err = r.p.Targets.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now())
 		if !errors.Is(err, targets.ErrRelayOpen) || !errors.Is(err, idle.ErrRelayOpen) {
 			t.Fatalf("an idle pause under a relay: %v", err)
 		}

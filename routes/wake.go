@@ -11,6 +11,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/envd"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
@@ -209,7 +210,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 				if ctx.Err() == nil {
 					h.log.Warn("recording a dial's request for running failed", zap.String("instance", inst.Name), zap.Error(err))
 				}
-				sleepCtx(ctx, 50*time.Millisecond)
+				clock.Sleep(ctx, 50*time.Millisecond)
 			}
 
 		case running(inst):
@@ -247,7 +248,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			} else {
 				f.stage(StateBooting, 2*time.Second)
 			}
-			if !sleepCtx(ctx, 50*time.Millisecond) {
+			if !clock.Sleep(ctx, 50*time.Millisecond) {
 				continue
 			}
 		}
@@ -273,7 +274,7 @@ func (h *Handler) reread(ctx context.Context, f *flight, owner controller.Owner,
 			h.settle(f, refuse(StateGone, 0))
 			return nil, o
 		}
-		if !sleepCtx(ctx, 100*time.Millisecond) {
+		if !clock.Sleep(ctx, 100*time.Millisecond) {
 			h.settle(f, f.refusalNow())
 			return nil, o
 		}
@@ -358,7 +359,7 @@ func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance) bool {
 			return true
 		}
 		h.ready.silent(inst.Name, time.Now())
-		if !sleepCtx(ctx, delay) {
+		if !clock.Sleep(ctx, delay) {
 			return false
 		}
 		delay = min(delay*2, 100*time.Millisecond)
@@ -387,16 +388,4 @@ func (h *Handler) bootingRetry(instance string) time.Duration {
 		return time.Second
 	}
 	return max(time.Second, min(10*time.Second, time.Since(since)/10))
-}
-
-// sleepCtx pauses for d; false when ctx ended first.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }

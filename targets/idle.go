@@ -12,6 +12,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
@@ -53,11 +54,11 @@ func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
 	st := StateOf(inst)
 	t := idle.Target{
 		Name:    inst.Name,
-		Phase:   string(st.Phase),
-		Power:   string(st.Power),
+		Phase:   st.Phase,
+		Power:   st.Power,
 		Settled: st.Settled(),
 		Port:    DaemonPort(inst),
-		Stages:  stagesOf(s.powerStates(inst)),
+		Stages:  idle.StagesOf(s.powerStates(inst)),
 	}
 	if raw := inst.Config[keyIdle]; raw != "" {
 		p, err := policyOf(raw)
@@ -89,7 +90,7 @@ func (s *Service) RelaysOpen(name string) int { return s.relays.Open(name) }
 // comes first; IdleAct waits for that step. A close takes the normal close
 // path (the closing marker, then the reconciler), after which target/get
 // answers closing and then notFound.
-func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action, idleSince time.Time) error {
+func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.Action, idleSince time.Time) error {
 	unlock := s.locks.lock(t.Name)
 	locked := true
 	defer func() {
@@ -108,7 +109,7 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action
 		return idle.ErrStale
 	}
 	st := StateOf(inst)
-	if !st.Settled() || string(st.Power) != t.Power {
+	if !st.Settled() || st.Power != t.Power {
 		return idle.ErrStale
 	}
 	if st.Power != controller.PowerRunning && inst.Config[KeyIdleSince] != idleSinceText(t.IdleSince) {
@@ -117,7 +118,7 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action
 	if s.relays.Open(t.Name) > 0 {
 		return ErrRelayOpen
 	}
-	if action == idle.ActionClose {
+	if action == idlepolicy.ActionClose {
 		// Hold new dials off while the close is recorded, as a power-down
 		// does: a dial that wakes the target now would be cut by the delete.
 		release, ok := s.relays.Quiesce(t.Name)
@@ -133,7 +134,7 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idle.Action
 		s.work.kick(t.Name)
 		return nil
 	}
-	to := controller.Power(action.Power())
+	to := idle.PowerOf(action)
 	if to == "" || !slices.Contains(s.powerStates(inst), to) {
 		return fmt.Errorf("targets: idle action %s: the template does not offer %q", action, to)
 	}
@@ -179,32 +180,22 @@ func idleSinceText(t time.Time) string {
 	return msString(t)
 }
 
-// stagesOf converts the template's power states for idle.StagesOf, the one
-// reading of which stages a template allows.
-func stagesOf(states []controller.Power) idle.Stages {
-	names := make([]string, len(states))
-	for i, p := range states {
-		names[i] = string(p)
-	}
-	return idle.StagesOf(names)
-}
-
 // Recorded policies are few distinct strings (a template default, or what a
 // create named), so decoding each once spares the listing of thousands of
 // targets thousands of strict decodes. The cache is bounded; past the bound
 // a policy is decoded every time.
 var (
-	policyCache     sync.Map // raw JSON → *idle.Policy
+	policyCache     sync.Map // raw JSON → *idlepolicy.Policy
 	policyCacheSize atomic.Int64
 )
 
 const policyCacheMax = 4096
 
-func policyOf(raw string) (*idle.Policy, error) {
+func policyOf(raw string) (*idlepolicy.Policy, error) {
 	if p, ok := policyCache.Load(raw); ok {
-		return p.(*idle.Policy), nil
+		return p.(*idlepolicy.Policy), nil
 	}
-	var p idle.Policy
+	var p idlepolicy.Policy
 	if err := wire.Decode([]byte(raw), &p); err != nil {
 		return nil, err
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 )
 
 // Power intent: the power last asked of a target, recorded on its instance
@@ -111,7 +112,7 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 		if errors.Is(err, incus.ErrBusy) {
 			// Incus changes no config while an operation holds the
 			// instance (a start, a graceful stop): wait within ctx.
-			if !clockSleep(ctx, min(10*time.Millisecond<<min(attempt, 4), 200*time.Millisecond)) {
+			if !clock.Sleep(ctx, min(10*time.Millisecond<<min(attempt, 4), 200*time.Millisecond)) {
 				return nil, false, fmt.Errorf("record power %s: %w", in.Power, err)
 			}
 			continue
@@ -125,7 +126,7 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 		}
 		// Incus itself rewrites volatile keys while an instance starts or
 		// stops, which changes the ETag: read again shortly.
-		if !clockSleep(ctx, min(5*time.Millisecond<<attempt, 100*time.Millisecond)) {
+		if !clock.Sleep(ctx, min(5*time.Millisecond<<attempt, 100*time.Millisecond)) {
 			return nil, false, ctx.Err()
 		}
 	}
@@ -139,18 +140,6 @@ func (s *Service) landed(ctx context.Context, name string, in Intent) bool {
 	}
 	got := intentOf(inst)
 	return got.Power == in.Power && got.By == in.By && got.At.UnixMilli() == in.At.UnixMilli()
-}
-
-// clockSleep pauses for d; false when ctx ended first.
-func clockSleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
 
 // pendingTable holds power requests this process answered but could not

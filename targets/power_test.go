@@ -11,6 +11,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
@@ -274,7 +275,7 @@ func TestIdleActOnIncus(t *testing.T) {
 	ctx := ctxT(t)
 	o := owner("env-idleact")
 	created, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1",
-		Idle: &idle.Policy{PauseAfterMs: u64(1000), StopAfterMs: u64(2000), CloseAfterMs: u64(3000)}})
+		Idle: &idlepolicy.Policy{PauseAfterMs: u64(1000), StopAfterMs: u64(2000), CloseAfterMs: u64(3000)}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -283,8 +284,8 @@ func TestIdleActOnIncus(t *testing.T) {
 	name := ref.TargetID
 
 	seen := idleTargetOfName(t, svc, name)
-	if seen.Phase != "active" || seen.Power != idle.PowerRunning || !seen.Settled || seen.Port != 19091 ||
-		seen.Stages != idle.StagePause|idle.StageStop || seen.Policy == nil || *seen.Policy.PauseAfterMs != 1000 || !seen.IdleSince.IsZero() {
+	if seen.Phase != "active" || seen.Power != controller.PowerRunning || !seen.Settled || seen.Port != 19091 ||
+		seen.Stages != idlepolicy.StagePause|idlepolicy.StageStop || seen.Policy == nil || *seen.Policy.PauseAfterMs != 1000 || !seen.IdleSince.IsZero() {
 		t.Fatalf("IdleTarget: %+v", seen)
 	}
 	listed, err := svc.IdleTargets(ctx)
@@ -295,7 +296,7 @@ func TestIdleActOnIncus(t *testing.T) {
 	// A dial is in progress: nothing happens.
 	tk, _ := svc.relays.Enter(name)
 	since := time.UnixMilli(time.Now().Add(-1500 * time.Millisecond).UnixMilli())
-	if err := svc.IdleAct(ctx, seen, idle.ActionPause, since); !errors.Is(err, idle.ErrRelayOpen) {
+	if err := svc.IdleAct(ctx, seen, idlepolicy.ActionPause, since); !errors.Is(err, idle.ErrRelayOpen) {
 		t.Fatalf("IdleAct under a relay: want ErrRelayOpen, got %v", err)
 	}
 	if svc.relays.Open(name) != 1 || h.instance(name).Status != incus.InstanceRunning {
@@ -305,35 +306,35 @@ func TestIdleActOnIncus(t *testing.T) {
 
 	// What the loop saw is not what is there: nothing happens.
 	stale := seen
-	stale.Power = idle.PowerPaused
-	if err := svc.IdleAct(ctx, stale, idle.ActionStop, since); !errors.Is(err, idle.ErrStale) {
+	stale.Power = controller.PowerPaused
+	if err := svc.IdleAct(ctx, stale, idlepolicy.ActionStop, since); !errors.Is(err, idle.ErrStale) {
 		t.Fatalf("IdleAct on a stale view: want ErrStale, got %v", err)
 	}
 
 	// Pause, recording the instant idleness began.
-	if err := svc.IdleAct(ctx, seen, idle.ActionPause, since); err != nil {
+	if err := svc.IdleAct(ctx, seen, idlepolicy.ActionPause, since); err != nil {
 		t.Fatal(err)
 	}
 	paused := idleTargetOfName(t, svc, name)
-	if paused.Power != idle.PowerPaused || !paused.IdleSince.Equal(since) {
+	if paused.Power != controller.PowerPaused || !paused.IdleSince.Equal(since) {
 		t.Fatalf("after the pause: %+v, want paused since %v", paused, since)
 	}
 	// The loop's stale view of the paused target (another idle-since).
 	other := paused
 	other.IdleSince = since.Add(time.Second)
-	if err := svc.IdleAct(ctx, other, idle.ActionStop, other.IdleSince); !errors.Is(err, idle.ErrStale) {
+	if err := svc.IdleAct(ctx, other, idlepolicy.ActionStop, other.IdleSince); !errors.Is(err, idle.ErrStale) {
 		t.Fatalf("IdleAct with another idle-since: want ErrStale, got %v", err)
 	}
 	// Escalate: stop keeps the recorded instant.
-	if err := svc.IdleAct(ctx, paused, idle.ActionStop, since); err != nil {
+	if err := svc.IdleAct(ctx, paused, idlepolicy.ActionStop, since); err != nil {
 		t.Fatal(err)
 	}
 	stopped := idleTargetOfName(t, svc, name)
-	if stopped.Power != idle.PowerStopped || !stopped.IdleSince.Equal(since) {
+	if stopped.Power != controller.PowerStopped || !stopped.IdleSince.Equal(since) {
 		t.Fatalf("after the stop: %+v", stopped)
 	}
 	// Close through the close path: closing, then gone.
-	if err := svc.IdleAct(ctx, stopped, idle.ActionClose, since); err != nil {
+	if err := svc.IdleAct(ctx, stopped, idlepolicy.ActionClose, since); err != nil {
 		t.Fatal(err)
 	}
 	until(t, "closed", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) },
@@ -341,7 +342,7 @@ func TestIdleActOnIncus(t *testing.T) {
 	if obs, err := svc.CloseTarget(ctx, ref); err != nil || obs.Phase != controller.PhaseClosed {
 		t.Fatalf("close after an idle close: %+v %v", obs, err)
 	}
-	if err := svc.IdleAct(ctx, stopped, idle.ActionClose, since); !errors.Is(err, idle.ErrStale) {
+	if err := svc.IdleAct(ctx, stopped, idlepolicy.ActionClose, since); !errors.Is(err, idle.ErrStale) {
 		t.Fatalf("IdleAct on a target that is gone: want ErrStale, got %v", err)
 	}
 }

@@ -15,12 +15,10 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
-
-// DefaultDaemonPort is where the guest daemon listens on the guest's loopback.
-const DefaultDaemonPort = 19091
 
 // Entry is one template as the file states it: the spec's template fields
 // plus the instance recipe.
@@ -32,7 +30,8 @@ type Entry struct {
 	// InstanceType is "container" (default) or "virtual-machine".
 	InstanceType string   `json:"instanceType,omitempty" wire:"enum=container|virtual-machine"`
 	Profiles     []string `json:"profiles,omitempty"`
-	// DaemonPort is the guest daemon's port on the guest loopback.
+	// DaemonPort is the guest daemon's port on the guest loopback
+	// (guest.DefaultPort when omitted).
 	DaemonPort uint16 `json:"daemonPort,omitempty"`
 	// IngressPort is the one guest port public ingress may reach.
 	IngressPort uint16 `json:"ingressPort,omitempty"`
@@ -75,7 +74,7 @@ func (e *Entry) CheckWire() *wire.FieldError {
 
 func (e *Entry) daemonPort() uint16 {
 	if e.DaemonPort == 0 {
-		return DefaultDaemonPort
+		return guest.DefaultPort
 	}
 	return e.DaemonPort
 }

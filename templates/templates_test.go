@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/lightspeed-dev/incus-provider/guest"
 )
 
 func write(t *testing.T, name, body string) string {
@@ -31,7 +33,7 @@ func TestLoadGoodFileInYAMLAndJSON(t *testing.T) {
 		t.Fatal(err)
 	}
 	tm, ok := c.Get("a")
-	if !ok || tm.DaemonPort != DefaultDaemonPort || tm.InstanceType != "container" || tm.Profiles[0] != "default" {
+	if !ok || tm.DaemonPort != guest.DefaultPort || tm.InstanceType != "container" || tm.Profiles[0] != "default" {
 		t.Fatalf("defaults not applied: %+v", tm)
 	}
 	j := `{"templates": [{"templateId": "j", "displayName": "J", "imageFingerprint": "` + strings.Repeat("ab", 32) + `"}]}`

@@ -134,7 +134,7 @@ func run() error {
 	}
 	withPolicy := 0
 	for _, t := range listed {
-		if t.Phase == "active" && t.Power == idle.PowerRunning && t.Policy != nil {
+		if t.Phase == controller.PhaseActive && t.Power == controller.PowerRunning && t.Policy != nil {
 			withPolicy++
 		}
 	}

@@ -28,9 +28,11 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strconv"
 	"syscall"
 	"time"
 
+	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/internal/devguest"
 )
 
@@ -55,7 +57,7 @@ func run() int {
 	logger := log.New(os.Stderr, "lsenvd-dev: ", log.LstdFlags|log.Lmsgprefix)
 	listen := os.Getenv("LSENVD_DEV_LISTEN")
 	if listen == "" {
-		listen = "127.0.0.1:19091"
+		listen = net.JoinHostPort("127.0.0.1", strconv.Itoa(guest.DefaultPort))
 	}
 	fl := flag.NewFlagSet("lsenvd-dev", flag.ContinueOnError)
 	fl.StringVar(&listen, "listen", listen, "TCP address to serve the data plane on (env LSENVD_DEV_LISTEN)")

@@ -24,6 +24,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/routes"
 )
@@ -132,7 +133,7 @@ func (b *bench) await(ctx context.Context, p controller.Power, most time.Duratio
 		if time.Now().After(deadline) {
 			return o, fmt.Errorf("the target did not reach %s within %s: last %+v, %w", p, most, o, err)
 		}
-		if !sleep(ctx, 50*time.Millisecond) {
+		if !clock.Sleep(ctx, 50*time.Millisecond) {
 			return o, ctx.Err()
 		}
 	}
@@ -151,15 +152,6 @@ func (b *bench) setPower(ctx context.Context, p controller.Power) error {
 		}
 	}
 	return fmt.Errorf("the target never reached %s", p)
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	select {
-	case <-time.After(d):
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
 
 // dialRoute dials the data route; it returns the connection or why not.
@@ -371,7 +363,7 @@ func (b *bench) measureWakes(ctx context.Context, from controller.Power) (wakeRe
 			return w, err
 		}
 		// Let the power-down's own work (metadata, the dialer's cache) end.
-		if !sleep(ctx, 150*time.Millisecond) {
+		if !clock.Sleep(ctx, 150*time.Millisecond) {
 			return w, ctx.Err()
 		}
 		ws, took, why, err := b.dialRoute(ctx, 64<<10)
@@ -382,7 +374,7 @@ func (b *bench) measureWakes(ctx context.Context, from controller.Power) (wakeRe
 			w.refusals = append(w.refusals, fmt.Sprintf("after %s: %s", took.Round(time.Millisecond), why))
 			// Dial again until it upgrades, as the runtime would.
 			for ws == nil {
-				if !sleep(ctx, time.Second) {
+				if !clock.Sleep(ctx, time.Second) {
 					return w, ctx.Err()
 				}
 				if ws, _, _, err = b.dialRoute(ctx, 64<<10); err != nil {
@@ -683,7 +675,7 @@ func (b *bench) measureMemory(ctx context.Context, rep *report) error {
 		if m.Relays == 0 {
 			break
 		}
-		sleep(ctx, 100*time.Millisecond)
+		clock.Sleep(ctx, 100*time.Millisecond)
 	}
 	before, err := b.mem(ctx)
 	if err != nil {
@@ -732,7 +724,7 @@ func (b *bench) measureMemory(ctx context.Context, rep *report) error {
 	if firstErr != nil {
 		return fmt.Errorf("opening idle relays: %w", firstErr)
 	}
-	sleep(ctx, 2*time.Second)
+	clock.Sleep(ctx, 2*time.Second)
 	after, err := b.mem(ctx)
 	if err != nil {
 		return err

@@ -1,4 +1,4 @@
-package idle
+package idlepolicy
 
 import (
 	"errors"
@@ -190,23 +190,5 @@ func TestNextThresholdAgreesWithDueAction(t *testing.T) {
 				}
 			}
 		}
-	}
-}
-
-func TestStagesOfAndLevels(t *testing.T) {
-	if got := StagesOf([]string{"running", "paused", "stopped"}); got != StagePause|StageStop {
-		t.Fatalf("StagesOf = %b", got)
-	}
-	if got := StagesOf(nil); got != 0 || !got.Allows(ActionClose) || got.Allows(ActionPause) {
-		t.Fatalf("no power states: only close, got %b", got)
-	}
-	for power, want := range map[string]Action{"running": ActionNone, "paused": ActionPause, "suspended": ActionSuspend, "stopped": ActionStop} {
-		got, ok := LevelOf(power)
-		if !ok || got != want || (want != ActionNone && want.Power() != power) {
-			t.Fatalf("LevelOf(%s) = %s %v", power, got, ok)
-		}
-	}
-	if _, ok := LevelOf("asleep"); ok {
-		t.Fatal("an unknown power is not a level")
 	}
 }

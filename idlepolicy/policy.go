@@ -1,6 +1,10 @@
-// Package idle holds the idle policy (its validation and the due-action
-// rule) and the loop that applies it to running targets.
-package idle
+// Package idlepolicy is the idle policy as the controller plane carries it:
+// the wire type, its validation, and the rule that says which power-down
+// stage is due after how long idle. It knows nothing of power-state names
+// or of the loop that applies it (package idle), so that the controller's
+// wire types, and with them the conformance suite meant for any provider,
+// carry the policy without linking in the idle loop and its guest dialer.
+package idlepolicy
 
 import (
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
@@ -27,21 +31,6 @@ const (
 	ActionStop
 	ActionClose
 )
-
-// Power is the power state an action leaves a target in ("" for ActionNone
-// and ActionClose, which leave no active target).
-func (a Action) Power() string {
-	switch a {
-	case ActionPause:
-		return PowerPaused
-	case ActionSuspend:
-		return PowerSuspended
-	case ActionStop:
-		return PowerStopped
-	default:
-		return ""
-	}
-}
 
 func (a Action) String() string {
 	switch a {
@@ -102,34 +91,10 @@ func (p *Policy) CheckWire() *wire.FieldError {
 	return nil
 }
 
-// The power states of an active target, as the controller plane names them.
-// (This package cannot import controller, which imports it for Policy.)
-const (
-	PowerRunning   = "running"
-	PowerPaused    = "paused"
-	PowerSuspended = "suspended"
-	PowerStopped   = "stopped"
-)
-
-// LevelOf places a power state on the escalation ladder: the action that
-// leaves a target in that state, ActionNone for running. ok is false for a
-// name the protocol does not know.
-func LevelOf(power string) (level Action, ok bool) {
-	switch power {
-	case PowerRunning:
-		return ActionNone, true
-	case PowerPaused:
-		return ActionPause, true
-	case PowerSuspended:
-		return ActionSuspend, true
-	case PowerStopped:
-		return ActionStop, true
-	}
-	return ActionNone, false
-}
-
-// Stages is the set of power-down stages a template supports, from its
-// powerStates. Close needs no power state and always qualifies.
+// Stages is the set of power-down stages a template supports, read from
+// its powerStates by idle.StagesOf (the names are the controller plane's,
+// which this package cannot import). Close needs no power state and always
+// qualifies.
 type Stages uint8
 
 // The power-down stages.
@@ -138,24 +103,6 @@ const (
 	StageSuspend
 	StageStop
 )
-
-// StagesOf reads a template's powerStates: paused allows the pause stage,
-// suspended the suspend stage, stopped the stop stage; running and unknown
-// names allow nothing.
-func StagesOf(powerStates []string) Stages {
-	var s Stages
-	for _, p := range powerStates {
-		switch p {
-		case PowerPaused:
-			s |= StagePause
-		case PowerSuspended:
-			s |= StageSuspend
-		case PowerStopped:
-			s |= StageStop
-		}
-	}
-	return s
-}
 
 // Allows says whether the stage acting as a may be taken: close always,
 // a power-down only when the template offers its power state.

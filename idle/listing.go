@@ -1,0 +1,187 @@
+package idle
+
+import (
+	"context"
+	"math/rand/v2"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
+)
+
+type listResult struct {
+	started time.Time
+	targets []Target
+	err     error
+}
+
+type lookResult struct {
+	name    string
+	started time.Time
+	target  Target
+	ok      bool
+	err     error
+}
+
+func (l *Loop) startList(ctx context.Context) {
+	l.listing = true
+	l.soon = false
+	started := time.Now()
+	l.lastList = started
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		lctx, cancel := context.WithTimeout(ctx, max(l.cfg.RefreshInterval, 30*time.Second))
+		targets, err := l.inv.IdleTargets(lctx)
+		cancel()
+		select {
+		case l.listDone <- listResult{started: started, targets: targets, err: err}:
+		case <-ctx.Done():
+		}
+	}()
+}
+
+// onList brings the loop's picture in line with the inventory: new targets
+// are scheduled, departed ones dropped, and power changes the loop did not
+// make (a wake by a data route, target/setPower) are taken in.
+func (l *Loop) onList(r listResult) {
+	l.listing = false
+	if r.err != nil {
+		l.log.Warn("listing targets for the idle loop failed; retrying at the next refresh", zap.Error(r.err))
+		return
+	}
+	first := !l.listedAny
+	l.listedAny = true
+	now := time.Now()
+	l.m.inventory(r.targets)
+	seen := make(map[string]struct{}, len(r.targets))
+	for _, t := range r.targets {
+		if l.apply(t, r.started, now, first) {
+			seen[t.Name] = struct{}{}
+		}
+	}
+	for name, e := range l.entries {
+		if _, ok := seen[name]; !ok && !e.acting && !e.changedAt.After(r.started) {
+			l.remove(e)
+		}
+	}
+	l.stats.tracked.Store(int64(len(l.entries)))
+	l.passMaybeStart(now)
+}
+
+// apply takes in what the inventory says of one target, as read at
+// `started`. It reports whether the policy applies to the target (active,
+// with a policy); a target it no longer applies to is forgotten.
+func (l *Loop) apply(t Target, started, now time.Time, first bool) bool {
+	e := l.entries[t.Name]
+	level, known := LevelOf(t.Power)
+	if t.Phase != controller.PhaseActive || !known || t.Policy == nil {
+		if e != nil && !e.acting && !e.changedAt.After(started) {
+			l.remove(e)
+		}
+		return false
+	}
+	if e == nil {
+		e = &entry{t: t, level: level, index: -1}
+		l.entries[t.Name] = e
+		if !t.Settled {
+			return true
+		}
+		switch {
+		case level != idlepolicy.ActionNone:
+			l.scheduleIn(e, 0)
+		case first:
+			l.scheduleIn(e, time.Duration(rand.Int64N(int64(l.cfg.StartSpread)+1)))
+		default:
+			l.scheduleIn(e, time.Duration(rand.Int64N(int64(100*time.Millisecond))))
+		}
+		return true
+	}
+	if e.acting || e.changedAt.After(started) {
+		return true // the loop's own knowledge is newer than this reading
+	}
+	was := e.t
+	wasLevel := e.level
+	e.t, e.level = t, level
+	if wasLevel != idlepolicy.ActionNone && level == idlepolicy.ActionNone {
+		e.wokeAt = now // woken by someone else: a wake is a use
+	}
+	if level == idlepolicy.ActionNone {
+		e.downSince = time.Time{}
+	}
+	if wasLevel == idlepolicy.ActionNone && level != idlepolicy.ActionNone {
+		l.dropSession(e)
+		l.passLeft(e)
+	}
+	switch {
+	case !t.Settled:
+		l.unschedule(e)
+		l.dropSession(e)
+	case e.probing:
+		// onProbe looks at the new state.
+	case !was.Settled || wasLevel != level || !was.IdleSince.Equal(t.IdleSince) || e.index < 0:
+		if level == idlepolicy.ActionNone {
+			l.scheduleIn(e, time.Duration(rand.Int64N(int64(100*time.Millisecond))))
+		} else {
+			l.scheduleIn(e, 0)
+		}
+	}
+	return true
+}
+
+// maxLooks bounds the single-target reads in flight after change notes.
+const maxLooks = 8
+
+// onChange asks for a fresh reading of a target the inventory says it
+// changed.
+func (l *Loop) onChange(name string) {
+	if _, queued := l.lookWant[name]; queued {
+		return
+	}
+	l.lookWant[name] = struct{}{}
+	l.lookQueue = append(l.lookQueue, name)
+}
+
+func (l *Loop) dispatchLooks(ctx context.Context) {
+	for l.looking < maxLooks && len(l.lookQueue) > 0 {
+		name := l.lookQueue[0]
+		l.lookQueue = l.lookQueue[1:]
+		delete(l.lookWant, name)
+		l.looking++
+		started := time.Now()
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			lctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			t, ok, err := l.watch.IdleTarget(lctx, name)
+			cancel()
+			select {
+			case l.lookDone <- lookResult{name: name, started: started, target: t, ok: ok, err: err}:
+			case <-ctx.Done():
+			}
+		}()
+	}
+	if len(l.lookQueue) == 0 {
+		l.lookQueue = nil
+	}
+}
+
+func (l *Loop) onLook(r lookResult) {
+	l.looking--
+	switch {
+	case r.err != nil:
+		l.log.Debug("reading a changed target failed; the next listing sees it", zap.String("instance", r.name), zap.Error(r.err))
+	case !r.ok:
+		if e := l.entries[r.name]; e != nil && !e.acting && !e.changedAt.After(r.started) {
+			l.remove(e)
+		}
+	default:
+		l.apply(r.target, r.started, time.Now(), false)
+	}
+	l.stats.tracked.Store(int64(len(l.entries)))
+	if l.pass.remaining == 0 {
+		l.passMaybeStart(time.Now())
+	}
+}
