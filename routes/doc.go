@@ -37,14 +37,16 @@
 //     is closed no sooner than its idle timeout (60 s at least). Either side
 //     closing closes the other with a proper close frame.
 //
-// The Registry counts relays and dials in progress per target; it is the
-// targets.Relays the idle loop and explicit power changes consult, and its
-// Quiesce (targets.PowerGuard) holds off new dials while a target is powered
-// down, so a dial can never end up relaying to a guest that is being frozen.
+// Every dial and relay is entered in the process's relays.Registry, which
+// the targets consult before any power-down: its Quiesce (the idle loop's)
+// and Drain (an explicit setPower's) hold off new dials while a target is
+// powered down, so a dial can never end up relaying to a guest that is
+// being frozen. A dial is a request for running: Wake records it with the
+// dial's arrival, so a power change asked after the dial wins over it.
 //
 // What this package may touch: the HTTP request and its hijacked connection;
 // Incus only through targets.Service (ResolveRoute reads one instance; Wake
-// changes power); guests only through the guest.Dialer it is given. It never
+// records a request for running and carries it out); guests only through the guest.Dialer it is given. It never
 // edits instance metadata itself and never dials any address of its own
 // choosing.
 package routes

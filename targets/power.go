@@ -182,10 +182,12 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		}
 		cancel()
 	}
-	after, err := s.lookup(ctx, name)
-	if err != nil {
+	after, lerr := s.lookup(ctx, name)
+	if lerr != nil {
 		// The request is recorded: the reconciler carries it out whatever
 		// this answer says, so say it is under way rather than unavailable.
+		s.log.Warn("observing a recorded power change failed; answering what was last seen",
+			zap.String("instance", name), zap.Error(lerr))
 		st := StateOf(inst)
 		st.Intent = Intent{Power: power, By: BySetPower}
 		return observation(inst, ref.Owner, st, s.progress.get(name), s.now()), nil

@@ -25,6 +25,9 @@ func (r *report) print(w io.Writer) {
 	_, _ = fmt.Fprintf(w, "routebench: %s\n\n", r.header)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	_, _ = fmt.Fprintln(tw, "measure\tn\tp50\tp95\tmean\ttarget\tresult")
+	cs := summarize(r.cycles.wakes)
+	_, _ = fmt.Fprintf(tw, "pause → wake (one dial) → close → setPower paused: %d/%d cycles completed\t%d\t%s\t%s\t%s\tall cycles complete\t%s\n",
+		r.cycles.completed, r.cycles.asked, cs.n, ms(cs.p50), ms(cs.p95), ms(cs.mean), verdict(r.cycles.asked > 0 && r.cycles.completed == r.cycles.asked))
 	for _, wk := range r.wakes {
 		s := summarize(wk.latencies)
 		target, ok := "p50 ≤ 50 ms", s.p50 <= 50*time.Millisecond
@@ -67,6 +70,9 @@ func (r *report) print(w io.Writer) {
 		m.relays, m.relaysSeenByProvider, m.openedIn.Round(time.Millisecond), float64(m.before.RSSBytes)/(1<<20), float64(m.after.RSSBytes)/(1<<20),
 		m.perRelay/1024, m.heapPerRelay/1024, m.stackPerRelay/1024, m.goroutinesPerRelay, verdict(m.perRelay <= 64<<10))
 	_ = tw.Flush()
+	if len(r.cycles.failures) > 0 {
+		_, _ = fmt.Fprintf(w, "\npause/wake cycles that failed:\n  %s\n", strings.Join(r.cycles.failures, "\n  "))
+	}
 	for _, wk := range r.wakes {
 		if len(wk.refusals) > 0 {
 			_, _ = fmt.Fprintf(w, "\nrefused first dials from %s:\n  %s\n", wk.from, strings.Join(wk.refusals, "\n  "))

@@ -1,0 +1,152 @@
+package relays
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeConn is a relay that ends when told to go away, unless it is stubborn.
+type fakeConn struct {
+	stubborn bool
+	mu       sync.Mutex
+	told     []int
+	done     chan struct{}
+	once     sync.Once
+	killed   bool
+}
+
+func newFake(stubborn bool) *fakeConn { return &fakeConn{stubborn: stubborn, done: make(chan struct{})} }
+
+func (f *fakeConn) GoAway(code int, _, _ string) {
+	f.mu.Lock()
+	f.told = append(f.told, code)
+	f.mu.Unlock()
+	if !f.stubborn {
+		f.end()
+	}
+}
+
+func (f *fakeConn) Kill(string) {
+	f.mu.Lock()
+	f.killed = true
+	f.mu.Unlock()
+	f.end()
+}
+
+func (f *fakeConn) end()                  { f.once.Do(func() { close(f.done) }) }
+func (f *fakeConn) Done() <-chan struct{} { return f.done }
+
+// open enters a relay of instance as the data routes do.
+func open(t *testing.T, g *Registry, instance string, c *fakeConn) {
+	t.Helper()
+	tk, quiet := g.Enter(instance)
+	if tk == nil {
+		t.Fatalf("Enter held off (quiet %v)", quiet != nil)
+	}
+	tk.Adopt(c)
+	go func() { <-c.Done(); g.Remove(instance, c) }()
+}
+
+func TestQuiesceYieldsToAnyUse(t *testing.T) {
+	g := New(time.Second)
+	tk, _ := g.Enter("a")
+	if _, ok := g.Quiesce("a"); ok {
+		t.Fatal("Quiesce succeeded with a dial in progress")
+	}
+	tk.Leave()
+	release, ok := g.Quiesce("a")
+	if !ok {
+		t.Fatal("Quiesce failed with nothing open")
+	}
+	if tk, quiet := g.Enter("a"); tk != nil || quiet == nil {
+		t.Fatal("a dial was let in during a power-down")
+	}
+	release()
+	if tk, _ := g.Enter("a"); tk == nil {
+		t.Fatal("a dial was held off after the power-down")
+	}
+}
+
+func TestDrainClosesRelaysAndWaitsForDials(t *testing.T) {
+	g := New(200 * time.Millisecond)
+	polite, stubborn := newFake(false), newFake(true)
+	open(t, g, "a", polite)
+	open(t, g, "a", stubborn)
+	pending, _ := g.Enter("a") // a dial still waking the target
+	var seen []int
+	var mu sync.Mutex
+	result := make(chan int, 1)
+	var release func()
+	go func() {
+		var left int
+		release, left = g.Drain(context.Background(), "a", "powering down", func(n int) {
+			mu.Lock()
+			seen = append(seen, n)
+			mu.Unlock()
+		})
+		result <- left
+	}()
+	// The dial becomes a relay during the drain: it is told to go away too.
+	time.Sleep(50 * time.Millisecond)
+	late := newFake(false)
+	pending.Adopt(late)
+	go func() { <-late.Done(); g.Remove("a", late) }()
+	select {
+	case left := <-result:
+		if left != 0 {
+			t.Fatalf("Drain left %d open", left)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Drain did not end")
+	}
+	defer release()
+	for _, c := range []*fakeConn{polite, stubborn, late} {
+		if len(c.told) != 1 || c.told[0] != GoingAway {
+			t.Fatalf("a relay was told %v, want one going-away", c.told)
+		}
+	}
+	if !stubborn.killed || polite.killed {
+		t.Fatal("only the relay that did not end in time is killed")
+	}
+	if g.Open("a") != 0 {
+		t.Fatalf("Open = %d after the drain", g.Open("a"))
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(seen) == 0 || seen[0] != 3 || seen[len(seen)-1] != 0 {
+		t.Fatalf("onWait saw %v, want from 3 down to 0", seen)
+	}
+	if tk, quiet := g.Enter("a"); tk != nil || quiet == nil {
+		t.Fatal("a dial was let in before release")
+	}
+}
+
+func TestDrainGivesUpWithCtxAndJoinIsAdmitted(t *testing.T) {
+	g := New(time.Second)
+	tk, _ := g.Enter("a")
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		release, left := g.Drain(ctx, "a", "powering down", nil)
+		defer release()
+		if left != 2 {
+			t.Errorf("left %d, want the dial and its wake", left)
+		}
+	}()
+	time.Sleep(20 * time.Millisecond)
+	// The admitted dial's wake joins it even while the drain holds dials off.
+	wake := tk.Join()
+	<-done
+	wake.Leave()
+	tk.Leave()
+	if g.Open("a") != 0 {
+		t.Fatalf("Open = %d", g.Open("a"))
+	}
+	if tk, _ := g.Enter("a"); tk == nil {
+		t.Fatal("released drain still holds dials off")
+	}
+}
