@@ -434,6 +434,28 @@ func Describe(v any) string {
 	}
 }
 
+// DescribeJSON names the JSON type of a raw value as Describe names a parsed
+// one, from its first byte: a raw value may nest too deep to be parsed.
+func DescribeJSON(raw []byte) string {
+	v := bytes.TrimLeft(raw, " \t\r\n")
+	if len(v) == 0 {
+		return "nothing"
+	}
+	switch v[0] {
+	case '{':
+		return Describe(map[string]any{})
+	case '[':
+		return Describe([]any{})
+	case '"':
+		return Describe("")
+	case 't', 'f':
+		return Describe(true)
+	case 'n':
+		return Describe(nil)
+	}
+	return Describe(json.Number(""))
+}
+
 func uintLimit(k reflect.Kind) uint64 {
 	switch k {
 	case reflect.Uint32:

@@ -7,9 +7,9 @@ import (
 
 // MaxDepth is how deeply a value that Decode accepts may nest arrays and
 // objects: 1 for {"a":1}, 2 for {"a":[1]}. No message of the protocol comes
-// near it (the deepest nest under ten levels), so a deeper value is a
-// defect or an attack, and refusing it by name keeps it from costing the
-// decoder's recursion. A message that carries such a value one level down
+// near it (the fixtures' deepest params or result nest four levels), so a
+// deeper value is a defect or an attack, and refusing it by name keeps it
+// from costing the decoder's recursion. A message that carries such a value one level down
 // (a JSON-RPC envelope around its params or result) gets one level more:
 // see DecodeEnvelope.
 const MaxDepth = 64
@@ -17,7 +17,7 @@ const MaxDepth = 64
 // Member is one member of a JSON object, as Split found it.
 type Member struct {
 	Name  string
-	Value json.RawMessage // as sent, white space included
+	Value json.RawMessage // as sent, without the white space around it
 	Depth int             // how deeply Value nests arrays and objects (0: a scalar)
 }
 
