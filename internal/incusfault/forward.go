@@ -31,9 +31,9 @@ type action struct {
 	release <-chan struct{} // ends a BlackHole hold with a forward
 }
 
-// ServeHTTP applies the first matching rule to the request, then forwards
+// serveHTTP applies the first matching rule to the request, then forwards
 // it unless the fault says otherwise.
-func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+func (p *Proxy) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()

@@ -199,7 +199,8 @@ func Start(ctx context.Context, cfg Config) (*Proxy, error) {
 		},
 	}
 	p.srv = &http.Server{
-		Handler:           p,
+		// Not p itself: a Proxy is no handler for anyone else to mount.
+		Handler:           http.HandlerFunc(p.serveHTTP),
 		ReadHeaderTimeout: 30 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          errorLog,
