@@ -206,7 +206,8 @@ func (c *Client) readLoop() {
 			return
 		}
 		var env responseEnvelope
-		err = wire.Decode(data, &env)
+		// The result is decoded, against its own limit, by the call.
+		err = wire.DecodeEnvelope(data, &env)
 		if err == nil && (env.Result == nil) == (env.Error == nil) {
 			err = errors.New("a response carries exactly one of result and error")
 		}

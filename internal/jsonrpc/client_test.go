@@ -15,6 +15,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
 
 func dialClient(t *testing.T, url string) *jsonrpc.Client {
@@ -411,5 +412,21 @@ func TestClientConcurrentCalls(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Error(err)
+	}
+}
+
+// A result as deep as wire lets a value be arrives in an envelope one level
+// deeper; the client must not count that level against the result.
+func TestClientTakesAResultAtTheDepthLimit(t *testing.T) {
+	s := newTestServer(t)
+	c := dialClient(t, s.url)
+	initialize(t, c)
+	inner := strings.Repeat("[", wire.MaxDepth-1) + "1" + strings.Repeat("]", wire.MaxDepth-1)
+	var got map[string]any
+	if err := c.Call(t.Context(), "test/echo", json.RawMessage(`{"a":`+inner+`}`), &got); err != nil {
+		t.Fatalf("a %d-level result: %v", wire.MaxDepth, err)
+	}
+	if _, ok := got["a"].([]any); !ok {
+		t.Fatalf("result: %v", got)
 	}
 }

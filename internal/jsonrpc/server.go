@@ -13,7 +13,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"runtime/debug"
 	"sync"
 	"time"
@@ -129,22 +128,41 @@ type envelope struct {
 	hasParam bool
 }
 
+// nested stands for an envelope member's value that is an array or an
+// object. No member but params may be one, so the value itself is never
+// needed, and leaving it undecoded keeps a deep one from costing anything.
+type nested struct{}
+
+// handle reads one frame. Any frame that is valid JSON is read, however
+// deep: parseError says "not JSON" and nothing else. Depth is then judged
+// where it lies: params nested past wire.MaxDepth are invalidParams naming
+// the limit; any other member that nests at all is refused by the envelope
+// rules (an id, jsonrpc or method must be a string or a number; another
+// member is unknown), and a batch is a batch however deep.
 func (c *conn) handle(ctx context.Context, data []byte) {
-	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.UseNumber()
-	var generic any
-	if err := dec.Decode(&generic); err != nil || !atEOF(dec) {
+	members, isObject, err := wire.Split(data)
+	if err != nil {
 		c.reply("", nullID, nil, Errorf(KindParseError, "The frame is not one JSON value: send exactly one JSON-RPC message per text frame."))
 		return
 	}
-	if _, isBatch := generic.([]any); isBatch {
-		c.reply("", nullID, nil, Errorf(KindInvalidRequest, "Batches are not supported; send each request in its own frame."))
-		return
-	}
-	obj, ok := generic.(map[string]any)
-	if !ok {
+	if !isObject {
+		if t := bytes.TrimLeft(data, " \t\r\n"); t[0] == '[' {
+			c.reply("", nullID, nil, Errorf(KindInvalidRequest, "Batches are not supported; send each request in its own frame."))
+			return
+		}
 		c.reply("", nullID, nil, Errorf(KindInvalidRequest, "A JSON-RPC message must be an object."))
 		return
+	}
+	obj := make(map[string]any, len(members))
+	var params *wire.Member
+	for i, m := range members {
+		// A repeated member counts as its last, as encoding/json has it.
+		if m.Name == "params" {
+			params = &members[i]
+			obj[m.Name] = nested{}
+			continue
+		}
+		obj[m.Name] = scalar(m)
 	}
 	env, idOK := parseID(obj)
 	method, methodIsString := obj["method"].(string)
@@ -155,7 +173,7 @@ func (c *conn) handle(ctx context.Context, data []byte) {
 		}
 		// No id: a notification, well-formed or not, is never answered.
 		if methodIsString {
-			c.notify(ctx, obj, method)
+			c.notify(ctx, obj, params, method)
 			return
 		}
 		c.reply("", nullID, nil, Errorf(KindInvalidRequest, "A request needs an id and a string method."))
@@ -166,26 +184,47 @@ func (c *conn) handle(ctx context.Context, data []byte) {
 		c.finish(env, time.Now(), nil, Errorf(KindInvalidRequest, "%s", problem))
 		return
 	}
-	if raw, present := obj["params"]; present {
+	if params != nil {
 		env.hasParam = true
 		// Handshake rule 1 comes first: before initialize, every other
 		// request is notInitialized, whatever its params.
-		if _, isObject := raw.(map[string]any); !isObject && (method == "initialize" || c.isInitialized()) {
-			c.finish(env, time.Now(), nil, InvalidParams("", "The params must be an object of named members, not %s.", wire.Describe(raw)))
-			return
+		if method == "initialize" || c.isInitialized() {
+			if e := paramsProblem(params); e != nil {
+				c.finish(env, time.Now(), nil, e)
+				return
+			}
 		}
-		env.params, _ = json.Marshal(raw)
+		env.params = params.Value
 	} else {
 		env.params = json.RawMessage("{}")
 	}
 	c.request(ctx, env)
 }
 
-// atEOF reports whether nothing but white space follows the decoded value.
-// (Decoder.More is not enough: it reports false before a stray ']' or '}'.)
-func atEOF(dec *json.Decoder) bool {
-	_, err := dec.Token()
-	return errors.Is(err, io.EOF)
+// scalar decodes an envelope member that holds no array or object.
+func scalar(m wire.Member) any {
+	if m.Depth > 0 {
+		return nested{}
+	}
+	dec := json.NewDecoder(bytes.NewReader(m.Value))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nested{} // cannot happen: Split checked the frame
+	}
+	return v
+}
+
+// paramsProblem is the refusal of params that are not an object, or that
+// nest deeper than any method may decode; nil for acceptable params.
+func paramsProblem(params *wire.Member) *Error {
+	if params.Value[0] != '{' {
+		return InvalidParams("", "The params must be an object of named members, not %s.", wire.DescribeJSON(params.Value))
+	}
+	if params.Depth > wire.MaxDepth {
+		return InvalidParams("", "The params nest arrays and objects %d levels deep; this server accepts at most %d levels.", params.Depth, wire.MaxDepth)
+	}
+	return nil
 }
 
 // parseID reads the id: an integer or a string. ok is false when it is absent or malformed.
@@ -224,7 +263,7 @@ func envelopeProblem(obj map[string]any) string {
 	return ""
 }
 
-func (c *conn) notify(ctx context.Context, obj map[string]any, method string) {
+func (c *conn) notify(ctx context.Context, obj map[string]any, params *wire.Member, method string) {
 	if envelopeProblem(obj) != "" || !c.isInitialized() {
 		return
 	}
@@ -232,14 +271,14 @@ func (c *conn) notify(ctx context.Context, obj map[string]any, method string) {
 	if !ok {
 		return
 	}
-	params := json.RawMessage("{}")
-	if raw, present := obj["params"]; present {
-		if _, isObject := raw.(map[string]any); !isObject {
+	raw := json.RawMessage("{}")
+	if params != nil {
+		if paramsProblem(params) != nil {
 			return
 		}
-		params, _ = json.Marshal(raw)
+		raw = params.Value
 	}
-	h(ctx, params)
+	h(ctx, raw)
 }
 
 func (c *conn) isInitialized() bool {

@@ -2,7 +2,9 @@
 //
 // encoding/json is lenient in ways the protocol forbids: it ignores unknown
 // members, turns null into a zero value, and accepts 2^53 and beyond even though
-// a JavaScript peer cannot represent them. Every params, response and
+// a JavaScript peer cannot represent them. It is also strict in one way JSON is
+// not: past 10,000 levels of nesting it calls valid JSON invalid; here depth
+// has a limit of its own, MaxDepth, refused by name. Every params, response and
 // configuration object in this project goes through Decode instead, so a
 // refusal always carries the wire path of the member at fault (such as
 // `owner.environmentId` or `templates[2].idle.pauseAfterMs`).
@@ -18,7 +20,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"math"
 	"reflect"
 	"sort"
@@ -53,16 +54,34 @@ type Checker interface {
 	CheckWire() *FieldError
 }
 
-// Decode parses one JSON value from data into v (a non-nil pointer), strictly.
-func Decode(data []byte, v any) error {
+// Decode parses one JSON value from data into v (a non-nil pointer),
+// strictly. A value nesting arrays and objects deeper than MaxDepth is
+// refused as such, not as invalid JSON.
+func Decode(data []byte, v any) error { return decode(data, v, MaxDepth) }
+
+// DecodeEnvelope is Decode for a message whose payload sits one level down
+// in json.RawMessage members and is decoded on its own afterwards (a
+// JSON-RPC response around its result or error). It allows MaxDepth+1
+// levels, so that every payload Decode accepts fits in its envelope, and
+// leaves the payload's own limit to the payload's Decode.
+func DecodeEnvelope(data []byte, v any) error { return decode(data, v, MaxDepth+1) }
+
+func decode(data []byte, v any, most int) error {
+	depth, err := Nesting(data)
+	var trailing *TrailingDataError
+	switch {
+	case errors.As(err, &trailing):
+		return &FieldError{Problem: "has data after the JSON value"}
+	case err != nil:
+		return &FieldError{Problem: "is not valid JSON: " + err.Error()}
+	case depth > most:
+		return &FieldError{Problem: fmt.Sprintf("is nested %d levels deep in arrays and objects, past the limit of %d", depth, most)}
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	var generic any
 	if err := dec.Decode(&generic); err != nil {
 		return &FieldError{Problem: "is not valid JSON: " + err.Error()}
-	}
-	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return &FieldError{Problem: "has data after the JSON value"}
 	}
 	return DecodeValue(generic, v)
 }
@@ -413,6 +432,28 @@ func Describe(v any) string {
 	default:
 		return fmt.Sprintf("%T", v)
 	}
+}
+
+// DescribeJSON names the JSON type of a raw value as Describe names a parsed
+// one, from its first byte: a raw value may nest too deep to be parsed.
+func DescribeJSON(raw []byte) string {
+	v := bytes.TrimLeft(raw, " \t\r\n")
+	if len(v) == 0 {
+		return "nothing"
+	}
+	switch v[0] {
+	case '{':
+		return Describe(map[string]any{})
+	case '[':
+		return Describe([]any{})
+	case '"':
+		return Describe("")
+	case 't', 'f':
+		return Describe(true)
+	case 'n':
+		return Describe(nil)
+	}
+	return Describe(json.Number(""))
 }
 
 func uintLimit(k reflect.Kind) uint64 {
