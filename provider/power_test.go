@@ -11,6 +11,8 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/incusfault"
+	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/routes"
 )
 
@@ -106,8 +108,84 @@ func wakeCloseAndPowerDown(r *rig, route routes.Route, p controller.Power, delay
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("the target never reached %s: last %+v, %v", p, o, err)
+			return fmt.Errorf("the target never reached %s: last %+v, %w", p, o, err)
 		}
 		time.Sleep(time.Duration(10+rng.IntN(20)) * time.Millisecond)
+	}
+}
+
+// A power change is an intent: Incus refusing the move a few times, or the
+// provider stopping between its answer and the move, delays it but never
+// loses it.
+func TestPowerSurvivesIncusFaultsAndRestart(t *testing.T) {
+	proxy, err := incusfault.Start(t.Context(), incusfault.Config{Upstream: incustest.Socket(), Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := proxy.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	viaProxy := func(project string) *incus.Client {
+		c, err := incus.New(incus.Config{Socket: proxy.Socket(), Project: project, CallTimeout: 5 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	a := newRig(t, rigOptions{providerIncus: viaProxy})
+	route := a.create("env-faults", "t1")
+
+	// Incus answers the state change with 503, three times: the answer
+	// still says the move is under way, and the reconciler gets there.
+	failing := proxy.Add(incusfault.Rule{Method: "PUT", Path: "/1.0/instances/*/state", Fault: incusfault.Fail,
+		Status: 503, Message: "injected: Incus is overloaded", Times: 3})
+	o, err := a.setPower(route.Owner, controller.PowerPaused)
+	if err != nil {
+		t.Fatalf("setPower answered %v; the request is recorded, so it must say the move is under way", err)
+	}
+	t.Logf("answered %s %q", o.Power, o.Message)
+	a.until(route.Owner, "paused despite the refusals", 30*time.Second, func(o controller.Observation) bool {
+		return o.Power == controller.PowerPaused && o.Message == ""
+	})
+	if n := proxy.Hits(failing); n != 3 {
+		t.Fatalf("the fault hit %d state changes, want 3", n)
+	}
+	if st := a.status(route.TargetID); st != incus.InstanceFrozen {
+		t.Fatalf("Incus shows %s", st)
+	}
+
+	// Incus takes the next move and never answers; the provider stops
+	// before it could carry it out. The request is on the instance.
+	hung := proxy.Add(incusfault.Rule{Method: "PUT", Path: "/1.0/instances/*/state", Fault: incusfault.BlackHole})
+	if _, err := a.setPower(route.Owner, controller.PowerStopped); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for proxy.Hits(hung) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the provider never tried the move")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	a.stop()
+	for proxy.Held() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the stopped provider's request is still held")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	proxy.Remove(hung)
+	if st := a.status(route.TargetID); st != incus.InstanceFrozen {
+		t.Fatalf("the stopped provider moved the target after all: Incus shows %s", st)
+	}
+	// The next process finishes the move from what the instance records.
+	b := newRig(t, rigOptions{after: a})
+	b.until(route.Owner, "stopped by the restarted provider", 30*time.Second, func(o controller.Observation) bool {
+		return o.Power == controller.PowerStopped && o.Message == ""
+	})
+	if st := b.status(route.TargetID); st != incus.InstanceStopped {
+		t.Fatalf("Incus shows %s", st)
 	}
 }

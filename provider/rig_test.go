@@ -2,7 +2,6 @@ package provider_test
 
 import (
 	"context"
-	"errors"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -22,6 +21,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
 // These tests run the provider as it ships (provider.New, served over
@@ -50,6 +50,7 @@ type rig struct {
 	// client reads Incus for the checks; the provider may be given another
 	// way to Incus (one that injects faults).
 	client  *incus.Client
+	catalog *templates.Catalog
 	p       *provider.Provider
 	srv     *httptest.Server
 	metrics *prometheus.Registry
@@ -61,13 +62,21 @@ type rigOptions struct {
 	// providerIncus, when set, is the provider's own client (the same
 	// project as the checks').
 	providerIncus func(project string) *incus.Client
+	// after, when set, is an earlier provider's rig: the new provider
+	// serves the same Incus project, as a restarted process would.
+	after *rig
 }
 
 func newRig(t *testing.T, o rigOptions) *rig {
 	t.Helper()
-	client := incustest.Client(t)
-	image := incustest.Image(t)
-	catalog := testrig.Catalog(t, client, image, testTemplates)
+	var client *incus.Client
+	var catalog *templates.Catalog
+	if o.after != nil {
+		client, catalog = o.after.client, o.after.catalog
+	} else {
+		client = incustest.Client(t)
+		catalog = testrig.Catalog(t, client, incustest.Image(t), testTemplates)
+	}
 	pc := client
 	if o.providerIncus != nil {
 		pc = o.providerIncus(client.Project())
@@ -85,7 +94,7 @@ func newRig(t *testing.T, o rigOptions) *rig {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = p.Run(ctx) }()
 	srv := httptest.NewServer(p.Handler())
-	r := &rig{t: t, client: client, p: p, srv: srv, metrics: reg}
+	r := &rig{t: t, client: client, catalog: catalog, p: p, srv: srv, metrics: reg}
 	var once bool
 	r.stop = func() {
 		if once {
@@ -137,10 +146,15 @@ func (r *rig) ctx() context.Context {
 
 // call runs one controller method and answers the observation.
 func (r *rig) call(method string, params any) (controller.Observation, error) {
+	return callOn(r.ctl, method, params)
+}
+
+// callOn runs one controller method on the connection c.
+func callOn(c *jsonrpc.Client, method string, params any) (controller.Observation, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	var res controller.TargetResult
-	err := r.ctl.Call(ctx, method, params, &res)
+	err := c.Call(ctx, method, params, &res)
 	return res.Target, err
 }
 
@@ -318,9 +332,4 @@ func awaitGoingAway(t testing.TB, ws *websocket.Conn) {
 		}
 		return
 	}
-}
-
-func isKind(err error, kind jsonrpc.Kind) bool {
-	var e *jsonrpc.Error
-	return errors.As(err, &e) && e.Kind == kind
 }

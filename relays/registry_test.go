@@ -17,7 +17,9 @@ type fakeConn struct {
 	killed   bool
 }
 
-func newFake(stubborn bool) *fakeConn { return &fakeConn{stubborn: stubborn, done: make(chan struct{})} }
+func newFake(stubborn bool) *fakeConn {
+	return &fakeConn{stubborn: stubborn, done: make(chan struct{})}
+}
 
 func (f *fakeConn) GoAway(code int, _, _ string) {
 	f.mu.Lock()
