@@ -91,7 +91,10 @@ func (s *Service) RelaysOpen(name string) int { return s.relays.Open(name) }
 // path (the closing marker, then the reconciler), after which target/get
 // answers closing and then notFound.
 func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.Action, idleSince time.Time) error {
-	unlock := s.locks.lock(t.Name)
+	unlock, err := s.locks.lock(ctx, t.Name)
+	if err != nil {
+		return err
+	}
 	locked := true
 	defer func() {
 		if locked {

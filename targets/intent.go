@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -122,7 +123,11 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 				// The answer was lost, not the write.
 				return inst, true, nil
 			}
-			return nil, false, fmt.Errorf("record power %s: %w", in.Power, err)
+			err = fmt.Errorf("record power %s: %w", in.Power, err)
+			if writeMayHaveLanded(err) {
+				return inst, false, &WriteUnknownError{Err: err}
+			}
+			return nil, false, err
 		}
 		// Incus itself rewrites volatile keys while an instance starts or
 		// stops, which changes the ETag: read again shortly.
@@ -130,6 +135,31 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 			return nil, false, ctx.Err()
 		}
 	}
+}
+
+// WriteUnknownError: a power request was sent to Incus and no answer came
+// back, nor could it be read whether it took effect.
+type WriteUnknownError struct{ Err error }
+
+func (e *WriteUnknownError) Error() string {
+	return "targets: Incus may or may not have recorded the request: " + e.Err.Error()
+}
+
+func (e *WriteUnknownError) Unwrap() error { return e.Err }
+
+// writeMayHaveLanded says whether a failed write may still have reached
+// Incus: a transport failure after the request could be sent (no answer,
+// a cut connection, a deadline), as opposed to an answer refusing it or a
+// connection that was never made.
+func writeMayHaveLanded(err error) bool {
+	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
+		return false
+	}
+	var ie *incus.Error
+	if errors.As(err, &ie) {
+		return ie.Status == 0
+	}
+	return errors.Is(err, context.DeadlineExceeded)
 }
 
 // landed checks whether a write whose answer failed took effect after all.

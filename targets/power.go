@@ -114,6 +114,8 @@ func (s *Service) powerUp(ctx context.Context, inst *incus.Instance) error {
 // waits for. A target already there, or moving there, is observed without
 // action. A retryable error means nothing was recorded.
 func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (controller.Observation, error) {
+	ctx, cancel := s.budget(ctx)
+	defer cancel()
 	name, inst, err := s.resolve(ctx, ref)
 	if err != nil {
 		return controller.Observation{}, err
@@ -124,7 +126,10 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	if !slices.Contains(s.powerStates(inst), power) {
 		return controller.Observation{}, jsonrpc.InvalidParams("power", "The target's template does not offer power state %s; template/list names the states it offers.", power)
 	}
-	unlock := s.locks.lock(name)
+	unlock, err := s.lockTarget(ctx, name)
+	if err != nil {
+		return controller.Observation{}, err
+	}
 	extra := map[string]string{}
 	if power != controller.PowerRunning {
 		extra[KeyIdleSince] = msString(s.now())
@@ -132,7 +137,7 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	in := Intent{Power: power, At: s.now(), By: BySetPower}
 	// Most of the answer bound may go to waiting out an Incus operation
 	// that holds the instance; the rest is for observing.
-	wctx, wcancel := context.WithTimeout(ctx, s.cfg.AnswerWithin*2/3)
+	wctx, wcancel := context.WithTimeout(ctx, answerWait(ctx, s.cfg.AnswerWithin*2/3))
 	_, wrote, err := s.want(wctx, name, in, extra,
 		func(inst *incus.Instance, st State) error {
 			if err := checkOwned(inst, ref.Owner); err != nil {
@@ -155,12 +160,21 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	}
 	wcancel()
 	unlock()
+	var unknown *WriteUnknownError
 	switch {
-	case errors.Is(err, incus.ErrBusy) && ctx.Err() == nil:
+	case errors.Is(err, incus.ErrBusy) || errors.As(err, &unknown):
 		// An Incus operation (a graceful stop, a start) holds the
-		// instance: the request is kept and recorded as soon as it ends.
+		// instance, or Incus took the write and never answered: the
+		// request is kept, recorded as soon as Incus takes it, and the
+		// answer says the move is under way. A retryable error from
+		// this method always means nothing was recorded.
 		s.pending.put(name, pendingWrite{intent: in, extra: extra})
 		s.work.kick(name)
+		if unknown != nil || ctx.Err() != nil {
+			s.log.Warn("a power request waits for Incus to take it", zap.String("instance", name),
+				zap.String("to", string(power)), zap.Error(err))
+			return s.observe(inst, ref.Owner), nil
+		}
 		wrote = false
 	case errors.Is(err, errAlready):
 	case errors.Is(err, errGone):
@@ -175,12 +189,12 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	}
 	if wrote {
 		done := s.work.kick(name)
-		wait, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
+		wait := time.NewTimer(answerWait(ctx, s.cfg.AnswerWithin))
 		select {
 		case <-done:
-		case <-wait.Done():
+		case <-wait.C:
 		}
-		cancel()
+		wait.Stop()
 	}
 	after, lerr := s.lookup(ctx, name)
 	if lerr != nil {
@@ -205,10 +219,14 @@ var errAlready = errors.New("targets: already there or moving there")
 // carries out waits for, and a request it could not record yet.
 func (s *Service) observe(inst *incus.Instance, owner controller.Owner) controller.Observation {
 	st := StateOf(inst)
+	p := s.progress.get(inst.Name)
 	if w, ok := s.pending.get(inst.Name); ok && st.Phase == controller.PhaseActive && w.intent.At.After(st.Intent.At) {
 		st.Intent = w.intent
+		if p == nil || p.to != w.intent.Power {
+			p = &progress{to: w.intent.Power, unrecorded: true}
+		}
 	}
-	return observation(inst, owner, st, s.progress.get(inst.Name), s.now())
+	return observation(inst, owner, st, p, s.now())
 }
 
 // drivePower takes one step toward the target's recorded power and answers

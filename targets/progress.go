@@ -18,6 +18,8 @@ type progress struct {
 	// failures counts attempts that failed in a row; retryAt is the next.
 	failures int
 	retryAt  time.Time
+	// unrecorded: the request is kept in memory until Incus takes it.
+	unrecorded bool
 }
 
 // detail is the message's tail: what the move waits for, or "".
@@ -29,6 +31,8 @@ func (p *progress) detail(now time.Time) string {
 		return ": waiting for 1 data connection to close"
 	case p.waiting > 1:
 		return fmt.Sprintf(": waiting for %d data connections to close", p.waiting)
+	case p.unrecorded:
+		return ": waiting for Incus to take the request"
 	case p.failures > 0:
 		in := max(p.retryAt.Sub(now), 0).Round(100 * time.Millisecond)
 		return fmt.Sprintf(": the last attempt failed; retrying in %s", in)

@@ -248,32 +248,33 @@ func (s *Service) patch(ctx context.Context, name string, set map[string]string)
 }
 
 // keyedMutex serializes work per instance name within this process; across
-// processes the instance name itself is the lock.
+// processes the instance name itself is the lock. Waiting for it is bounded
+// by the caller's context, so a method never outlives its answer bound
+// behind another one stuck on a hung Incus.
 type keyedMutex struct {
 	mu    sync.Mutex
 	locks map[string]*keyedEntry
 }
 
 type keyedEntry struct {
-	mu   sync.Mutex
+	slot chan struct{} // holds one token while the key is locked
 	refs int
 }
 
-func (k *keyedMutex) lock(key string) (unlock func()) {
+// lock takes the key's lock, or fails when ctx ends first.
+func (k *keyedMutex) lock(ctx context.Context, key string) (unlock func(), err error) {
 	k.mu.Lock()
 	if k.locks == nil {
 		k.locks = map[string]*keyedEntry{}
 	}
 	e := k.locks[key]
 	if e == nil {
-		e = &keyedEntry{}
+		e = &keyedEntry{slot: make(chan struct{}, 1)}
 		k.locks[key] = e
 	}
 	e.refs++
 	k.mu.Unlock()
-	e.mu.Lock()
-	return func() {
-		e.mu.Unlock()
+	release := func() {
 		k.mu.Lock()
 		e.refs--
 		if e.refs == 0 {
@@ -281,6 +282,19 @@ func (k *keyedMutex) lock(key string) (unlock func()) {
 		}
 		k.mu.Unlock()
 	}
+	select {
+	case e.slot <- struct{}{}:
+	case <-ctx.Done():
+		release()
+		return nil, ctx.Err()
+	}
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			<-e.slot
+			release()
+		})
+	}, nil
 }
 
 // worker runs one converge per name at a time; a kick during a run asks for

@@ -31,6 +31,10 @@ type Config struct {
 	// StartAttempts is how often the reconciler tries to start a new
 	// instance before it records it as failed.
 	StartAttempts int
+	// MethodBudget bounds every controller method from its start to its
+	// answer, whatever Incus does: every Incus call it makes inherits the
+	// deadline (default AnswerWithin + 1 s).
+	MethodBudget time.Duration
 }
 
 func (c *Config) defaults() {
@@ -45,6 +49,9 @@ func (c *Config) defaults() {
 	}
 	if c.StartAttempts <= 0 {
 		c.StartAttempts = 3
+	}
+	if c.MethodBudget <= 0 {
+		c.MethodBudget = c.AnswerWithin + time.Second
 	}
 }
 
@@ -105,6 +112,34 @@ func (s *Service) incusError(what string, err error) error {
 	}
 	s.log.Error("incus call failed", zap.String("while", what), zap.Error(err))
 	return jsonrpc.Errorf(jsonrpc.KindInternal, "Incus refused a call while %s; the provider's log has the details.", what)
+}
+
+// observeMargin is what a method's budget keeps back, after waiting for
+// background work, to read what Incus then shows and answer.
+const observeMargin = 500 * time.Millisecond
+
+// budget bounds a method: every Incus call it makes inherits the deadline.
+func (s *Service) budget(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, s.cfg.MethodBudget)
+}
+
+// answerWait is how long a method may still wait for background work: at
+// most `most`, and never into the margin its budget keeps for answering.
+func answerWait(ctx context.Context, most time.Duration) time.Duration {
+	dl, ok := ctx.Deadline()
+	if !ok {
+		return most
+	}
+	return max(min(most, time.Until(dl)-observeMargin), 0)
+}
+
+// lockTarget takes the owner's lock within the method's budget.
+func (s *Service) lockTarget(ctx context.Context, name string) (func(), error) {
+	unlock, err := s.locks.lock(ctx, name)
+	if err != nil {
+		return nil, jsonrpc.Unavailable(retryAfter, "Another request for this target is still waiting on Incus; retry shortly.")
+	}
+	return unlock, nil
 }
 
 // ListTemplates answers template/list: every universe sees the whole catalog.
@@ -171,6 +206,8 @@ func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name s
 
 // GetTarget is a pure read.
 func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	ctx, cancel := s.budget(ctx)
+	defer cancel()
 	_, inst, err := s.resolve(ctx, ref)
 	if err != nil {
 		return controller.Observation{}, err
@@ -185,8 +222,13 @@ func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (cont
 // observed without any policy check; otherwise the template's policy applies
 // and Incus creates and starts the instance in the background.
 func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (controller.Observation, error) {
+	ctx, cancel := s.budget(ctx)
+	defer cancel()
 	name := Name(p.Owner)
-	unlock := s.locks.lock(name)
+	unlock, err := s.lockTarget(ctx, name)
+	if err != nil {
+		return controller.Observation{}, err
+	}
 	defer unlock()
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
@@ -248,7 +290,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 // awaitRecord waits, within the answer bound, for the instance to exist or
 // the create operation to end; recorded says Incus holds the record.
 func (s *Service) awaitRecord(ctx context.Context, name string, op *incus.Operation) (recorded bool, err error) {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
+	ctx, cancel := context.WithTimeout(ctx, answerWait(ctx, s.cfg.AnswerWithin))
 	defer cancel()
 	for delay := 10 * time.Millisecond; ; delay = min(delay*2, 200*time.Millisecond) {
 		inst, err := s.lookup(ctx, name)
@@ -292,7 +334,10 @@ func (s *Service) finishCreate(ctx context.Context, name string, op *incus.Opera
 		s.work.kick(name)
 		return
 	}
-	unlock := s.locks.lock(name)
+	unlock, err := s.locks.lock(ctx, name)
+	if err != nil {
+		return
+	}
 	defer unlock()
 	inst, lerr := s.lookup(ctx, name)
 	switch {
@@ -431,6 +476,8 @@ func (s *Service) instanceRequest(name string, p controller.CreateParams, t *tem
 // CloseTarget records the close in the instance's metadata and lets the
 // reconciler stop and delete it, answering closing until nothing remains.
 func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	ctx, cancel := s.budget(ctx)
+	defer cancel()
 	name := Name(ref.Owner)
 	if ref.TargetID != "" && ref.TargetID != name {
 		// Another owner's id is refused; an id that is no one's does not stop
@@ -443,7 +490,10 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 		ref.TargetID = ""
 	}
-	unlock := s.locks.lock(name)
+	unlock, err := s.lockTarget(ctx, name)
+	if err != nil {
+		return controller.Observation{}, err
+	}
 	_, inst, err := s.resolve(ctx, ref)
 	if err != nil {
 		unlock()
@@ -485,12 +535,12 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	}
 	unlock()
 	done := s.work.kick(name)
-	wait, cancel := context.WithTimeout(ctx, s.cfg.AnswerWithin)
-	defer cancel()
+	wait := time.NewTimer(answerWait(ctx, s.cfg.AnswerWithin))
 	select {
 	case <-done:
-	case <-wait.Done():
+	case <-wait.C:
 	}
+	wait.Stop()
 	after, err := s.lookup(ctx, name)
 	if err != nil {
 		return controller.Observation{}, s.incusError("observing the close", err)

@@ -1,0 +1,163 @@
+package provider_test
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/incusfault"
+	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/routes"
+)
+
+// answerBound is the contract's "a few seconds"; the provider's own budget
+// per method is 2.5 s (AnswerWithin + 1 s).
+const answerBound = 5 * time.Second
+
+// faultRig is a provider whose every Incus call goes through a fault proxy.
+func faultRig(t *testing.T) (*rig, *incusfault.Proxy) {
+	t.Helper()
+	proxy, err := incusfault.Start(t.Context(), incusfault.Config{Upstream: incustest.Socket(), Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := proxy.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	r := newRig(t, rigOptions{providerIncus: func(project string) *incus.Client {
+		c, err := incus.New(incus.Config{Socket: proxy.Socket(), Project: project})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}})
+	return r, proxy
+}
+
+// timed runs one call and checks its answer is bounded and, when it is an
+// error, typed unavailable with a retry hint.
+func timed(t *testing.T, what string, call func() (controller.Observation, error)) (controller.Observation, error) {
+	t.Helper()
+	start := time.Now()
+	o, err := call()
+	took := time.Since(start)
+	t.Logf("%s answered in %s: %+v %v", what, took.Round(time.Millisecond), o, err)
+	if took > answerBound {
+		t.Errorf("%s answered after %s, past the %s bound", what, took.Round(time.Millisecond), answerBound)
+	}
+	if err != nil {
+		var e *jsonrpc.Error
+		if !errors.As(err, &e) || e.Kind != jsonrpc.KindUnavailable || e.RetryAfterMs == nil {
+			t.Errorf("%s: want unavailable with retryAfterMs, got %v", what, err)
+		}
+	}
+	return o, err
+}
+
+// With Incus accepting connections and answering nothing, every method and
+// every data-route dial answers within its bound; once Incus answers again
+// everything converges, and every accepted request is carried out.
+func TestEveryAnswerIsBoundedWhileIncusHangs(t *testing.T) {
+	r, proxy := faultRig(t)
+	a := r.create("env-hang-a", "t1")
+	b := r.create("env-hang-b", "t1")
+	r.power(b, controller.PowerPaused)
+	cOwner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-hang-c"}
+
+	proxy.HangAll(true)
+	timed(t, "get", func() (controller.Observation, error) { return r.get(a.Owner) })
+	powered, perr := timed(t, "setPower paused", func() (controller.Observation, error) {
+		return r.setPower(a.Owner, controller.PowerPaused)
+	})
+	_, cerr := timed(t, "create", func() (controller.Observation, error) {
+		return r.call("target/create", controller.CreateParams{Owner: cOwner, TemplateID: "t1"})
+	})
+	timed(t, "close", func() (controller.Observation, error) { return r.closeTarget(b.Owner) })
+	d := r.dial(b)
+	if d.Refusal == nil || d.Elapsed > routes.MaxHold {
+		t.Errorf("a dial while Incus hangs: %+v after %s", d.Refusal, d.Elapsed)
+	}
+	proxy.HangAll(false)
+
+	// What was accepted is carried out; what was refused is asked again,
+	// as the runtime does.
+	if perr == nil {
+		t.Logf("setPower was accepted (%s %q): it must be carried out", powered.Power, powered.Message)
+		r.until(a.Owner, "paused after Incus came back", 60*time.Second, func(o controller.Observation) bool {
+			return o.Power == controller.PowerPaused && o.Message == ""
+		})
+	} else if st := r.status(a.TargetID); st != incus.InstanceRunning {
+		t.Fatalf("setPower answered %v, meaning nothing changed, but Incus shows %s", perr, st)
+	}
+	if cerr != nil {
+		if _, err := r.call("target/create", controller.CreateParams{Owner: cOwner, TemplateID: "t1"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.until(cOwner, "created after Incus came back", 90*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning
+	})
+	// Every owner closes; nothing is left, nothing twice.
+	for _, o := range []controller.Owner{a.Owner, b.Owner, cOwner} {
+		deadline := time.Now().Add(90 * time.Second)
+		for {
+			got, err := r.closeTarget(o)
+			if err == nil && got.Phase == controller.PhaseClosed {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s never closed: %+v %v", o.EnvironmentID, got, err)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+	}
+	list, err := r.client.ListInstances(r.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != 0 {
+		t.Fatalf("%d instances left after every owner closed", len(list))
+	}
+}
+
+// A setPower's answer means what it says under every fault of the write
+// that records it: an error means nothing changed; an observation means the
+// move happens once Incus answers again.
+func TestPowerAnswersMeanWhatTheySay(t *testing.T) {
+	r, proxy := faultRig(t)
+	route := r.create("env-meaning", "t1")
+	faults := []incusfault.Rule{
+		{Method: "PATCH", Path: "/1.0/instances/*", Fault: incusfault.DropResponse, Times: 1},
+		{Method: "PATCH", Path: "/1.0/instances/*", Fault: incusfault.Fail, Status: 503, Message: "injected", Times: 1},
+		{Method: "PATCH", Path: "/1.0/instances/*", Fault: incusfault.BlackHole},
+		{Method: "PATCH", Path: "/1.0/instances/*", Fault: incusfault.Refuse, Times: 1},
+	}
+	for _, rule := range faults {
+		id := proxy.Add(rule)
+		o, err := timed(t, rule.String(), func() (controller.Observation, error) {
+			return r.setPower(route.Owner, controller.PowerPaused)
+		})
+		if proxy.Hits(id) == 0 {
+			t.Fatalf("%s: the fault was never hit", rule)
+		}
+		proxy.Remove(id)
+		if err != nil {
+			// Nothing may change, now or later.
+			time.Sleep(3 * time.Second)
+			if st := r.status(route.TargetID); st != incus.InstanceRunning {
+				t.Fatalf("%s: answered %v, yet Incus shows %s", rule, err, st)
+			}
+			continue
+		}
+		t.Logf("%s: accepted as %s %q", rule, o.Power, o.Message)
+		r.until(route.Owner, "paused after "+rule.String(), 60*time.Second, func(o controller.Observation) bool {
+			return o.Power == controller.PowerPaused && o.Message == ""
+		})
+		r.power(route, controller.PowerRunning)
+	}
+}
