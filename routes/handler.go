@@ -266,9 +266,10 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 			// The owner's target is gone (closed): forget what was proved of it.
 			h.ready.drop(route.TargetID)
 		}
-		if ref, outcome := h.fenceRefusal(ctx, err); ref != nil {
+		if ref, outcome := h.fenceRefusal(ctx, err, route.TargetID); ref != nil {
 			return nil, ref, outcome
 		}
+		h.ready.seen(inst.Name, obs.Phase == controller.PhaseActive && !running(inst))
 		if ref, outcome := terminal(obs); ref != nil {
 			return nil, ref, outcome
 		}
@@ -350,7 +351,7 @@ func (h *Handler) unhold() {
 }
 
 // fenceRefusal turns a failed fence into its answer.
-func (h *Handler) fenceRefusal(ctx context.Context, err error) (*Refusal, string) {
+func (h *Handler) fenceRefusal(ctx context.Context, err error, instance string) (*Refusal, string) {
 	switch {
 	case err == nil:
 		return nil, ""
@@ -361,6 +362,9 @@ func (h *Handler) fenceRefusal(ctx context.Context, err error) (*Refusal, string
 	}
 	if ctx.Err() == nil {
 		h.log.Warn("data route: Incus did not answer the fence", zap.Error(err))
+	}
+	if h.ready.lastDown(instance) {
+		return refuse(StateWaking, 2*time.Second), OutcomeUnavailable
 	}
 	return refuse(StateBooting, 2*time.Second), OutcomeUnavailable
 }

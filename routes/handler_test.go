@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -500,6 +501,23 @@ func TestRouteRefusals(t *testing.T) {
 		_, resp, err := r.dial(ownRoute, nil)
 		if st, _ := refusal(t, resp, err); st != StateBooting {
 			t.Fatalf("state %s", st)
+		}
+	})
+	t.Run("Incus does not answer for a target last seen paused", func(t *testing.T) {
+		r := newHandlerRig(t, nil)
+		r.targets.set(incus.InstanceFrozen)
+		r.targets.wakeErr = errors.New("incus: injected wake failure")
+		r.guest.freeze()
+		_, resp, err := r.dial(ownRoute, nil)
+		if st, _ := refusal(t, resp, err); st != StateWaking {
+			t.Fatalf("state %s", st)
+		}
+		r.targets.mu.Lock()
+		r.targets.fenceErr = fmt.Errorf("incus: %w", incus.ErrNotFound)
+		r.targets.mu.Unlock()
+		_, resp, err = r.dial(ownRoute, nil)
+		if st, _ := refusal(t, resp, err); st != StateWaking {
+			t.Fatalf("a paused target's dial while Incus does not answer: state %s, want waking", st)
 		}
 	})
 }

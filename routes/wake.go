@@ -25,10 +25,31 @@ type readiness struct {
 	mu      sync.Mutex
 	ready   map[string]struct{}
 	unready map[string]time.Time // since when a probe of the instance has gone unanswered
+	// down holds the instances last seen powered down, so that a dial
+	// Incus cannot answer for is told the likelier truth (waking).
+	down map[string]struct{}
 }
 
 func newReadiness() *readiness {
-	return &readiness{ready: map[string]struct{}{}, unready: map[string]time.Time{}}
+	return &readiness{ready: map[string]struct{}{}, unready: map[string]time.Time{}, down: map[string]struct{}{}}
+}
+
+// seen records whether the instance was last seen powered down.
+func (r *readiness) seen(instance string, poweredDown bool) {
+	r.mu.Lock()
+	if poweredDown {
+		r.down[instance] = struct{}{}
+	} else {
+		delete(r.down, instance)
+	}
+	r.mu.Unlock()
+}
+
+func (r *readiness) lastDown(instance string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	_, ok := r.down[instance]
+	return ok
 }
 
 func (r *readiness) ok(instance string) bool {
@@ -76,6 +97,7 @@ func (r *readiness) drop(instance string) {
 	r.mu.Lock()
 	delete(r.ready, instance)
 	delete(r.unready, instance)
+	delete(r.down, instance)
 	r.mu.Unlock()
 }
 
