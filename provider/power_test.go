@@ -36,7 +36,7 @@ func cyclesPerVariant(t *testing.T) int {
 // each other's wakes on the same Incus: the setPower comes before the
 // close, or 0, 1, 5 or 20 ms after it.
 func TestPowerDownRightAfterAWakingConnection(t *testing.T) {
-	seed := time.Now().UnixNano()
+	seed := testSeed(t)
 	t.Logf("seed %d", seed)
 	for _, p := range []controller.Power{controller.PowerPaused, controller.PowerStopped} {
 		t.Run(string(p), func(t *testing.T) {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -332,4 +334,17 @@ func awaitGoingAway(t testing.TB, ws *websocket.Conn) {
 		}
 		return
 	}
+}
+
+// testSeed is PROVIDER_TEST_SEED when set (to replay a run), else the clock.
+func testSeed(t *testing.T) int64 {
+	t.Helper()
+	if v := os.Getenv("PROVIDER_TEST_SEED"); v != "" {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			t.Fatalf("PROVIDER_TEST_SEED=%q is not a number", v)
+		}
+		return n
+	}
+	return time.Now().UnixNano()
 }

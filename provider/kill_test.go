@@ -1,0 +1,415 @@
+package provider_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"github.com/lightspeed-dev/incus-provider/conformance"
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/targets"
+)
+
+// The kill matrix: the provider as it ships (the incus-provider binary) is
+// killed with SIGKILL at seeded random instants while many owners create,
+// change power, wake by dialing and close at once; each round a new process
+// takes over. Afterwards every invariant is checked against Incus: one
+// instance per owner and none that is no owner's, every handed-out id
+// observable until its owner closed, every answered request reached (or,
+// for the one in flight at the kill, either outcome).
+
+const killOwners = 20
+
+type killProc struct {
+	cmd  *exec.Cmd
+	addr string
+	log  string
+}
+
+type killHarness struct {
+	t         *testing.T
+	bin       string
+	dir       string
+	addr      string
+	project   string
+	client    *incus.Client
+	templates string
+	proc      *killProc
+}
+
+func buildProvider(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "incus-provider")
+	cmd := exec.Command("go", "build", "-o", bin, "../cmd/incus-provider")
+	cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ln.Close() }()
+	return ln.Addr().String()
+}
+
+func (h *killHarness) start(round int) {
+	h.t.Helper()
+	logPath := filepath.Join(h.dir, fmt.Sprintf("provider-%d.log", round))
+	logf, err := os.Create(logPath)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	cmd := exec.Command(h.bin)
+	cmd.Env = append(os.Environ(),
+		"PROVIDER_LISTEN="+h.addr, "PROVIDER_METRICS_LISTEN=off",
+		"PROVIDER_TEMPLATES="+h.templates, "PROVIDER_CREDENTIAL_FILE="+filepath.Join(h.dir, "credential"),
+		"INCUS_SOCKET="+incustest.Socket(), "INCUS_PROJECT="+h.project,
+		"PROVIDER_GRACEFUL_STOP=2s", "PROVIDER_RECONCILE_INTERVAL=1s", "PROVIDER_LOG_LEVEL=info")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		h.t.Fatal(err)
+	}
+	_ = logf.Close()
+	h.proc = &killProc{cmd: cmd, addr: h.addr, log: logPath}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if c, err := net.DialTimeout("tcp", h.addr, 200*time.Millisecond); err == nil {
+			_ = c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			out, _ := os.ReadFile(logPath)
+			h.t.Fatalf("the provider did not listen within 30 s:\n%s", out)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (h *killHarness) kill() {
+	if h.proc == nil {
+		return
+	}
+	_ = h.proc.cmd.Process.Signal(syscall.SIGKILL)
+	_ = h.proc.cmd.Wait()
+	h.proc = nil
+}
+
+func (h *killHarness) connect(ctx context.Context) (*jsonrpc.Client, error) {
+	hdr := http.Header{"Authorization": {"Bearer " + credential}}
+	d := websocket.Dialer{HandshakeTimeout: 5 * time.Second}
+	ws, _, err := d.DialContext(ctx, "ws://"+h.addr+"/control", hdr)
+	if err != nil {
+		return nil, err
+	}
+	c := jsonrpc.NewClient(ws)
+	if err := c.Call(ctx, "initialize", controller.InitializeParams{ProtocolVersion: 4,
+		ClientInfo: controller.BuildInfo{Name: "kill-matrix"}}, nil); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// ownerLog is what one owner asked and what it was answered.
+type ownerLog struct {
+	owner controller.Owner
+	// ids handed out to this owner.
+	id string
+	// accepted is the last request answered without error; inFlight one
+	// whose answer was lost to a kill (either outcome is allowed for it).
+	accepted, inFlight string
+	closed             bool // a close was answered closed
+	// counts of accepted requests by op, and of requests cut by a kill.
+	counts map[string]int
+	cut    int
+}
+
+// ops an owner draws from. "dial" is a wake by the data route.
+var killOps = []string{"create", "paused", "stopped", "running", "dial", "dial", "close"}
+
+// work runs one owner's seeded requests against the current process until
+// ctx ends or a request fails on the transport (the process died).
+func (h *killHarness) work(ctx context.Context, rng *rand.Rand, l *ownerLog) {
+	c, err := h.connect(ctx)
+	if err != nil {
+		return
+	}
+	defer func() { _ = c.Close() }()
+	call := func(method string, params any) (controller.Observation, error) {
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		var res controller.TargetResult
+		err := c.Call(cctx, method, params, &res)
+		return res.Target, err
+	}
+	ref := controller.TargetRef{Owner: l.owner}
+	for ctx.Err() == nil {
+		if l.accepted == "close" {
+			return // an environment id is never reused: this owner is done
+		}
+		op := killOps[rng.IntN(len(killOps))]
+		switch {
+		case l.accepted == "":
+			op = "create"
+		case op == "close" && accepted(l) < 8:
+			// Owners live a while: most of the matrix is power and wakes.
+			op = "dial"
+		}
+		l.inFlight = op
+		var o controller.Observation
+		switch op {
+		case "create":
+			o, err = call("target/create", controller.CreateParams{Owner: l.owner, TemplateID: "t1"})
+		case "close":
+			o, err = call("target/close", controller.TargetParams{Target: ref})
+		case "dial":
+			route := routes.Route{Owner: l.owner, TargetID: targets.Name(l.owner)}
+			var d conformance.RouteDial
+			d, err = conformance.DialRoute(ctx, "ws://"+h.addr+routes.Path("/routes", route), credential)
+			if err == nil && d.Conn == nil {
+				err = fmt.Errorf("refused %s", d.Refusal.State)
+			}
+			if d.Conn != nil {
+				d.Conn.Close()
+			}
+		default:
+			o, err = call("target/setPower", controller.SetPowerParams{Target: ref, Power: controller.Power(op)})
+		}
+		var rpcErr *jsonrpc.Error
+		switch {
+		case err == nil && op == "create" && (o.Phase == controller.PhaseClosing || o.Phase == controller.PhaseClosed):
+			// A create racing a close that an earlier process answered
+			// closing: the owner's target is on its way out.
+			l.accepted, l.inFlight = "close", ""
+		case err == nil:
+			l.accepted, l.inFlight = op, ""
+			l.counts[op]++
+			if o.TargetID != "" {
+				l.id = o.TargetID
+			}
+			l.closed = op == "close" && o.Phase == controller.PhaseClosed
+		case errors.As(err, &rpcErr) || strings.HasPrefix(err.Error(), "refused"):
+			// A typed refusal (targetNotActive while provisioning, busy,
+			// unavailable, a 503 while waking): nothing was accepted.
+			l.inFlight = ""
+		default:
+			l.cut++
+			return // the process is gone; the request's fate is unknown
+		}
+		if !sleepCtx(ctx, time.Duration(rng.IntN(150))*time.Millisecond) {
+			return
+		}
+	}
+}
+
+func accepted(l *ownerLog) int {
+	n := 0
+	for _, c := range l.counts {
+		n += c
+	}
+	return n
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func TestKillMatrix(t *testing.T) {
+	seed := testSeed(t)
+	t.Logf("kill matrix seed %d (PROVIDER_TEST_SEED replays it; rounds of %d owners)", seed, killOwners)
+	rng := rand.New(rand.NewPCG(uint64(seed), 7))
+	client := incustest.Client(t)
+	image := incustest.Image(t)
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "credential"), []byte(credential), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tmpl := filepath.Join(dir, "templates.yaml")
+	if err := os.WriteFile(tmpl, []byte(strings.ReplaceAll(`templates:
+  - templateId: t1
+    displayName: kill-matrix guest
+    powerStates: [running, paused, stopped]
+    imageAlias: {{image}}
+`, "{{image}}", image)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h := &killHarness{t: t, bin: buildProvider(t), dir: dir, addr: freeAddr(t), project: client.Project(),
+		client: client, templates: tmpl}
+	t.Cleanup(h.kill)
+
+	logs := make([]*ownerLog, killOwners)
+	for i := range logs {
+		logs[i] = &ownerLog{owner: controller.Owner{UniverseID: "u-kill", EnvironmentID: fmt.Sprintf("env-%02d", i)}, counts: map[string]int{}}
+	}
+	const rounds = 8
+	for round := range rounds {
+		h.start(round)
+		ctx, cancel := context.WithCancel(context.Background())
+		var wg sync.WaitGroup
+		for i, l := range logs {
+			wg.Add(1)
+			orng := rand.New(rand.NewPCG(uint64(seed), uint64(round*100+i)))
+			go func() { defer wg.Done(); h.work(ctx, orng, l) }()
+		}
+		life := time.Duration(500+rng.IntN(3000)) * time.Millisecond
+		time.Sleep(life)
+		h.kill() // SIGKILL, mid-request for some owners
+		cancel()
+		wg.Wait()
+		t.Logf("round %d: killed after %s", round, life)
+	}
+
+	total, cut := map[string]int{}, 0
+	for _, l := range logs {
+		for op, n := range l.counts {
+			total[op] += n
+		}
+		cut += l.cut
+	}
+	t.Logf("accepted requests by kind %v; %d requests cut by a kill", total, cut)
+	for _, op := range []string{"create", "paused", "stopped", "dial"} {
+		if total[op] == 0 {
+			t.Errorf("no %s request was accepted in any round: the matrix tested nothing of it", op)
+		}
+	}
+
+	// A last process converges what the others left.
+	h.start(rounds)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	c, err := h.connect(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Close() }()
+	for _, l := range logs {
+		octx, ocancel := context.WithTimeout(ctx, 90*time.Second)
+		checkOwner(octx, t, h, c, l)
+		ocancel()
+	}
+	// Nothing that is no owner's, and one instance per owner.
+	list, err := client.ListInstances(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]bool{}
+	for _, l := range logs {
+		want[targets.Name(l.owner)] = true
+	}
+	for _, inst := range list {
+		if !want[inst.Name] {
+			t.Errorf("instance %s belongs to no owner: an orphan", inst.Name)
+		}
+	}
+}
+
+// checkOwner waits for the owner's target to reach what its last accepted
+// request asked (or, if a request was in flight at the kill, what that one
+// asked), then checks Incus agrees.
+func checkOwner(ctx context.Context, t *testing.T, h *killHarness, c *jsonrpc.Client, l *ownerLog) {
+	t.Helper()
+	allowed := map[string]bool{}
+	for _, op := range []string{l.accepted, l.inFlight} {
+		if op != "" {
+			allowed[op] = true
+		}
+	}
+	name := targets.Name(l.owner)
+	if l.id != "" && l.id != name {
+		t.Errorf("%s: handed out id %s, not the owner's name %s", l.owner.EnvironmentID, l.id, name)
+	}
+	var last controller.Observation
+	var lastErr error
+	for ctx.Err() == nil {
+		var res controller.TargetResult
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		lastErr = c.Call(cctx, "target/get", controller.TargetParams{Target: controller.TargetRef{Owner: l.owner}}, &res)
+		cancel()
+		last = res.Target
+		if reached(allowed, last, lastErr) {
+			break
+		}
+		sleepCtx(ctx, 100*time.Millisecond)
+	}
+	if ctx.Err() != nil {
+		t.Errorf("%s: accepted %q (in flight %q) never reached: last %+v %v", l.owner.EnvironmentID, l.accepted, l.inFlight, last, lastErr)
+		return
+	}
+	if isNotFound(lastErr) && l.id != "" && !allowed["close"] {
+		t.Errorf("%s: the id %s handed out answers notFound while its owner never closed", l.owner.EnvironmentID, l.id)
+	}
+	inst, _, err := h.client.GetInstance(ctx, name)
+	switch {
+	case errors.Is(err, incus.ErrNotFound):
+		if !allowed["close"] && l.accepted != "" {
+			t.Errorf("%s: no instance in Incus though the owner's last request was %q", l.owner.EnvironmentID, l.accepted)
+		}
+	case err != nil:
+		t.Errorf("%s: %v", l.owner.EnvironmentID, err)
+	default:
+		st := targets.StateOf(inst)
+		if lastErr == nil && last.Phase == controller.PhaseActive && st.Power != last.Power {
+			t.Errorf("%s: observed %s, Incus shows %s", l.owner.EnvironmentID, last.Power, inst.Status)
+		}
+	}
+}
+
+// reached says the observation is what one of the allowed requests asked.
+func reached(allowed map[string]bool, o controller.Observation, err error) bool {
+	if len(allowed) == 0 {
+		return true
+	}
+	settled := err == nil && o.Phase == controller.PhaseActive && o.Message == ""
+	for op := range allowed {
+		switch op {
+		case "close":
+			if isNotFound(err) {
+				return true
+			}
+		case "create", "running", "dial":
+			if settled && o.Power == controller.PowerRunning {
+				return true
+			}
+		case "paused", "stopped":
+			if settled && o.Power == controller.Power(op) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func isNotFound(err error) bool {
+	var e *jsonrpc.Error
+	return errors.As(err, &e) && e.Kind == jsonrpc.KindNotFound
+}
