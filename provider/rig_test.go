@@ -348,3 +348,7 @@ func testSeed(t *testing.T) int64 {
 	}
 	return time.Now().UnixNano()
 }
+
+func routeOf(owner controller.Owner, id string) routes.Route {
+	return routes.Route{Owner: owner, TargetID: id}
+}
