@@ -74,16 +74,14 @@ func life(r *rig, owner controller.Owner) error {
 			if took := time.Since(start); took > answerBound {
 				return fmt.Errorf("%s answered after %s", what, took.Round(time.Millisecond))
 			}
-			var e *jsonrpc.Error
 			switch {
 			case err == nil && done(o):
 				return nil
-			case err != nil && (!errors.As(err, &e) || (e.Kind != jsonrpc.KindUnavailable && e.Kind != jsonrpc.KindBusy &&
-				!(e.Kind == jsonrpc.KindFailedPrecondition && e.Reason == "targetNotActive"))):
+			case err != nil && !retryable(err):
 				return fmt.Errorf("%s: %w", what, err)
 			}
 			if time.Now().After(deadline) {
-				return fmt.Errorf("%s never done: last %+v %v", what, o, err)
+				return fmt.Errorf("%s never done: last %+v %w", what, o, err)
 			}
 			time.Sleep(100 * time.Millisecond)
 		}
@@ -132,4 +130,15 @@ func life(r *rig, owner controller.Owner) error {
 	return step("close", func() (controller.Observation, error) {
 		return r.closeTarget(ref.Owner)
 	}, func(o controller.Observation) bool { return o.Phase == controller.PhaseClosed })
+}
+
+// retryable is what the runtime retries: unavailable, busy, and a target
+// not active yet.
+func retryable(err error) bool {
+	var e *jsonrpc.Error
+	if !errors.As(err, &e) {
+		return false
+	}
+	return e.Kind == jsonrpc.KindUnavailable || e.Kind == jsonrpc.KindBusy ||
+		e.Kind == jsonrpc.KindFailedPrecondition && e.Reason == "targetNotActive"
 }
