@@ -3,7 +3,11 @@
 // its ownership and intent in user.lightspeed.* metadata, so the provider
 // keeps no database. It implements controller.Backend and runs the
 // reconciler that drives every instance to where its metadata says it
-// should be, which is how a restarted provider finishes what it started.
+// should be (booted, at its recorded power, or deleted once closing), which
+// is how a restarted provider finishes what it started. StateOf is the one
+// reading of an instance that decisions use; observations are written from
+// it for people. Power-downs consult the process's relays.Registry, given
+// to New.
 package targets
 
 import (
