@@ -161,3 +161,21 @@ func TestPowerAnswersMeanWhatTheySay(t *testing.T) {
 		r.power(route, controller.PowerRunning)
 	}
 }
+
+// The idle loop's power-down is an intent like any other: Incus refusing
+// the freeze delays it, and the reconciler carries it out.
+func TestIdlePauseSurvivesIncusRefusals(t *testing.T) {
+	r, proxy := faultRig(t)
+	id := proxy.Add(incusfault.Rule{Method: "PUT", Path: "/1.0/instances/*/state", Fault: incusfault.Fail,
+		Status: 503, Message: "injected", Times: 2})
+	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-idle-faults"}
+	if _, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "idle-pause"}); err != nil {
+		t.Fatal(err)
+	}
+	r.until(owner, "paused by the idle loop despite the refusals", 90*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
+	})
+	if n := proxy.Hits(id); n != 2 {
+		t.Fatalf("the fault hit %d state changes, want 2", n)
+	}
+}

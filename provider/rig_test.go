@@ -40,6 +40,11 @@ const testTemplates = `templates:
     displayName: test guest
     powerStates: [running, paused, stopped]
     imageAlias: {{image}}
+  - templateId: idle-pause
+    displayName: test guest paused after 1.5 s idle
+    powerStates: [running, paused, stopped]
+    idle: {pauseAfterMs: 1500}
+    imageAlias: {{image}}
   - templateId: wrongport
     displayName: a guest whose daemon is not where the template says
     powerStates: [running, paused, stopped]
