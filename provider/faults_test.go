@@ -103,26 +103,7 @@ func TestEveryAnswerIsBoundedWhileIncusHangs(t *testing.T) {
 		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning
 	})
 	// Every owner closes; nothing is left, nothing twice.
-	for _, o := range []controller.Owner{a.Owner, b.Owner, cOwner} {
-		deadline := time.Now().Add(90 * time.Second)
-		for {
-			got, err := r.closeTarget(o)
-			if err == nil && got.Phase == controller.PhaseClosed {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s never closed: %+v %v", o.EnvironmentID, got, err)
-			}
-			time.Sleep(200 * time.Millisecond)
-		}
-	}
-	list, err := r.client.ListInstances(r.ctx())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(list) != 0 {
-		t.Fatalf("%d instances left after every owner closed", len(list))
-	}
+	r.closeAll(a.Owner, b.Owner, cOwner)
 }
 
 // A setPower's answer means what it says under every fault of the write

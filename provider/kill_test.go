@@ -21,6 +21,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/routes"
@@ -219,7 +220,7 @@ func (h *killHarness) work(ctx context.Context, rng *rand.Rand, l *ownerLog) {
 			l.cut++
 			return // the process is gone; the request's fate is unknown
 		}
-		if !sleepCtx(ctx, time.Duration(rng.IntN(150))*time.Millisecond) {
+		if !clock.Sleep(ctx, time.Duration(rng.IntN(150))*time.Millisecond) {
 			return
 		}
 	}
@@ -231,17 +232,6 @@ func accepted(l *ownerLog) int {
 		n += c
 	}
 	return n
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
 
 func TestKillMatrix(t *testing.T) {
@@ -359,7 +349,7 @@ func checkOwner(ctx context.Context, t *testing.T, h *killHarness, c *jsonrpc.Cl
 		if reached(allowed, last, lastErr) {
 			break
 		}
-		sleepCtx(ctx, 100*time.Millisecond)
+		clock.Sleep(ctx, 100*time.Millisecond)
 	}
 	if ctx.Err() != nil {
 		t.Errorf("%s: accepted %q (in flight %q) never reached: last %+v %v", l.owner.EnvironmentID, l.accepted, l.inFlight, last, lastErr)

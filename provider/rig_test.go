@@ -357,3 +357,29 @@ func testSeed(t *testing.T) int64 {
 func routeOf(owner controller.Owner, id string) routes.Route {
 	return routes.Route{Owner: owner, TargetID: id}
 }
+
+// closeAll closes every owner's target, as the runtime does (until closed),
+// and checks nothing is left in Incus.
+func (r *rig) closeAll(owners ...controller.Owner) {
+	r.t.Helper()
+	for _, o := range owners {
+		deadline := time.Now().Add(90 * time.Second)
+		for {
+			got, err := r.closeTarget(o)
+			if err == nil && got.Phase == controller.PhaseClosed {
+				break
+			}
+			if time.Now().After(deadline) {
+				r.t.Fatalf("%s never closed: %+v %v", o.EnvironmentID, got, err)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+	}
+	list, err := r.client.ListInstances(r.ctx())
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	if len(list) != 0 {
+		r.t.Fatalf("%d instances left after every owner closed", len(list))
+	}
+}

@@ -188,13 +188,7 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		return controller.Observation{}, s.incusError("recording the power change", err)
 	}
 	if wrote {
-		done := s.work.kick(name)
-		wait := time.NewTimer(answerWait(ctx, s.cfg.AnswerWithin))
-		select {
-		case <-done:
-		case <-wait.C:
-		}
-		wait.Stop()
+		s.kickAndWait(ctx, name)
 	}
 	after, lerr := s.lookup(ctx, name)
 	if lerr != nil {

@@ -133,6 +133,17 @@ func answerWait(ctx context.Context, most time.Duration) time.Duration {
 	return max(min(most, time.Until(dl)-observeMargin), 0)
 }
 
+// kickAndWait converges name and waits for that step within what the
+// method may still wait.
+func (s *Service) kickAndWait(ctx context.Context, name string) {
+	wait := time.NewTimer(answerWait(ctx, s.cfg.AnswerWithin))
+	defer wait.Stop()
+	select {
+	case <-s.work.kick(name):
+	case <-wait.C:
+	}
+}
+
 // lockTarget takes the owner's lock within the method's budget.
 func (s *Service) lockTarget(ctx context.Context, name string) (func(), error) {
 	unlock, err := s.locks.lock(ctx, name)
@@ -534,13 +545,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 	}
 	unlock()
-	done := s.work.kick(name)
-	wait := time.NewTimer(answerWait(ctx, s.cfg.AnswerWithin))
-	select {
-	case <-done:
-	case <-wait.C:
-	}
-	wait.Stop()
+	s.kickAndWait(ctx, name)
 	after, err := s.lookup(ctx, name)
 	if err != nil {
 		return controller.Observation{}, s.incusError("observing the close", err)
