@@ -61,6 +61,9 @@ type Server struct {
 	// Budget, when set, bounds the bytes of large frames in decode at once
 	// across every connection sharing it (see Budget); nil bounds none.
 	Budget *Budget
+	// OnBudgetRefused, when set, is told of each request refused for want
+	// of budget (for metrics).
+	OnBudgetRefused func()
 }
 
 type ctxKey struct{}
@@ -328,6 +331,9 @@ func (c *conn) request(ctx context.Context, env envelope) {
 		}
 	}()
 	if env.release == nil {
+		if h := c.srv.OnBudgetRefused; h != nil {
+			h()
+		}
 		c.finish(env, start, nil, c.srv.Budget.refusal())
 		return
 	}
