@@ -1,6 +1,7 @@
 package controller
 
 import (
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -14,7 +15,21 @@ type Metrics struct {
 	latency      *prometheus.HistogramVec
 	connections  prometheus.Gauge
 	unauthorized prometheus.Counter
+	refused      *prometheus.CounterVec
+	// budget is the decode budget the handler was given, read by the
+	// gauge of bytes in decode.
+	budget atomic.Pointer[jsonrpc.Budget]
 }
+
+// Reasons a controller request or connection is refused for capacity.
+const (
+	// RefusedConnectionLimit: a connection over MaxConnections, answered
+	// 503 before the upgrade.
+	RefusedConnectionLimit = "connectionLimit"
+	// RefusedDecodeBudget: a request whose frame found no decode budget,
+	// answered busy/capacityExhausted.
+	RefusedDecodeBudget = "decodeBudget"
+)
 
 // NewMetrics registers the controller's collectors on reg.
 func NewMetrics(reg prometheus.Registerer) *Metrics {
@@ -37,7 +52,23 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Controller connections refused with 401 for a missing or wrong credential.",
 		}),
 	}
-	reg.MustRegister(m.requests, m.latency, m.connections, m.unauthorized)
+	m.refused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "incus_provider_controller_refused_total",
+		Help: "Controller connections and requests refused for capacity: connectionLimit (HTTP 503 before the upgrade, over PROVIDER_MAX_CONTROL_CONNECTIONS), decodeBudget (busy/capacityExhausted, no room in PROVIDER_DECODE_BUDGET).",
+	}, []string{"reason"})
+	decodeBytes := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "incus_provider_controller_decode_bytes",
+		Help: "Bytes of large controller frames held in the decode budget now (read and not yet served).",
+	}, func() float64 {
+		if b := m.budget.Load(); b != nil {
+			return float64(b.InUse())
+		}
+		return 0
+	})
+	reg.MustRegister(m.requests, m.latency, m.connections, m.unauthorized, m.refused, decodeBytes)
+	for _, r := range []string{RefusedConnectionLimit, RefusedDecodeBudget} {
+		m.refused.WithLabelValues(r)
+	}
 	// Pre-create the series dashboards rely on, so rates start at zero rather than absent.
 	for _, method := range append(Methods(), "unknown") {
 		m.requests.WithLabelValues(method, "ok")
@@ -54,3 +85,12 @@ func (m *Metrics) observe(method string, kind jsonrpc.Kind, d time.Duration) {
 	m.requests.WithLabelValues(method, label).Inc()
 	m.latency.WithLabelValues(method).Observe(d.Seconds())
 }
+
+func (m *Metrics) refuse(reason string) {
+	if m != nil {
+		m.refused.WithLabelValues(reason).Inc()
+	}
+}
+
+// Refused is the refusals counter of one reason (for tests).
+func (m *Metrics) Refused(reason string) prometheus.Counter { return m.refused.WithLabelValues(reason) }

@@ -7,7 +7,9 @@ package controller
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/gorilla/websocket"
@@ -16,6 +18,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/serve"
 )
 
 // Backend is what the controller plane asks of the infrastructure. Each
@@ -38,11 +41,22 @@ type Options struct {
 	Credential   bearer.Credential
 	// MaxInFlight bounds concurrent requests per connection (at least 16).
 	MaxInFlight int
-	Metrics     *Metrics
-	Log         *zap.Logger
+	// MaxConnections bounds the open controller connections
+	// (DefaultMaxConnections); past it a connection is refused with 503 and
+	// Retry-After before the upgrade.
+	MaxConnections int
+	// DecodeBudget, when set, bounds the bytes of large frames in decode
+	// at once across every connection (see jsonrpc.Budget); share one per
+	// process.
+	DecodeBudget *jsonrpc.Budget
+	Metrics      *Metrics
+	Log          *zap.Logger
 	// ServerName is serverInfo.name.
 	ServerName string
 }
+
+// DefaultMaxConnections is the default ceiling on open controller connections.
+const DefaultMaxConnections = 64
 
 // Handler serves /control.
 type Handler struct {
@@ -51,6 +65,8 @@ type Handler struct {
 	upgrader websocket.Upgrader
 	info     BuildInfo
 	ctx      context.Context
+	open     atomic.Int64
+	fullLog  *serve.Every
 }
 
 // NewHandler builds the endpoint. ctx bounds every connection it serves:
@@ -62,10 +78,14 @@ func NewHandler(ctx context.Context, opts Options) *Handler {
 	if opts.ServerName == "" {
 		opts.ServerName = "incus-provider"
 	}
+	if opts.MaxConnections <= 0 {
+		opts.MaxConnections = DefaultMaxConnections
+	}
 	h := &Handler{
-		opts: opts,
-		ctx:  ctx,
-		info: buildinfo.Describe(opts.ServerName),
+		opts:    opts,
+		ctx:     ctx,
+		fullLog: serve.NewEvery(opts.Log, 10*time.Second),
+		info:    buildinfo.Describe(opts.ServerName),
 		upgrader: websocket.Upgrader{
 			HandshakeTimeout: 10 * time.Second,
 			ReadBufferSize:   64 << 10,
@@ -81,9 +101,14 @@ func NewHandler(ctx context.Context, opts Options) *Handler {
 		Initialize:      h.initialize,
 		Methods:         h.methods(),
 		MaxInFlight:     opts.MaxInFlight,
+		Budget:          opts.DecodeBudget,
 	}
-	if opts.Metrics != nil {
-		h.rpc.Observe = opts.Metrics.observe
+	if m := opts.Metrics; m != nil {
+		h.rpc.Observe = m.observe
+		h.rpc.OnBudgetRefused = func() { m.refuse(RefusedDecodeBudget) }
+		if opts.DecodeBudget != nil {
+			m.budget.Store(opts.DecodeBudget)
+		}
 	}
 	return h
 }
@@ -98,6 +123,18 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
+	if h.open.Add(1) > int64(h.opts.MaxConnections) {
+		h.open.Add(-1)
+		h.opts.Metrics.refuse(RefusedConnectionLimit)
+		h.fullLog.Warn("controller connections are at their ceiling; refusing new ones with 503",
+			zap.Int("maxConnections", h.opts.MaxConnections))
+		w.Header().Set("Retry-After", "5")
+		w.Header().Set("Cache-Control", "no-store")
+		http.Error(w, fmt.Sprintf("This provider already serves %d controller connections, its limit; retry later.", h.opts.MaxConnections),
+			http.StatusServiceUnavailable)
+		return
+	}
+	defer h.open.Add(-1)
 	ws, err := h.upgrader.Upgrade(w, r, nil)
 	if err != nil {
 		return // the upgrader has answered the HTTP error

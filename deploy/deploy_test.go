@@ -19,6 +19,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/internal/serve"
 	"github.com/lightspeed-dev/incus-provider/routes"
 )
 
@@ -189,6 +190,7 @@ func registered(t *testing.T) map[string]family {
 	t.Helper()
 	r := &recorder{reg: prometheus.NewRegistry(), families: map[string]family{}, t: t}
 	controller.NewMetrics(r)
+	serve.NewMetrics(r)
 	routes.NewMetrics(r)
 	idle.NewMetrics(r)
 	for _, f := range incusMetrics(t) {

@@ -21,6 +21,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
@@ -47,7 +48,18 @@ type Config struct {
 	// RelayCloseWait bounds how long a relay told to go away may take to
 	// end before it is killed (default 4 s).
 	RelayCloseWait time.Duration
+	// DecodeBudget is the bytes of large controller frames decoded at once
+	// across every connection (default DefaultDecodeBudget; see
+	// jsonrpc.Budget).
+	DecodeBudget int64
+	// MaxControlConnections bounds the open controller connections
+	// (default controller.DefaultMaxConnections).
+	MaxControlConnections int
 }
+
+// DefaultDecodeBudget is the default decode budget: four messages of the
+// protocol's largest size.
+const DefaultDecodeBudget = 64 << 20
 
 // Provider is the assembled service.
 type Provider struct {
@@ -110,13 +122,19 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		return nil, fmt.Errorf("data routes: %w", err)
 	}
 	loop := idle.New(idle.Config{Inventory: svc, Dialer: cfg.Dialer, Metrics: idleMetrics, Log: log.Named("idle")})
+	budget := cfg.DecodeBudget
+	if budget <= 0 {
+		budget = DefaultDecodeBudget
+	}
 	ctrl := controller.NewHandler(ctx, controller.Options{
-		Backend:      svc,
-		Capabilities: controller.Capabilities{Power: true},
-		Credential:   cfg.Credential,
-		MaxInFlight:  cfg.MaxInFlight,
-		Metrics:      ctrlMetrics,
-		Log:          log.Named("controller"),
+		Backend:        svc,
+		Capabilities:   controller.Capabilities{Power: true},
+		Credential:     cfg.Credential,
+		MaxInFlight:    cfg.MaxInFlight,
+		MaxConnections: cfg.MaxControlConnections,
+		DecodeBudget:   jsonrpc.NewBudget(budget, jsonrpc.DefaultBudgetWait),
+		Metrics:        ctrlMetrics,
+		Log:            log.Named("controller"),
 	})
 	mux := http.NewServeMux()
 	// Any path is allowed for a controller URL, and a unix:// registration

@@ -3,8 +3,10 @@ package main
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -30,12 +32,20 @@ type config struct {
 	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info"`
 	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s"`
 	RouteMaxHeld      int           `env:"PROVIDER_ROUTE_MAX_HELD" envDefault:"256"`
+	MaxConnections    int           `env:"PROVIDER_MAX_CONNECTIONS" envDefault:"4096"`
+	MaxControl        int           `env:"PROVIDER_MAX_CONTROL_CONNECTIONS" envDefault:"64"`
+	DecodeBudget      string        `env:"PROVIDER_DECODE_BUDGET" envDefault:"64MiB"`
+	MemoryLimit       string        `env:"PROVIDER_MEMORY_LIMIT" envDefault:"768MiB"`
 	IncusSocket       string        `env:"INCUS_SOCKET" envDefault:"/var/lib/incus/unix.socket"`
 	IncusURL          string        `env:"INCUS_URL"`
 	IncusClientCert   string        `env:"INCUS_CLIENT_CERT"`
 	IncusClientKey    string        `env:"INCUS_CLIENT_KEY"`
 	IncusServerCert   string        `env:"INCUS_SERVER_CERT"`
 	IncusProject      string        `env:"INCUS_PROJECT" envDefault:"default"`
+
+	// Set by check from the strings above.
+	decodeBudgetBytes int64
+	memoryLimitBytes  int64 // 0: off
 }
 
 // loadConfig reads and checks the environment. Every refusal is one
@@ -59,14 +69,15 @@ func loadConfig() (config, error) {
 func varName(field string) string {
 	names := map[string]string{"MaxInFlight": "PROVIDER_MAX_IN_FLIGHT", "GracefulStop": "PROVIDER_GRACEFUL_STOP",
 		"ReconcileInterval": "PROVIDER_RECONCILE_INTERVAL", "RelayIdleTimeout": "PROVIDER_RELAY_IDLE_TIMEOUT",
-		"RouteMaxHeld": "PROVIDER_ROUTE_MAX_HELD"}
+		"RouteMaxHeld": "PROVIDER_ROUTE_MAX_HELD", "MaxConnections": "PROVIDER_MAX_CONNECTIONS",
+		"MaxControl": "PROVIDER_MAX_CONTROL_CONNECTIONS"}
 	if n, ok := names[field]; ok {
 		return n
 	}
 	return field
 }
 
-func (c config) check() error {
+func (c *config) check() error {
 	bad := func(name, value, allowed string) error {
 		return fmt.Errorf("%s=%q is not valid: %s", name, value, allowed)
 	}
@@ -105,6 +116,24 @@ func (c config) check() error {
 	if c.RouteMaxHeld < 1 || c.RouteMaxHeld > 65536 {
 		return bad("PROVIDER_ROUTE_MAX_HELD", fmt.Sprint(c.RouteMaxHeld), "use a whole number from 1 to 65536")
 	}
+	if c.MaxConnections < 16 || c.MaxConnections > 1<<20 {
+		return bad("PROVIDER_MAX_CONNECTIONS", fmt.Sprint(c.MaxConnections), "use a whole number from 16 to 1048576")
+	}
+	if c.MaxControl < 1 || c.MaxControl > 65536 {
+		return bad("PROVIDER_MAX_CONTROL_CONNECTIONS", fmt.Sprint(c.MaxControl), "use a whole number from 1 to 65536")
+	}
+	budget, ok := parseBytes(c.DecodeBudget)
+	if !ok || budget < jsonrpc.MaxMessageBytes || budget > 64<<30 {
+		return bad("PROVIDER_DECODE_BUDGET", c.DecodeBudget, "use a size from 16MiB (one message of the protocol's largest) to 64GiB, such as 64MiB")
+	}
+	c.decodeBudgetBytes = budget
+	if c.MemoryLimit != "off" {
+		n, ok := parseBytes(c.MemoryLimit)
+		if !ok || n < 64<<20 {
+			return bad("PROVIDER_MEMORY_LIMIT", c.MemoryLimit, "use a size from 64MiB, such as 768MiB or 2GiB, or off")
+		}
+		c.memoryLimitBytes = n
+	}
 	switch c.GuestDialer {
 	case "netns", "proxy":
 	default:
@@ -142,4 +171,25 @@ func checkListen(addr string) error {
 		return errors.New("use host:port (such as 127.0.0.1:8480) or unix:/absolute/path")
 	}
 	return nil
+}
+
+// parseBytes reads a size: a whole number of bytes, or one with a binary
+// suffix (KiB, MiB, GiB, TiB).
+func parseBytes(s string) (int64, bool) {
+	units := []struct {
+		suffix string
+		shift  uint
+	}{{"KiB", 10}, {"MiB", 20}, {"GiB", 30}, {"TiB", 40}, {"B", 0}, {"", 0}}
+	for _, u := range units {
+		digits, ok := strings.CutSuffix(s, u.suffix)
+		if !ok || digits == "" {
+			continue
+		}
+		n, err := strconv.ParseInt(digits, 10, 64)
+		if err != nil || n < 0 || n > math.MaxInt64>>u.shift || digits[0] == '+' {
+			return 0, false
+		}
+		return n << u.shift, true
+	}
+	return 0, false
 }

@@ -27,6 +27,15 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_CREDENTIAL_FILE", "/nonexistent", "readable file"},
 		{"INCUS_URL", "http://incus:8443", "https://"},
 		{"PROVIDER_METRICS_LISTEN", "unix:/x", "host:port"},
+		{"PROVIDER_MEMORY_LIMIT", "lots", "such as 768MiB or 2GiB, or off"},
+		{"PROVIDER_MEMORY_LIMIT", "768MB", "such as 768MiB"},
+		{"PROVIDER_MEMORY_LIMIT", "1MiB", "from 64MiB"},
+		{"PROVIDER_MEMORY_LIMIT", "-1", "from 64MiB"},
+		{"PROVIDER_DECODE_BUDGET", "8MiB", "from 16MiB"},
+		{"PROVIDER_DECODE_BUDGET", "64 MiB", "such as 64MiB"},
+		{"PROVIDER_MAX_CONNECTIONS", "8", "from 16"},
+		{"PROVIDER_MAX_CONNECTIONS", "many", "PROVIDER_MAX_CONNECTIONS"},
+		{"PROVIDER_MAX_CONTROL_CONNECTIONS", "0", "from 1"},
 	}
 	for _, c := range cases {
 		t.Run(c.name+"="+c.value, func(t *testing.T) {
@@ -56,5 +65,30 @@ func TestConfigDefaults(t *testing.T) {
 	}
 	if c.Listen != "127.0.0.1:8480" || c.MetricsListen != "127.0.0.1:9480" || c.GuestDialer != "netns" || c.IncusProject != "default" || c.MaxInFlight != 64 {
 		t.Fatalf("defaults changed; update README.md with them: %+v", c)
+	}
+	if c.memoryLimitBytes != 768<<20 || c.decodeBudgetBytes != 64<<20 || c.MaxConnections != 4096 || c.MaxControl != 64 {
+		t.Fatalf("defaults changed; update README.md with them: %+v", c)
+	}
+}
+
+func TestConfigSizes(t *testing.T) {
+	templates := filepath.Join(t.TempDir(), "t.yaml")
+	if err := os.WriteFile(templates, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PROVIDER_TEMPLATES", templates)
+	for _, c := range []struct {
+		memory, budget   string
+		memoryB, budgetB int64
+	}{{"off", "16777216", 0, 16 << 20}, {"2GiB", "1GiB", 2 << 30, 1 << 30}, {"67108864B", "32768KiB", 64 << 20, 32 << 20}} {
+		t.Setenv("PROVIDER_MEMORY_LIMIT", c.memory)
+		t.Setenv("PROVIDER_DECODE_BUDGET", c.budget)
+		got, err := loadConfig()
+		if err != nil {
+			t.Fatalf("%s, %s: %v", c.memory, c.budget, err)
+		}
+		if got.memoryLimitBytes != c.memoryB || got.decodeBudgetBytes != c.budgetB {
+			t.Fatalf("%s, %s: read %d, %d", c.memory, c.budget, got.memoryLimitBytes, got.decodeBudgetBytes)
+		}
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"syscall"
@@ -26,6 +27,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/internal/serve"
 	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -40,6 +42,11 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
 		os.Exit(2)
+	}
+	if cfg.memoryLimitBytes > 0 {
+		// A soft limit: the collector works harder as the heap nears it,
+		// so garbage from large frames is returned before it piles up.
+		debug.SetMemoryLimit(cfg.memoryLimitBytes)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -115,15 +122,20 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		Incus: client, Catalog: catalog, Dialer: dialer, Credential: credential, Log: log, Metrics: reg,
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
+		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl,
 	})
 	if err != nil {
 		return err
 	}
-	main := &http.Server{Handler: prov.Handler(), ReadHeaderTimeout: 10 * time.Second, ErrorLog: zap.NewStdLog(log.Named("http"))}
-	ln, scheme, err := listen(ctx, cfg)
+	// The listener's own hardening: a ceiling on open connections, HTTP
+	// timeouts that spare upgraded WebSockets, request bodies refused unread.
+	serveOpts := serve.Options{MaxConnections: cfg.MaxConnections, Metrics: serve.NewMetrics(reg), Log: log.Named("listener")}
+	main := serve.Server(prov.Handler(), serveOpts, log.Named("http"))
+	rawLn, scheme, err := listen(ctx, cfg)
 	if err != nil {
 		return err
 	}
+	ln := serve.Listener(rawLn, serveOpts)
 
 	var wg sync.WaitGroup
 	errc := make(chan error, 3)
@@ -175,7 +187,10 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	url := controlURL(cfg, scheme)
 	log.Info("incus-provider is serving", zap.String("controller", url), zap.Strings("templates", ids),
 		zap.String("guestDialer", dialer.Name()), zap.String("incusProject", cfg.IncusProject),
-		zap.Bool("credential", credential.Enabled()), zap.String("metrics", cfg.MetricsListen))
+		zap.Bool("credential", credential.Enabled()), zap.String("metrics", cfg.MetricsListen),
+		zap.String("memoryLimit", cfg.MemoryLimit), zap.String("decodeBudget", cfg.DecodeBudget),
+		zap.Int("maxConnections", cfg.MaxConnections), zap.Int("maxControlConnections", cfg.MaxControl))
+	warnIfFewFiles(log, cfg.MaxConnections)
 	fmt.Printf("controller URL: %s\ntemplates: %s\n", url, strings.Join(ids, ", "))
 
 	var runErr error
@@ -257,5 +272,20 @@ func readyz(client *incus.Client, catalog *templates.Catalog) http.HandlerFunc {
 			}
 		}
 		_, _ = w.Write([]byte("ok\n"))
+	}
+}
+
+// warnIfFewFiles says so when the open-file limit is below the connection
+// ceiling (and what else the provider holds open): past it, accept fails
+// rather than the ceiling refusing. Go raises the soft limit to the hard one
+// at start; the systemd unit sets LimitNOFILE.
+func warnIfFewFiles(log *zap.Logger, maxConnections int) {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return
+	}
+	if want := uint64(maxConnections) + 1024; lim.Cur < want {
+		log.Warn("the open-file limit is below PROVIDER_MAX_CONNECTIONS and what the provider holds besides; raise it (LimitNOFILE) or lower the ceiling",
+			zap.Uint64("openFileLimit", lim.Cur), zap.Int("maxConnections", maxConnections))
 	}
 }

@@ -58,6 +58,12 @@ type Server struct {
 	// its stack), or a result that does not encode. The client only ever
 	// sees a fixed sentence.
 	OnInternal func(method string, err error)
+	// Budget, when set, bounds the bytes of large frames in decode at once
+	// across every connection sharing it (see Budget); nil bounds none.
+	Budget *Budget
+	// OnBudgetRefused, when set, is told of each request refused for want
+	// of budget (for metrics).
+	OnBudgetRefused func()
 }
 
 type ctxKey struct{}
@@ -117,7 +123,12 @@ func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
 			c.reply("", nullID, nil, Errorf(KindInvalidRequest, "Binary frames are not part of the protocol; send each message as one text frame."))
 			continue
 		}
-		c.handle(ctx, data)
+		// The frame is admitted before anything is decoded from it; one
+		// that finds no room is still read as an envelope (which costs no
+		// more than the names it keeps), so that a request is refused with
+		// its own id, and then refused rather than served.
+		release := s.Budget.acquire(ctx, len(data))
+		c.handle(ctx, data, release)
 	}
 }
 
@@ -126,7 +137,13 @@ type envelope struct {
 	method   string
 	params   json.RawMessage
 	hasParam bool
+	// release returns the frame's budget; nil when the frame found none
+	// and is to be refused.
+	release func()
 }
+
+// envelopeMembers are the names a request may carry.
+var envelopeMembers = []string{"jsonrpc", "id", "method", "params"}
 
 // nested stands for an envelope member's value that is an array or an
 // object. No member but params may be one, so the value itself is never
@@ -139,8 +156,17 @@ type nested struct{}
 // the limit; any other member that nests at all is refused by the envelope
 // rules (an id, jsonrpc or method must be a string or a number; another
 // member is unknown), and a batch is a batch however deep.
-func (c *conn) handle(ctx context.Context, data []byte) {
-	members, isObject, err := wire.Split(data)
+//
+// release returns the frame's budget (nil: it found none). handle calls it
+// once it is done with the frame, or hands it to the request that serves it.
+func (c *conn) handle(ctx context.Context, data []byte, release func()) {
+	owned := true
+	defer func() {
+		if owned && release != nil {
+			release()
+		}
+	}()
+	members, unknown, isObject, err := wire.SplitNamed(data, envelopeMembers...)
 	if err != nil {
 		c.reply("", nullID, nil, Errorf(KindParseError, "The frame is not one JSON value: send exactly one JSON-RPC message per text frame."))
 		return
@@ -153,7 +179,11 @@ func (c *conn) handle(ctx context.Context, data []byte) {
 		c.reply("", nullID, nil, Errorf(KindInvalidRequest, "A JSON-RPC message must be an object."))
 		return
 	}
-	obj := make(map[string]any, len(members))
+	obj := make(map[string]any, len(members)+1)
+	if unknown != nil {
+		// Any member past the four is refused, and naming one is enough.
+		obj[*unknown] = nested{}
+	}
 	var params *wire.Member
 	for i, m := range members {
 		// A repeated member counts as its last, as encoding/json has it.
@@ -198,6 +228,8 @@ func (c *conn) handle(ctx context.Context, data []byte) {
 	} else {
 		env.params = json.RawMessage("{}")
 	}
+	owned = false
+	env.release = release
 	c.request(ctx, env)
 }
 
@@ -287,8 +319,24 @@ func (c *conn) isInitialized() bool {
 	return c.initialized
 }
 
+// request serves one well-formed request, and returns its frame's budget
+// once the method has returned (or at once, for a request it answers
+// itself).
 func (c *conn) request(ctx context.Context, env envelope) {
 	start := time.Now()
+	held := true
+	defer func() {
+		if held && env.release != nil {
+			env.release()
+		}
+	}()
+	if env.release == nil {
+		if h := c.srv.OnBudgetRefused; h != nil {
+			h()
+		}
+		c.finish(env, start, nil, c.srv.Budget.refusal())
+		return
+	}
 	if env.method == "initialize" {
 		// Inline, so requests pipelined behind initialize see its outcome.
 		result, err := c.initialize(ctx, env.params)
@@ -311,12 +359,15 @@ func (c *conn) request(ctx context.Context, env envelope) {
 		c.finish(env, start, nil, e)
 		return
 	}
+	held = false
 	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()
 		result, err := c.call(context.WithValue(ctx, ctxKey{}, env.id), m, env.params)
-		// The slot is free before the answer leaves: a client that sends
-		// its next request as soon as it reads this answer must find room.
+		// The slot and the budget are free before the answer leaves: a
+		// client that sends its next request as soon as it reads this
+		// answer must find room.
+		env.release()
 		<-c.slots
 		c.finish(env, start, result, err)
 	}()
@@ -337,16 +388,17 @@ func (c *conn) initialize(ctx context.Context, params json.RawMessage) (any, err
 	if c.initialized {
 		return nil, Errorf(KindInvalidRequest, "This connection is already initialized; initialize is sent once per connection.")
 	}
-	var head map[string]json.RawMessage
-	if err := json.Unmarshal(params, &head); err != nil {
+	// Only the version is read before the version is checked: the params
+	// are decoded strictly (unknown members refused) by Initialize after it.
+	head, _, isObject, err := wire.SplitNamed(params, "protocolVersion")
+	if err != nil || !isObject {
 		return nil, InvalidParams("", "The params must be an object.")
 	}
-	rawVersion, present := head["protocolVersion"]
-	if !present {
+	if len(head) == 0 {
 		return nil, InvalidParams("protocolVersion", "The member protocolVersion is required: state the %s plane version you speak (this server speaks %d).", c.srv.Plane, c.srv.ProtocolVersion)
 	}
 	var version uint64
-	if err := wire.Decode(rawVersion, &version); err != nil {
+	if err := wire.Decode(head[0].Value, &version); err != nil {
 		return nil, InvalidParams("protocolVersion", "The member protocolVersion must be an unsigned whole number below 2^53.")
 	}
 	if version != c.srv.ProtocolVersion {

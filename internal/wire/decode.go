@@ -77,13 +77,15 @@ func decode(data []byte, v any, most int) error {
 	case depth > most:
 		return &FieldError{Problem: fmt.Sprintf("is nested %d levels deep in arrays and objects, past the limit of %d", depth, most)}
 	}
-	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.UseNumber()
-	var generic any
-	if err := dec.Decode(&generic); err != nil {
-		return &FieldError{Problem: "is not valid JSON: " + err.Error()}
+	rv := reflect.ValueOf(v)
+	if rv.Kind() != reflect.Pointer || rv.IsNil() {
+		return fmt.Errorf("wire: Decode needs a non-nil pointer, got %T", v)
 	}
-	return DecodeValue(generic, v)
+	// From the text, along v's type: see raw.go.
+	if fe := assignRaw("", trimSpace(data), rv.Elem()); fe != nil {
+		return fe
+	}
+	return nil
 }
 
 // DecodeValue assigns an already parsed value (from encoding/json with
@@ -100,6 +102,10 @@ func DecodeValue(generic any, v any) error {
 }
 
 var rawMessageType = reflect.TypeFor[json.RawMessage]()
+
+func indexed(path string, i int) string { return path + "[" + strconv.Itoa(i) + "]" }
+
+func formatUint(n uint64) string { return strconv.FormatUint(n, 10) }
 
 func join(path, member string) string {
 	if member == "" {
@@ -159,7 +165,7 @@ func assign(path string, generic any, dst reflect.Value) *FieldError {
 			return fe
 		}
 		if limit := uintLimit(dst.Kind()); n > limit {
-			return &FieldError{Path: path, Problem: fmt.Sprintf("must be at most %d", limit)}
+			return &FieldError{Path: path, Problem: "must be at most " + formatUint(limit)}
 		}
 		dst.SetUint(n)
 	case reflect.Int64, reflect.Int32, reflect.Int, reflect.Int16, reflect.Int8:
@@ -184,7 +190,7 @@ func assign(path string, generic any, dst reflect.Value) *FieldError {
 		}
 		out := reflect.MakeSlice(dst.Type(), len(arr), len(arr))
 		for i, item := range arr {
-			if fe := assign(fmt.Sprintf("%s[%d]", path, i), item, out.Index(i)); fe != nil {
+			if fe := assign(indexed(path, i), item, out.Index(i)); fe != nil {
 				return fe
 			}
 		}

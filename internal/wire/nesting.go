@@ -45,6 +45,27 @@ func Split(data []byte) (members []Member, isObject bool, err error) {
 	return s.found, s.topObject, nil
 }
 
+// SplitNamed is Split for a reader that knows the names it can use (a
+// JSON-RPC envelope's): members holds only those, each once, as last sent;
+// unknown is the first other name sent (nil when there is none, or when
+// data is not an object). Whatever data holds, it allocates no more than the
+// named members: an object of a million members costs one pass, where Split
+// would return a million of them. unknown is nil when every name was named
+// (the empty name is a name like any other).
+func SplitNamed(data []byte, names ...string) (members []Member, unknown *string, isObject bool, err error) {
+	if names == nil {
+		names = []string{} // keep nothing, rather than everything
+	}
+	s := scanner{data: data, members: true, keep: names, found: make([]Member, 0, len(names))}
+	if err := s.run(); err != nil {
+		return nil, nil, false, err
+	}
+	if s.seenOther {
+		unknown = &s.unknown
+	}
+	return s.found, unknown, s.topObject, nil
+}
+
 // TrailingDataError is Nesting's refusal of a valid JSON value followed by
 // more than white space.
 type TrailingDataError struct{ Offset int }
@@ -69,6 +90,11 @@ type scanner struct {
 	name      string // of the top-level member being scanned
 	start     int    // where its value starts
 	since     int    // deepest level reached within it
+
+	keep      []string // when set, record only members of these names (SplitNamed)
+	recording bool     // the member being scanned is to be recorded
+	unknown   string   // the first name sent that keep does not hold
+	seenOther bool
 }
 
 func (s *scanner) fail(what string) error {
@@ -180,8 +206,8 @@ func (s *scanner) value() error {
 			if s.depth == 0 {
 				return nil
 			}
-			if s.depth == 1 && s.members && s.topObject {
-				s.found = append(s.found, Member{Name: s.name, Value: json.RawMessage(s.data[s.start:s.i]), Depth: s.since - 1})
+			if s.depth == 1 && s.members && s.topObject && s.recording {
+				s.record(Member{Name: s.name, Value: json.RawMessage(s.data[s.start:s.i]), Depth: s.since - 1})
 			}
 			s.space()
 			if s.i >= len(s.data) {
@@ -219,8 +245,7 @@ func (s *scanner) key() error {
 		return err
 	}
 	if s.depth == 1 && s.members && s.topObject {
-		// A valid JSON string always unquotes.
-		_ = json.Unmarshal(s.data[start:s.i], &s.name)
+		s.named(s.data[start:s.i])
 	}
 	s.space()
 	if s.i >= len(s.data) || s.data[s.i] != ':' {
@@ -228,6 +253,43 @@ func (s *scanner) key() error {
 	}
 	s.i++
 	return nil
+}
+
+// named notes the name of the top-level member about to be scanned, and
+// whether to record it.
+func (s *scanner) named(quoted []byte) {
+	if s.keep == nil {
+		s.name, s.recording = unquote(quoted), true
+		return
+	}
+	bare := quoted[1 : len(quoted)-1]
+	if !plain(quoted) {
+		bare = []byte(unquote(quoted))
+	}
+	for _, n := range s.keep {
+		if n == string(bare) {
+			s.name, s.recording = n, true
+			return
+		}
+	}
+	s.recording = false
+	if !s.seenOther {
+		s.unknown, s.seenOther = string(bare), true
+	}
+}
+
+// record keeps a member: every one for Split, the last of each name for
+// SplitNamed.
+func (s *scanner) record(m Member) {
+	if s.keep != nil {
+		for i := range s.found {
+			if s.found[i].Name == m.Name {
+				s.found[i] = m
+				return
+			}
+		}
+	}
+	s.found = append(s.found, m)
 }
 
 // str scans a string starting at its opening quote. Like encoding/json, it

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -119,6 +120,45 @@ func TestSplit(t *testing.T) {
 	}
 }
 
+func TestSplitNamed(t *testing.T) {
+	members, unknown, isObject, err := wire.SplitNamed([]byte(` {"id":7, "zz":1, "p":`+nested(30)+` ,"a\u0062":{"x":[]},"\u0069d":"again"} `), "id", "p")
+	if err != nil || !isObject || unknown == nil || *unknown != "zz" {
+		t.Fatalf("SplitNamed: %v %v %v", isObject, unknown, err)
+	}
+	if len(members) != 2 || members[0].Name != "id" || string(members[0].Value) != `"again"` || members[1].Name != "p" || members[1].Depth != 30 {
+		t.Fatalf("SplitNamed: members %+v; want id as last sent, then p", members)
+	}
+	for _, doc := range []string{`[{"a":1}]`, `"s"`, `{}`} {
+		members, unknown, isObject, err := wire.SplitNamed([]byte(doc), "a")
+		if err != nil || len(members) != 0 || unknown != nil || isObject != (doc == `{}`) {
+			t.Errorf("SplitNamed(%s) = %v %v %v %v", doc, members, unknown, isObject, err)
+		}
+	}
+	if _, _, _, err := wire.SplitNamed([]byte(`{"a":1`), "a"); err == nil {
+		t.Error("SplitNamed of a cut object: want an error")
+	}
+}
+
+// An envelope of 1.3 million members (15 MiB) costs SplitNamed nothing but
+// the names it keeps; Split would hold every member.
+func TestSplitNamedAllocatesOnlyWhatItKeeps(t *testing.T) {
+	var b bytes.Buffer
+	b.WriteString(`{"id":1,"method":"m"`)
+	for i := range 1_300_000 {
+		b.WriteString(`,"a` + strconv.Itoa(i) + `":0`)
+	}
+	b.WriteString(`,"id":2,"params":{}}`)
+	allocated := testing.AllocsPerRun(1, func() {
+		members, unknown, _, err := wire.SplitNamed(b.Bytes(), "jsonrpc", "id", "method", "params")
+		if err != nil || unknown == nil || *unknown != "a0" || len(members) != 3 || string(members[0].Value) != "2" {
+			t.Fatalf("SplitNamed: %v %v %v", members, unknown, err)
+		}
+	})
+	if allocated > 10 {
+		t.Fatalf("SplitNamed made %.0f allocations for an envelope of 1.3 million members; want a handful", allocated)
+	}
+}
+
 // Nesting agrees with encoding/json on what is JSON (within the 10,000
 // levels encoding/json reads), and on the depth.
 func FuzzNesting(f *testing.F) {
@@ -146,6 +186,29 @@ func FuzzNesting(f *testing.F) {
 		obj, wantObject := v.(map[string]any)
 		if err != nil || isObject != wantObject {
 			t.Fatalf("Split(%q): %v %v", data, isObject, err)
+		}
+		named, unknown, namedObject, err := wire.SplitNamed(data, "a", "b")
+		if err != nil || namedObject != isObject {
+			t.Fatalf("SplitNamed(%q): %v %v", data, namedObject, err)
+		}
+		// SplitNamed keeps, of Split's members, the last of each name it
+		// was given, and names the first other one.
+		last := map[string]wire.Member{}
+		var firstOther *string
+		for _, m := range members {
+			if m.Name == "a" || m.Name == "b" {
+				last[m.Name] = m
+			} else if firstOther == nil {
+				firstOther = &m.Name
+			}
+		}
+		if len(named) != len(last) || (unknown == nil) != (firstOther == nil) || unknown != nil && *unknown != *firstOther {
+			t.Fatalf("SplitNamed(%q) = %v, %v; Split's members give %v, %v", data, named, unknown, last, firstOther)
+		}
+		for _, m := range named {
+			if w := last[m.Name]; string(w.Value) != string(m.Value) || w.Depth != m.Depth {
+				t.Fatalf("SplitNamed(%q): %q is %q, want %q", data, m.Name, m.Value, w.Value)
+			}
 		}
 		for _, m := range members {
 			if !json.Valid(m.Value) {
