@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"strconv"
 	"sync"
 	"time"
@@ -166,6 +167,11 @@ func (c *Client) Close() error {
 	_ = c.ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
 	err := c.ws.Close()
 	<-c.done
+	if errors.Is(err, net.ErrClosed) {
+		// The read loop saw the peer's close answer and closed the
+		// connection first: closed is what was asked.
+		err = nil
+	}
 	return err
 }
 
