@@ -74,8 +74,15 @@ func describeDelay(d time.Duration) string {
 // wakeCloseAndPowerDown is one cycle: the target is at p.
 func wakeCloseAndPowerDown(r *rig, route routes.Route, p controller.Power, delay time.Duration, rng *rand.Rand) error {
 	d := r.dial(route)
-	if d.Conn == nil {
-		return fmt.Errorf("the waking dial was refused: %+v after %s", d.Refusal, d.Elapsed)
+	for redials := 0; d.Conn == nil; redials++ {
+		// A 503 is retried after its Retry-After, as the runtime does (a
+		// starved machine can take longer than the 5 s hold to start a
+		// guest); anything else, or too many, fails the cycle.
+		if redials == 5 || d.Refusal == nil || d.Refusal.Status != 503 {
+			return fmt.Errorf("the waking dial was refused: %+v after %s (%d redials)", d.Refusal, d.Elapsed, redials)
+		}
+		time.Sleep(d.Refusal.RetryAfter)
+		d = r.dial(route)
 	}
 	initialize(r.t, d.Conn)
 	if delay < 0 {
