@@ -8,6 +8,7 @@
 #   deploy/dev/fuzz.sh                      # every target, 10^7 each
 #   deploy/dev/fuzz.sh -n 100000            # every target, 10^5 each
 #   deploy/dev/fuzz.sh FuzzParsePath ...    # only these targets
+#   deploy/dev/fuzz.sh -t 15m FuzzServeFrame # a time budget instead of a count
 #
 # Environment: FUZZ_PARALLEL (workers, default 1), FUZZ_NICE (default 10),
 # FUZZ_LOGS (a directory to keep each target's output in; default a
@@ -33,14 +34,17 @@ TARGETS=(
 )
 
 count=10000000
-while getopts n:h opt; do
+budget=""
+while getopts n:t:h opt; do
   case $opt in
     n) count=$OPTARG ;;
-    *) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    t) budget=$OPTARG ;;
+    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
 case $count in '' | *[!0-9]*) echo "fuzz: -n wants a whole number, not '$count'" >&2; exit 2 ;; esac
+fuzztime=${budget:-${count}x}
 
 selected=()
 if [ $# -eq 0 ]; then
@@ -82,9 +86,10 @@ for t in "${selected[@]}"; do
   pkg=${t% *}
   name=${t#* }
   log="$logs/$name.log"
-  echo "fuzz: $name in $pkg, $count executions ..." >&2
+  echo "fuzz: $name in $pkg, -fuzztime $fuzztime ..." >&2
   status=0
-  nice -n "${FUZZ_NICE:-10}" go test -run '^$' -fuzz "^$name\$" -fuzztime "${count}x" \
+  # -timeout 0: go test's default 10-minute timeout applies to fuzzing too.
+  nice -n "${FUZZ_NICE:-10}" go test -run '^$' -fuzz "^$name\$" -fuzztime "$fuzztime" -timeout 0 \
     -parallel "${FUZZ_PARALLEL:-1}" "$pkg" >"$log" 2>&1 || status=$?
   # The fuzzer's last progress line: elapsed, executions, new corpus entries.
   last=$(grep -E '^fuzz: elapsed: .*execs: ' "$log" | tail -n 1 || true)
@@ -105,7 +110,7 @@ for t in "${selected[@]}"; do
 done
 
 echo
-echo "$(date -u +%Y-%m-%d) $(go env GOVERSION) $(nproc) cores, -fuzztime ${count}x -parallel ${FUZZ_PARALLEL:-1}, nice ${FUZZ_NICE:-10}"
+echo "$(date -u +%Y-%m-%d) $(go env GOVERSION) $(nproc) cores, -fuzztime $fuzztime -parallel ${FUZZ_PARALLEL:-1}, nice ${FUZZ_NICE:-10}"
 echo
 echo "| target | executions | duration | execs/s | new corpus entries | findings |"
 echo "| --- | ---: | ---: | ---: | ---: | --- |"
