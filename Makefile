@@ -7,7 +7,7 @@ GO ?= go
 BIN := bin
 export GOFLAGS ?= -mod=mod
 
-.PHONY: run test build lint unit bench clean-test-projects
+.PHONY: run test build lint unit bench fuzz clean-test-projects
 
 build:
 	@mkdir -p $(BIN)
@@ -31,6 +31,11 @@ lint:
 
 bench:
 	@deploy/dev/bench.sh
+
+# Every fuzz target, one at a time, for FUZZ_COUNT executions each (default
+# 10^7, about an hour here); not part of `make test`.
+fuzz:
+	@deploy/dev/fuzz.sh $(if $(FUZZ_COUNT),-n $(FUZZ_COUNT))
 
 clean-test-projects:
 	@deploy/dev/clean-test-projects.sh

@@ -213,8 +213,8 @@ func assign(path string, generic any, dst reflect.Value) *FieldError {
 		}
 		dst.Set(out)
 	case reflect.Interface:
-		if nested := nullPath(path, generic); nested != "" {
-			return &FieldError{Path: nested, Problem: "must not be null"}
+		if nested, problem := keptProblem(path, generic); problem != "" {
+			return &FieldError{Path: nested, Problem: problem}
 		}
 		value := reflect.ValueOf(generic)
 		if !value.Type().AssignableTo(dst.Type()) {
@@ -253,35 +253,36 @@ func check(path string, dst reflect.Value) *FieldError {
 	return nil
 }
 
-// nullPath finds a null nested in a generic value, for destinations that keep
-// the value as it is (an interface): "" when there is none.
-func nullPath(path string, generic any) string {
+// keptProblem finds what a destination that keeps a generic value as it is
+// (an interface) must still refuse, as every other destination does: a
+// null, or a number past float64's range, which no peer can carry. It
+// returns the nested member's path and the problem ("" when there is none).
+func keptProblem(path string, generic any) (string, string) {
 	switch v := generic.(type) {
+	case nil:
+		return path, "must not be null"
+	case json.Number:
+		if _, err := v.Float64(); err != nil {
+			return path, "is not a representable number"
+		}
 	case map[string]any:
 		for _, k := range sortedKeys(v) {
 			member := path + "." + k
 			if path == "" {
 				member = k
 			}
-			if v[k] == nil {
-				return member
-			}
-			if p := nullPath(member, v[k]); p != "" {
-				return p
+			if p, problem := keptProblem(member, v[k]); problem != "" {
+				return p, problem
 			}
 		}
 	case []any:
 		for i, item := range v {
-			element := fmt.Sprintf("%s[%d]", path, i)
-			if item == nil {
-				return element
-			}
-			if p := nullPath(element, item); p != "" {
-				return p
+			if p, problem := keptProblem(fmt.Sprintf("%s[%d]", path, i), item); problem != "" {
+				return p, problem
 			}
 		}
 	}
-	return ""
+	return "", ""
 }
 
 func assignStruct(path string, obj map[string]any, dst reflect.Value) *FieldError {

@@ -105,6 +105,10 @@ func TestDecodeRefusals(t *testing.T) {
 		{"null map value", `{` + okOwner + `,"meta":{"a":1,"b":null}}`, "meta.b", "must not be null"},
 		{"null interface", `{` + okOwner + `,"any":null}`, "any", "must not be null"},
 		{"null nested in an interface", `{` + okOwner + `,"any":{"a":[1,{"b":null}]}}`, "any.a[1].b", "must not be null"},
+		// Found by reviewing FuzzDecode: encoding/json refuses these, and a
+		// float64 member already did.
+		{"number past float64 in an interface", `{` + okOwner + `,"any":1e400}`, "any", "is not a representable number"},
+		{"number past float64 nested in an interface", `{` + okOwner + `,"any":{"a":[1,{"b":-1e400}]}}`, "any.a[1].b", "is not a representable number"},
 		{"string for object", `{"owner":"u1"}`, "owner", "must be an object, not a string"},
 		{"array for object", `{"owner":[]}`, "owner", "must be an object, not an array"},
 		{"number for string", `{"owner":{"universeId":1,"environmentId":"e"}}`, "owner.universeId", "must be a string, not a number"},

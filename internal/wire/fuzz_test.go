@@ -1,8 +1,10 @@
 package wire_test
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -44,6 +46,9 @@ func FuzzDecode(f *testing.F) {
 		`{"idle":{"pauseAfterMs":5,"stopAfterMs":4}}`,
 		`{"raw":{"deep":[1,2,{"x":null}]},"raws":{"k":"v"},"any":[1,"a",{"b":false}]}`,
 		`{"name":"n","any":{"x":null}}`,
+		`{"any":1e400}`,
+		`{"any":[1.0,-0,1e-400,12345678901234567890]}`,
+		`{"raw":{"a":1,"a":[2]},"raws":{"k":"<\u00e9>"}}`,
 		`{"items":[null]}`,
 		`{"owner":{"universeId":"u","environmentId":"e","extra":1}}`,
 		`{} {}`,
@@ -84,10 +89,21 @@ func FuzzDecode(f *testing.F) {
 		if path, found := nullOutsideRaw(generic, ""); found {
 			t.Fatalf("accepted a null at %q in %q", path, data)
 		}
-		// encoding/json agrees on every member wire knows.
+		// encoding/json accepts it too, and decodes the same value (with
+		// UseNumber, as wire keeps numbers in an interface; compared as JSON
+		// values, since wire re-encodes a raw message).
 		var std fuzzDoc
 		if err := json.Unmarshal(data, &std); err != nil {
 			t.Fatalf("encoding/json refuses what wire accepted (%q): %v", data, err)
+		}
+		std = fuzzDoc{}
+		dec = json.NewDecoder(bytes.NewReader(data))
+		dec.UseNumber()
+		if err := dec.Decode(&std); err != nil {
+			t.Fatal(err)
+		}
+		if w, s := jsonValue(t, v), jsonValue(t, std); !reflect.DeepEqual(w, s) {
+			t.Fatalf("wire and encoding/json decode %q differently:\n%#v\n%#v", data, w, s)
 		}
 		// What we accepted, re-encoded, decodes to the same value.
 		again, err := json.Marshal(v)
@@ -103,6 +119,22 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("round trip changed the value:\n%s\n%s", again, twice)
 		}
 	})
+}
+
+// jsonValue is v encoded and read back as a generic JSON value.
+func jsonValue(t *testing.T, v any) any {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatalf("encode %#v: %v", v, err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	var generic any
+	if err := dec.Decode(&generic); err != nil {
+		t.Fatalf("decode %s: %v", b, err)
+	}
+	return generic
 }
 
 // nullOutsideRaw looks for a null that wire should have refused: anywhere
