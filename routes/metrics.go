@@ -102,6 +102,13 @@ func newMetrics() *Metrics {
 	for _, r := range []string{"normal", "peer_gone", "idle", "power_down", "shutdown", "too_big", "protocol_error", "close_timeout"} {
 		m.closed.WithLabelValues(r)
 	}
+	// Wakes exist from the start too, so that increase() counts the first
+	// wake from each power rather than missing it.
+	for _, from := range []string{"running", "paused", "stopped", "suspended"} {
+		for _, o := range []string{wakeOutcomeReady, wakeOutcomeFailed, wakeOutcomeGaveUp, wakeOutcomeCancelled, wakeOutcomeSuperseded} {
+			m.wakes.WithLabelValues(from, o)
+		}
+	}
 	return m
 }
 
