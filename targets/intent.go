@@ -98,7 +98,10 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 		if st.Intent.Power != "" && st.Intent.At.After(in.At) {
 			return inst, false, ErrSuperseded
 		}
-		if st.Intent.Power == in.Power && st.Intent.By == in.By && len(extra) == 0 {
+		if _, kept := s.pending.get(name); st.Intent.Power == in.Power && st.Intent.By == in.By && len(extra) == 0 && !kept {
+			// Already recorded. Not so while an older request is kept in
+			// memory: its flush may be writing it now, and only a write of
+			// this newer one (ETag-guarded) is sure to outrank it.
 			return inst, false, nil
 		}
 		set := in.config()
