@@ -336,3 +336,26 @@ func (r *recordingConn) reread(req *http.Request) (*http.Response, error) {
 	resp.Body = io.NopCloser(bytes.NewReader(body))
 	return resp, nil
 }
+
+// InitializeData runs the data plane's initialize (protocol version 5) on
+// an upgraded data-route connection, within timeout, and checks that a
+// data-plane daemon answered. The connection is left open for the caller.
+func InitializeData(ws *websocket.Conn, client string, timeout time.Duration) error {
+	req := `{"jsonrpc":"2.0","id":"initialize","method":"initialize","params":{"protocolVersion":5,"clientInfo":{"name":` +
+		strconv.Quote(client) + `}}}`
+	_ = ws.SetWriteDeadline(time.Now().Add(timeout))
+	if err := ws.WriteMessage(websocket.TextMessage, []byte(req)); err != nil {
+		return fmt.Errorf("data initialize: %w", err)
+	}
+	_ = ws.SetReadDeadline(time.Now().Add(timeout))
+	_, data, err := ws.ReadMessage()
+	_ = ws.SetReadDeadline(time.Time{})
+	_ = ws.SetWriteDeadline(time.Time{})
+	if err != nil {
+		return fmt.Errorf("data initialize: %w", err)
+	}
+	if !bytes.Contains(data, []byte(`"plane":"data"`)) {
+		return fmt.Errorf("data initialize answered %s", clip(string(data), 200))
+	}
+	return nil
+}

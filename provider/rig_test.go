@@ -6,7 +6,6 @@ import (
 	"net/http/httptest"
 	"os"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -308,19 +307,8 @@ func (r *rig) counter(name string, want map[string]string) float64 {
 // connection to the test.
 func initialize(t testing.TB, ws *websocket.Conn) {
 	t.Helper()
-	_ = ws.SetWriteDeadline(time.Now().Add(10 * time.Second))
-	req := `{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":5,"clientInfo":{"name":"provider-test"}}}`
-	if err := ws.WriteMessage(websocket.TextMessage, []byte(req)); err != nil {
-		t.Fatalf("initialize through the relay: %v", err)
-	}
-	_ = ws.SetReadDeadline(time.Now().Add(10 * time.Second))
-	_, data, err := ws.ReadMessage()
-	if err != nil {
-		t.Fatalf("initialize through the relay: %v", err)
-	}
-	_ = ws.SetReadDeadline(time.Time{})
-	if !strings.Contains(string(data), `"plane":"data"`) {
-		t.Fatalf("initialize answered %s", data)
+	if err := conformance.InitializeData(ws, "provider-test", 10*time.Second); err != nil {
+		t.Fatalf("through the relay: %v", err)
 	}
 }
 

@@ -21,6 +21,7 @@ import (
 
 	"github.com/gorilla/websocket"
 
+	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
@@ -241,14 +242,7 @@ func call(ws *websocket.Conn, id, method string, params any) (json.RawMessage, e
 }
 
 func initializeData(ws *websocket.Conn) error {
-	res, err := call(ws, "init", "initialize", map[string]any{"protocolVersion": 5, "clientInfo": map[string]string{"name": "routebench"}})
-	if err != nil {
-		return fmt.Errorf("data initialize: %w", err)
-	}
-	if !bytes.Contains(res, []byte(`"plane":"data"`)) {
-		return fmt.Errorf("data initialize answered %s", res)
-	}
-	return nil
+	return conformance.InitializeData(ws, "routebench", 10*time.Second)
 }
 
 func closeWS(ws *websocket.Conn) {
