@@ -22,10 +22,12 @@ type progress struct {
 	unrecorded bool
 }
 
-// detail is the message's tail: what the move waits for, or "".
-func (p *progress) detail(now time.Time) string {
+// detail is the message's tail: what the move to `to` waits for, or "".
+// Progress of a move to another power (one a newer request replaced) says
+// nothing of this one.
+func (p *progress) detail(to controller.Power, now time.Time) string {
 	switch {
-	case p == nil:
+	case p == nil || p.to != to:
 		return ""
 	case p.waiting == 1:
 		return ": waiting for 1 data connection to close"

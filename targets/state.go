@@ -112,7 +112,7 @@ func observation(inst *incus.Instance, owner controller.Owner, st State, p *prog
 		o.Power = st.Power
 		switch {
 		case st.PowerPending() && st.Intent.Power != st.Power:
-			o.Message = "Moving to " + string(st.Intent.Power) + p.detail(now) + "."
+			o.Message = "Moving to " + string(st.Intent.Power) + p.detail(st.Intent.Power, now) + "."
 		case !st.Resting:
 			o.Message = transitionMessage(st.Status)
 		}
