@@ -366,8 +366,15 @@ func TestOperationErrorClassification(t *testing.T) {
 		t.Errorf("duplicate create: conflict %v", errors.Is(dup, ErrConflict))
 	}
 	other := &OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: "The instance is already running"}
-	if errors.Is(other, ErrConflict) {
-		t.Error("ordinary failure is not a conflict")
+	if errors.Is(other, ErrConflict) || errors.Is(other, ErrBusy) {
+		t.Error("ordinary failure is neither a conflict nor busy")
+	}
+	// Seen on Incus 6.0.4 when a state change meets a config update.
+	busyOp := &OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `Instance is busy running a "update" operation`}
+	busyCall := &Error{Op: "instance.patch", Status: 500,
+		Message: `Failed to create instance update operation: Instance is busy running a "start" operation`}
+	if !errors.Is(busyOp, ErrBusy) || !errors.Is(busyCall, ErrBusy) || errors.Is(busyOp, ErrConflict) {
+		t.Error("a refusal because another operation holds the instance is ErrBusy, from a call or an operation")
 	}
 	if IsRetryable(nil) || IsRetryable(errors.New("x")) {
 		t.Error("IsRetryable of nil / foreign error")

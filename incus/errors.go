@@ -102,9 +102,17 @@ func (e *OperationError) Error() string {
 }
 
 // Is reports ErrConflict for an instance create that lost to an existing
-// name; operations carry no error code, so this goes by the message.
+// name, and ErrBusy for a state change refused because another operation
+// held the instance; operations carry no error code, so this goes by the
+// message.
 func (e *OperationError) Is(target error) bool {
-	return target == ErrConflict && isDuplicateMessage(e.Err)
+	switch target {
+	case ErrConflict:
+		return isDuplicateMessage(e.Err)
+	case ErrBusy:
+		return isBusyMessage(e.Err)
+	}
+	return false
 }
 
 // isDuplicateMessage recognises the ways Incus words "that name is taken".

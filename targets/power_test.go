@@ -3,7 +3,6 @@ package targets
 import (
 	"context"
 	"errors"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -172,7 +171,7 @@ func TestSetPowerForcesAStopThatTimesOut(t *testing.T) {
 			}
 			// The provider's own writes (its reconciler marking or
 			// recording) may hold the instance a moment: try again.
-			if !strings.Contains(err.Error(), "is busy running a") || attempt == 50 {
+			if !errors.Is(err, incus.ErrBusy) || attempt == 50 {
 				t.Fatal(err)
 			}
 			time.Sleep(100 * time.Millisecond)
