@@ -17,7 +17,8 @@ type Target struct {
 	// exactly when Phase is active.
 	Phase controller.Phase
 	Power controller.Power
-	// Settled is false while Incus moves the target between power states.
+	// Settled is false while Incus moves the target between power states
+	// or a power request for it is not yet carried out (targets.State.Settled).
 	Settled bool
 	// Port is the guest daemon's port on the guest's loopback.
 	Port int

@@ -62,14 +62,12 @@ func (s *Service) stop(ctx context.Context, name string, grace time.Duration, st
 // stop on start). It answers the power the target had. Should the action
 // fail, the recorded request stays and the reconciler carries it out.
 func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) (from controller.Power, err error) {
-	if _, ok := ownerOf(inst); !ok {
-		return "", errors.New("targets: wake of an instance that is not a target")
-	}
-	if st := StateOf(inst); st.Phase != controller.PhaseActive {
-		return "", errors.New("targets: wake of a target that is not active")
-	}
+	// Checked on the instance as want reads it, just before the write.
 	cur, _, err := s.want(ctx, inst.Name, Intent{Power: controller.PowerRunning, At: at, By: ByUse}, nil,
-		func(_ *incus.Instance, st State) error {
+		func(cur *incus.Instance, st State) error {
+			if _, ok := ownerOf(cur); !ok {
+				return errors.New("targets: wake of an instance that is not a target")
+			}
 			if st.Phase != controller.PhaseActive {
 				return errors.New("targets: wake of a target that is not active")
 			}
@@ -245,9 +243,10 @@ func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) time.Dur
 	var open errStillOpen
 	switch {
 	case err == nil:
+		// Incus finished the action; the next pass (or kick) sees it.
 		s.progress.clear(name)
 		s.changes.note(name)
-		return 50 * time.Millisecond // confirm from what Incus shows
+		return 0
 	case errors.As(err, &open):
 		return 250 * time.Millisecond
 	case ctx.Err() != nil:

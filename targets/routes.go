@@ -20,11 +20,12 @@ var (
 	// instance whose recorded owner differs). Nothing about that target is
 	// read or changed.
 	ErrRouteOwner = errors.New("targets: the target belongs to another owner")
-	// ErrRelayOpen is what PowerDown answers when the target relays a data
-	// connection, or a dial of its data route is in progress: the provider
-	// never powers a target down under a relay. It matches
-	// idle.ErrRelayOpen, which the idle loop treats as "not idle"; an
-	// explicit power change closes the relays first.
+	// ErrRelayOpen is what IdleAct answers when the target relays a data
+	// connection, or a dial of its data route is in progress (or came
+	// while the power-down waited and replaced it): the provider never
+	// powers a target down under a relay. It matches idle.ErrRelayOpen,
+	// which the idle loop treats as "not idle"; an explicit power change
+	// closes the relays first.
 	ErrRelayOpen = fmt.Errorf("targets: not powering the target down: %w", idle.ErrRelayOpen)
 )
 
