@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -369,7 +370,7 @@ func (s *Service) finishCreate(ctx context.Context, name string, op *incus.Opera
 		zap.String("instance", name), zap.Error(err))
 	config := make(map[string]string, len(req.Config)+1)
 	for k, v := range req.Config {
-		if len(k) > len("user.") && k[:len("user.")] == "user." {
+		if strings.HasPrefix(k, "user.") {
 			config[k] = v
 		}
 	}
