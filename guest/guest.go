@@ -17,6 +17,10 @@ const DefaultPort = 19091
 const (
 	KindNetns = "netns"
 	KindProxy = "proxy"
+	KindExec  = "exec"
+	// KindMember is netns for guests on the provider's own cluster member
+	// and exec for the rest (NewMember).
+	KindMember = "member"
 )
 
 // DefaultKind is the dialer the provider uses unless configured otherwise.
@@ -27,7 +31,7 @@ const (
 const DefaultKind = KindNetns
 
 // Kinds lists the accepted dialer kinds, in the order they are documented.
-var Kinds = []string{KindNetns, KindProxy}
+var Kinds = []string{KindNetns, KindProxy, KindExec, KindMember}
 
 // ErrNotRunning is matched (errors.Is) by errors for instances that have no
 // init process, i.e. are stopped.
@@ -38,6 +42,9 @@ var ErrNotRunning = errors.New("instance is not running")
 type Target struct {
 	Instance string
 	Port     int
+	// Location is the cluster member that holds the instance (Incus's
+	// location field); empty or "none" on a standalone server.
+	Location string
 }
 
 func (t Target) String() string { return fmt.Sprintf("%s:%d", t.Instance, t.Port) }
@@ -81,27 +88,62 @@ type Dialer interface {
 // supplied by the caller, who owns the Incus client and the project.
 type PIDLookup func(ctx context.Context, instance string) (int, error)
 
-// New returns the dialer of the given kind ("netns" or "proxy"). Unlike
-// NewNetns and NewProxy it checks the prerequisites up front: netns needs a
-// lookup and the privileges to enter other network namespaces, proxy needs a
-// usable socket directory.
-func New(kind string, lookup PIDLookup, socketDir string) (Dialer, error) {
+// Options are what the dialers need; each kind uses its part.
+type Options struct {
+	// Lookup finds an instance's init PID (netns, member).
+	Lookup PIDLookup
+	// SocketDir holds the proxy devices' sockets (proxy).
+	SocketDir string
+	// Exec runs the bridge in a guest (exec, member).
+	Exec Execer
+	// Bridge is the exec dialer's command, the port appended; nil means
+	// DefaultBridge.
+	Bridge []string
+	// Member is the cluster member this provider runs on (member): its
+	// guests are dialled through netns, the others through exec.
+	Member string
+}
+
+// New returns the dialer of the given kind (one of Kinds). Unlike NewNetns,
+// NewProxy and NewExec it checks the prerequisites up front: netns needs a
+// lookup and the privileges to enter other network namespaces, proxy needs
+// a usable socket directory, exec needs Incus's exec, member needs all of
+// netns and exec and the member's name.
+func New(kind string, o Options) (Dialer, error) {
 	switch kind {
 	case KindNetns:
-		if lookup == nil {
+		if o.Lookup == nil {
 			return nil, errors.New("guest: the netns dialer needs a PID lookup")
 		}
 		if err := netnsSupported(); err != nil {
-			return nil, fmt.Errorf("guest: the netns dialer cannot work here (use %q instead): %w", KindProxy, err)
+			return nil, fmt.Errorf("guest: the netns dialer cannot work here (use %q or %q instead): %w", KindProxy, KindExec, err)
 		}
-		return NewNetns(lookup), nil
+		return NewNetns(o.Lookup), nil
 	case KindProxy:
-		p, err := newProxy(socketDir)
+		p, err := newProxy(o.SocketDir)
 		if err != nil {
 			return nil, err
 		}
 		return p, nil
+	case KindExec:
+		if o.Exec == nil {
+			return nil, errors.New("guest: the exec dialer needs Incus's exec")
+		}
+		return NewExec(o.Exec, o.Bridge), nil
+	case KindMember:
+		if o.Member == "" {
+			return nil, errors.New("guest: the member dialer needs the name of the cluster member the provider runs on")
+		}
+		local, err := New(KindNetns, o)
+		if err != nil {
+			return nil, fmt.Errorf("guest: the member dialer dials its own member's guests through netns: %w", err)
+		}
+		remote, err := New(KindExec, o)
+		if err != nil {
+			return nil, err
+		}
+		return NewMember(o.Member, local, remote), nil
 	default:
-		return nil, fmt.Errorf("guest: unknown dialer kind %q: allowed values are %q and %q", kind, KindNetns, KindProxy)
+		return nil, fmt.Errorf("guest: unknown dialer kind %q: allowed values are %s", kind, strings.Join(Kinds, ", "))
 	}
 }

@@ -15,7 +15,7 @@ func TestNewKinds(t *testing.T) {
 	lookup := func(context.Context, string) (int, error) { return 0, nil }
 	dir := filepath.Join(t.TempDir(), "socks")
 
-	p, err := New(KindProxy, nil, dir)
+	p, err := New(KindProxy, Options{SocketDir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,7 +27,7 @@ func TestNewKinds(t *testing.T) {
 	}
 
 	if os.Geteuid() == 0 {
-		n, err := New(KindNetns, lookup, "")
+		n, err := New(KindNetns, Options{Lookup: lookup})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -35,17 +35,26 @@ func TestNewKinds(t *testing.T) {
 			t.Fatalf("Name() = %q", n.Name())
 		}
 	}
-	if _, err := New(KindNetns, nil, ""); err == nil {
+	if _, err := New(KindNetns, Options{}); err == nil {
 		t.Fatal("netns without lookup accepted")
+	}
+	if _, err := New(KindExec, Options{}); err == nil {
+		t.Fatal("exec without Incus's exec accepted")
+	}
+	if _, err := New(KindMember, Options{Lookup: lookup, Exec: noExec}); err == nil {
+		t.Fatal("member without a member name accepted")
+	}
+	if x, err := New(KindExec, Options{Exec: noExec}); err != nil || x.Name() != KindExec {
+		t.Fatalf("exec: %v, %v", x, err)
 	}
 
 	for _, kind := range []string{"", "network", "NETNS", "vsock"} {
-		_, err := New(kind, lookup, dir)
+		_, err := New(kind, Options{Lookup: lookup, SocketDir: dir})
 		if err == nil {
 			t.Fatalf("kind %q accepted", kind)
 		}
 		for _, allowed := range Kinds {
-			if !strings.Contains(err.Error(), strconv.Quote(allowed)) {
+			if !strings.Contains(err.Error(), allowed) {
 				t.Fatalf("error for kind %q does not name %q: %v", kind, allowed, err)
 			}
 		}
@@ -57,10 +66,10 @@ func TestNewKinds(t *testing.T) {
 
 func TestProxySocketDir(t *testing.T) {
 	base := t.TempDir()
-	if _, err := New(KindProxy, nil, "relative/dir"); err == nil {
+	if _, err := New(KindProxy, Options{SocketDir: "relative/dir"}); err == nil {
 		t.Fatal("relative socket dir accepted")
 	}
-	if _, err := New(KindProxy, nil, ""); err == nil {
+	if _, err := New(KindProxy, Options{}); err == nil {
 		t.Fatal("empty socket dir accepted")
 	}
 	open := filepath.Join(base, "open")
@@ -70,25 +79,25 @@ func TestProxySocketDir(t *testing.T) {
 	if err := os.Chmod(open, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := New(KindProxy, nil, open); err == nil {
+	if _, err := New(KindProxy, Options{SocketDir: open}); err == nil {
 		t.Fatal("world-writable socket dir accepted")
 	}
 	// NewProxy cannot fail; the problem surfaces at dial time.
 	d := NewProxy(open)
-	if _, err := d.DialContext(context.Background(), Target{"c1", DefaultPort}); err == nil || !strings.Contains(err.Error(), "0777") {
+	if _, err := d.DialContext(context.Background(), Target{Instance: "c1", Port: DefaultPort}); err == nil || !strings.Contains(err.Error(), "0777") {
 		t.Fatalf("dial with a bad socket dir: %v", err)
 	}
 	file := filepath.Join(base, "file")
 	if err := os.WriteFile(file, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := New(KindProxy, nil, file); err == nil {
+	if _, err := New(KindProxy, Options{SocketDir: file}); err == nil {
 		t.Fatal("socket dir that is a file accepted")
 	}
 	long := "/tmp/" + strings.Repeat("x", 100)
 	d = NewProxy(long)
 	defer os.Remove(long)
-	if _, err := d.DialContext(context.Background(), Target{"c1", DefaultPort}); err == nil || !strings.Contains(err.Error(), "longer than") {
+	if _, err := d.DialContext(context.Background(), Target{Instance: "c1", Port: DefaultPort}); err == nil || !strings.Contains(err.Error(), "longer than") {
 		t.Fatalf("dial with an over-long socket path: %v", err)
 	}
 }
@@ -96,7 +105,7 @@ func TestProxySocketDir(t *testing.T) {
 func TestProxyDevices(t *testing.T) {
 	dir := t.TempDir()
 	d := NewProxy(dir)
-	devs := d.Devices(Target{"lightspeed-abc", 19091})
+	devs := d.Devices(Target{Instance: "lightspeed-abc", Port: 19091})
 	if len(devs) != 1 {
 		t.Fatalf("devices: %v", devs)
 	}
@@ -120,17 +129,17 @@ func TestProxyDevices(t *testing.T) {
 	}
 	// Each call returns a fresh map the caller may modify.
 	dev["mode"] = "0666"
-	if d.Devices(Target{"lightspeed-abc", 19091})[ProxyDeviceName]["mode"] != "0600" {
+	if d.Devices(Target{Instance: "lightspeed-abc", Port: 19091})[ProxyDeviceName]["mode"] != "0600" {
 		t.Fatal("Devices returned shared state")
 	}
-	if NewNetns(nil).Devices(Target{"x", 1}) != nil {
+	if NewNetns(nil).Devices(Target{Instance: "x", Port: 1}) != nil {
 		t.Fatal("netns needs no devices")
 	}
 }
 
 func TestProxyDialNothingListening(t *testing.T) {
 	d := NewProxy(t.TempDir())
-	_, err := d.DialContext(context.Background(), Target{"absent", DefaultPort})
+	_, err := d.DialContext(context.Background(), Target{Instance: "absent", Port: DefaultPort})
 	if err == nil || !strings.Contains(err.Error(), ProxyDeviceName) {
 		t.Fatalf("dial without a socket: %v", err)
 	}
@@ -141,7 +150,7 @@ func TestTargetValidation(t *testing.T) {
 		t.Fatal("lookup called for an invalid target")
 		return 0, nil
 	})} {
-		for _, tg := range []Target{{"", 1}, {"a/b", 1}, {"..", 1}, {"ok", 0}, {"ok", 65536}, {"ok", -1}} {
+		for _, tg := range []Target{{Instance: "", Port: 1}, {Instance: "a/b", Port: 1}, {Instance: "..", Port: 1}, {Instance: "ok", Port: 0}, {Instance: "ok", Port: 65536}, {Instance: "ok", Port: -1}} {
 			if _, err := d.DialContext(context.Background(), tg); err == nil {
 				t.Fatalf("%s: target %+v accepted", d.Name(), tg)
 			}
@@ -180,14 +189,14 @@ func TestNetnsRefusesHostNamespace(t *testing.T) {
 	d := NewNetns(func(context.Context, string) (int, error) { calls++; return os.Getpid(), nil })
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	_, err := d.DialContext(ctx, Target{"impostor", tr.port()})
+	_, err := d.DialContext(ctx, Target{Instance: "impostor", Port: tr.port()})
 	if err == nil || !strings.Contains(err.Error(), "own network namespace") {
 		t.Fatalf("dial of a host PID: %v", err)
 	}
 	tr.assertUntouched(t)
 	// The refused PID is not cached: the next dial looks it up anew, and
 	// refuses again.
-	if _, err := d.DialContext(ctx, Target{"impostor", tr.port()}); err == nil {
+	if _, err := d.DialContext(ctx, Target{Instance: "impostor", Port: tr.port()}); err == nil {
 		t.Fatal("second dial of a host PID succeeded")
 	}
 	tr.assertUntouched(t)
@@ -200,14 +209,14 @@ func TestNetnsNotRunning(t *testing.T) {
 	requireRoot(t)
 	for _, pid := range []int{0, -1} {
 		d := NewNetns(func(context.Context, string) (int, error) { return pid, nil })
-		_, err := d.DialContext(context.Background(), Target{"stopped", DefaultPort})
+		_, err := d.DialContext(context.Background(), Target{Instance: "stopped", Port: DefaultPort})
 		if !errors.Is(err, ErrNotRunning) {
 			t.Fatalf("pid %d: err = %v, want ErrNotRunning", pid, err)
 		}
 	}
 	boom := errors.New("incus unreachable")
 	d := NewNetns(func(context.Context, string) (int, error) { return 0, boom })
-	if _, err := d.DialContext(context.Background(), Target{"x", DefaultPort}); !errors.Is(err, boom) {
+	if _, err := d.DialContext(context.Background(), Target{Instance: "x", Port: DefaultPort}); !errors.Is(err, boom) {
 		t.Fatalf("lookup error not wrapped: %v", err)
 	}
 }

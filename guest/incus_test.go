@@ -416,11 +416,11 @@ func (f *incusFixture) newInstance(t *testing.T, name string, start bool, dialer
 
 func (f *incusFixture) dialers(t *testing.T) (netns, proxy Dialer) {
 	t.Helper()
-	n, err := New(KindNetns, f.api.pid, "")
+	n, err := New(KindNetns, Options{Lookup: f.api.pid})
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := New(KindProxy, nil, f.sockDir)
+	p, err := New(KindProxy, Options{SocketDir: f.sockDir})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -535,7 +535,7 @@ func TestIncusNetnsRefusesStoppedInstance(t *testing.T) {
 
 	f.setState(t, tg.Instance, "stop")
 	tr := newTrap(t)
-	trapTarget := Target{tg.Instance, tr.port()}
+	trapTarget := Target{Instance: tg.Instance, Port: tr.port()}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	for _, d := range []Dialer{netns, NewNetns(f.api.pid)} {

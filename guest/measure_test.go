@@ -131,6 +131,9 @@ func TestMeasure(t *testing.T) {
 	measure("netns dial + HTTP GET /id", roundTrip(netns, plain))
 	measure("proxy dial + HTTP GET /id", roundTrip(proxy, withProxy))
 	measure("netns dial + GET, proxy-device instance", roundTrip(netns, withProxy))
+	x := f.execDialer(t)
+	measure("exec dial (Incus API, nc in the guest)", dialClose(x, plain))
+	measure("exec dial + HTTP GET /id", roundTrip(x, plain))
 }
 
 // firstContact polls d from the moment the start request was sent (t0)

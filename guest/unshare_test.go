@@ -104,7 +104,7 @@ func TestNetnsUnshareGuest(t *testing.T) {
 		lookups.Add(1)
 		return int(pid.Load()), nil
 	})
-	tg := Target{"g", port}
+	tg := Target{Instance: "g", Port: port}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 
@@ -191,7 +191,7 @@ func TestNetnsRefusedSameProcess(t *testing.T) {
 	g := startNSGuest(t, "quiet", DefaultPort+1) // nothing on DefaultPort
 	var lookups atomic.Int64
 	d := NewNetns(func(context.Context, string) (int, error) { lookups.Add(1); return g.pid, nil })
-	tg := Target{"quiet", DefaultPort}
+	tg := Target{Instance: "quiet", Port: DefaultPort}
 	for i := 1; i <= 2; i++ {
 		_, err := d.DialContext(context.Background(), tg)
 		if !errors.Is(err, syscall.ECONNREFUSED) {
@@ -209,7 +209,7 @@ func TestNetnsContextDeadline(t *testing.T) {
 	d := NewNetns(func(ctx context.Context, _ string) (int, error) { return g.pid, nil })
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, err := d.DialContext(ctx, Target{"slow", DefaultPort}); !errors.Is(err, context.Canceled) {
+	if _, err := d.DialContext(ctx, Target{Instance: "slow", Port: DefaultPort}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("dial with a cancelled context: %v", err)
 	}
 }
@@ -254,7 +254,7 @@ func BenchmarkNetnsDial(b *testing.B) {
 	port := freeHostPort(b)
 	g := startNSGuest(b, "bench", port)
 	d := NewNetns(func(context.Context, string) (int, error) { return g.pid, nil })
-	tg := Target{"bench", port}
+	tg := Target{Instance: "bench", Port: port}
 	ctx := context.Background()
 	for b.Loop() {
 		c, err := d.DialContext(ctx, tg)

@@ -22,6 +22,9 @@ type Target struct {
 	Settled bool
 	// Port is the guest daemon's port on the guest's loopback.
 	Port int
+	// Location is the cluster member holding the instance (empty when
+	// standalone); the dialer needs it to pick its way to the guest.
+	Location string
 	// Policy is the target's idle policy (the template's default or the one
 	// target/create named); nil when it has none.
 	Policy *idlepolicy.Policy

@@ -75,7 +75,7 @@ func (l *Loop) probe(ctx context.Context, t Target, sess *envd.Session) probeRes
 	for reused := sess != nil; ; reused = false {
 		if sess == nil {
 			r.redialed = true
-			conn, err := l.cfg.Dialer.DialContext(ctx, guest.Target{Instance: t.Name, Port: t.Port})
+			conn, err := l.cfg.Dialer.DialContext(ctx, guest.Target{Instance: t.Name, Port: t.Port, Location: t.Location})
 			if err != nil {
 				r.outcome, r.err = OutcomeUnreachable, err
 				if ctx.Err() != nil {

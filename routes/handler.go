@@ -404,7 +404,7 @@ func running(inst *incus.Instance) bool { return inst.Status.Running() }
 
 // openGuest opens the provider's WebSocket to the instance's daemon.
 func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *relays.Ticket) (*guestLink, error) {
-	conn, err := h.opts.Dialer.DialContext(ctx, guest.Target{Instance: inst.Name, Port: h.opts.Port(inst)})
+	conn, err := h.opts.Dialer.DialContext(ctx, guest.Target{Instance: inst.Name, Port: h.opts.Port(inst), Location: inst.Location})
 	if err != nil {
 		return nil, err
 	}

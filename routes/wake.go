@@ -371,7 +371,7 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 // GuestDialer, repeated with a short backoff until it succeeds or ctx ends.
 // A TCP connect alone proves nothing (a frozen guest's kernel accepts it).
 func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance) bool {
-	t := guest.Target{Instance: inst.Name, Port: h.opts.Port(inst)}
+	t := guest.Target{Instance: inst.Name, Port: h.opts.Port(inst), Location: inst.Location}
 	delay := 5 * time.Millisecond
 	for {
 		actx, cancel := context.WithTimeout(ctx, 2*time.Second)

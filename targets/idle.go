@@ -53,12 +53,13 @@ func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
 	}
 	st := StateOf(inst)
 	t := idle.Target{
-		Name:    inst.Name,
-		Phase:   st.Phase,
-		Power:   st.Power,
-		Settled: st.Settled(),
-		Port:    DaemonPort(inst),
-		Stages:  idle.StagesOf(s.powerStates(inst)),
+		Name:     inst.Name,
+		Phase:    st.Phase,
+		Power:    st.Power,
+		Settled:  st.Settled(),
+		Port:     DaemonPort(inst),
+		Location: inst.Location,
+		Stages:   idle.StagesOf(s.powerStates(inst)),
 	}
 	if raw := inst.Config[keyIdle]; raw != "" {
 		p, err := policyOf(raw)

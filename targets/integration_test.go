@@ -334,7 +334,7 @@ func TestIncusUnreachableIsUnavailable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dialer, err := guest.New(guest.KindProxy, client.InitPID, t.TempDir())
+	dialer, err := guest.New(guest.KindProxy, guest.Options{Lookup: client.InitPID, SocketDir: t.TempDir()})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,14 +6,19 @@ import (
 	"math"
 	"net"
 	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/caarlos0/env/v11"
 
+	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
+
+// memberName is what Incus accepts as a cluster member's name (a host name).
+var memberName = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]{0,61}[A-Za-z0-9])?$`)
 
 // config is every setting, from the environment. README.md documents each
 // variable with its default; keep the two in step.
@@ -27,7 +32,8 @@ type config struct {
 	MaxInFlight       int           `env:"PROVIDER_MAX_IN_FLIGHT" envDefault:"64"`
 	GracefulStop      time.Duration `env:"PROVIDER_GRACEFUL_STOP" envDefault:"10s"`
 	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s"`
-	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"netns"`
+	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"auto"`
+	IncusMember       string        `env:"PROVIDER_INCUS_MEMBER"`
 	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests"`
 	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info"`
 	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s"`
@@ -135,9 +141,12 @@ func (c *config) check() error {
 		c.memoryLimitBytes = n
 	}
 	switch c.GuestDialer {
-	case "netns", "proxy":
+	case "auto", guest.KindNetns, guest.KindProxy, guest.KindExec, guest.KindMember:
 	default:
-		return bad("PROVIDER_GUEST_DIALER", c.GuestDialer, "use netns or proxy")
+		return bad("PROVIDER_GUEST_DIALER", c.GuestDialer, "use auto, netns, proxy, exec or member")
+	}
+	if c.IncusMember != "" && !memberName.MatchString(c.IncusMember) {
+		return bad("PROVIDER_INCUS_MEMBER", c.IncusMember, "name the Incus cluster member this provider runs on, as `incus cluster list` shows it")
 	}
 	switch c.LogLevel {
 	case "debug", "info", "warn", "error":

@@ -21,7 +21,8 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_MAX_IN_FLIGHT", "many", "PROVIDER_MAX_IN_FLIGHT"},
 		{"PROVIDER_GRACEFUL_STOP", "0s", "from 1s to 10m"},
 		{"PROVIDER_GRACEFUL_STOP", "soon", "PROVIDER_GRACEFUL_STOP"},
-		{"PROVIDER_GUEST_DIALER", "ssh", "use netns or proxy"},
+		{"PROVIDER_GUEST_DIALER", "ssh", "use auto, netns, proxy, exec or member"},
+		{"PROVIDER_INCUS_MEMBER", "-m1", "name the Incus cluster member"},
 		{"PROVIDER_LOG_LEVEL", "loud", "debug, info, warn or error"},
 		{"PROVIDER_TLS_CERT", "/nonexistent.pem", "PROVIDER_TLS_KEY"},
 		{"PROVIDER_CREDENTIAL_FILE", "/nonexistent", "readable file"},
@@ -63,7 +64,7 @@ func TestConfigDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Listen != "127.0.0.1:8480" || c.MetricsListen != "127.0.0.1:9480" || c.GuestDialer != "netns" || c.IncusProject != "default" || c.MaxInFlight != 64 {
+	if c.Listen != "127.0.0.1:8480" || c.MetricsListen != "127.0.0.1:9480" || c.GuestDialer != "auto" || c.IncusProject != "default" || c.MaxInFlight != 64 {
 		t.Fatalf("defaults changed; update README.md with them: %+v", c)
 	}
 	if c.memoryLimitBytes != 768<<20 || c.decodeBudgetBytes != 64<<20 || c.MaxConnections != 4096 || c.MaxControl != 64 {

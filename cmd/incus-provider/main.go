@@ -107,10 +107,17 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	}
 	cancel()
 
-	dialer, err := guest.New(cfg.GuestDialer, client.InitPID, cfg.GuestSocketDir)
+	kind, member := guestDialerFor(cfg, server)
+	dialer, err := guest.New(kind, guest.Options{
+		Lookup: client.InitPID, SocketDir: cfg.GuestSocketDir, Member: member,
+		Exec: func(ctx context.Context, instance string, argv []string) (net.Conn, error) {
+			return client.ExecStream(ctx, instance, argv)
+		},
+	})
 	if err != nil {
 		return fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err)
 	}
+	log.Info("guest dialer", zap.String("kind", kind), zap.String("member", member), zap.Bool("clustered", server.Environment.ServerClustered))
 	credential, err := bearer.Load(cfg.CredentialFile)
 	if err != nil {
 		return fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err)
@@ -211,6 +218,31 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	cancelServe()
 	wg.Wait()
 	return runErr
+}
+
+// guestDialerFor resolves PROVIDER_GUEST_DIALER=auto and the member this
+// process runs on. A standalone server's guests are all local (netns). On a
+// cluster, guests on this process's own member are dialled through netns
+// and the rest through exec; the member is PROVIDER_INCUS_MEMBER, or, when
+// the provider talks to its own member's unix socket, that member's name.
+// Over HTTPS with no member named, no guest is taken for local: exec for all.
+func guestDialerFor(cfg config, server *incus.Server) (kind, member string) {
+	member = cfg.IncusMember
+	if member == "" && cfg.IncusURL == "" && server.Environment.ServerClustered {
+		member = server.Environment.ServerName
+	}
+	kind = cfg.GuestDialer
+	if kind != "auto" {
+		return kind, member
+	}
+	switch {
+	case !server.Environment.ServerClustered:
+		return guest.KindNetns, member
+	case member != "":
+		return guest.KindMember, member
+	default:
+		return guest.KindExec, member
+	}
 }
 
 func incusWhere(cfg config) string {

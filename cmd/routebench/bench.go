@@ -79,7 +79,7 @@ func (b *bench) setUp(ctx context.Context) error {
 	}
 	b.targetID = o.TargetID
 	b.routeURL = "ws://" + b.addr + routes.Path(routes.DefaultPrefix, routes.Route{Owner: b.owner, TargetID: b.targetID})
-	b.dialer, err = guest.New(guest.KindNetns, b.incus.InitPID, "")
+	b.dialer, err = guest.New(guest.KindNetns, guest.Options{Lookup: b.incus.InitPID})
 	if err != nil {
 		return err
 	}

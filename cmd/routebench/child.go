@@ -68,7 +68,7 @@ func runChild() error {
 	if err := catalog.Resolve(rctx, client); err != nil {
 		return err
 	}
-	dialer, err := guest.New(guest.KindNetns, client.InitPID, "")
+	dialer, err := guest.New(guest.KindNetns, guest.Options{Lookup: client.InitPID})
 	if err != nil {
 		return err
 	}

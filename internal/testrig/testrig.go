@@ -42,7 +42,7 @@ func Catalog(t testing.TB, client *incus.Client, image, body string) *templates.
 // through client.
 func NetnsDialer(t testing.TB, client *incus.Client) guest.Dialer {
 	t.Helper()
-	d, err := guest.New(guest.KindNetns, client.InitPID, t.TempDir())
+	d, err := guest.New(guest.KindNetns, guest.Options{Lookup: client.InitPID, SocketDir: t.TempDir()})
 	if err != nil {
 		t.Fatal(fmt.Errorf("testrig: netns dialer: %w", err))
 	}

@@ -1,0 +1,315 @@
+package incus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/gorilla/websocket"
+)
+
+// ExecPost is the body of POST /1.0/instances/{name}/exec.
+type ExecPost struct {
+	Command     []string          `json:"command"`
+	Environment map[string]string `json:"environment,omitempty"`
+	// WaitForWS makes Incus start the command only once the client has
+	// connected the stream websockets, so no output is lost.
+	WaitForWS    bool `json:"wait-for-websocket"`
+	Interactive  bool `json:"interactive"`
+	RecordOutput bool `json:"record-output"`
+}
+
+// ErrExecEnded is matched (errors.Is) by the error an ExecConn's Read returns
+// when the command ended before it wrote anything, with what it said on
+// stderr: for a bridge such as nc, the daemon refused the connection.
+var ErrExecEnded = errors.New("the command in the instance ended")
+
+// execBuffer is each stream websocket's buffer size: large enough that a
+// 1 MiB frame of the data plane crosses in few reads.
+const execBuffer = 256 << 10
+
+// stderrKeep bounds what an ExecConn keeps of the command's stderr for its
+// errors; the rest is read and dropped so the command never blocks on it.
+const stderrKeep = 512
+
+// ExecStream runs argv in the instance non-interactively and returns its
+// stdin and stdout as one stream: what the caller writes reaches the
+// command's stdin, what the command prints arrives on Read. It is how the
+// provider reaches a guest's loopback on a cluster member it does not run
+// on, through nothing but the Incus API: argv is a byte bridge such as
+// `nc 127.0.0.1 PORT`. ctx bounds the request and the websocket dials, not
+// the stream's life; Close ends the command (Incus kills it when the
+// control websocket closes).
+func (c *Client) ExecStream(ctx context.Context, instance string, argv []string) (*ExecConn, error) {
+	if len(argv) == 0 {
+		return nil, fmt.Errorf("incus: exec in %q: empty command", instance)
+	}
+	body := ExecPost{Command: argv, WaitForWS: true}
+	resp, err := c.do(ctx, request{op: "instance.exec", method: http.MethodPost, scoped: true, path: instancePath(instance) + "/exec", body: body})
+	if err != nil {
+		return nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
+	}
+	op, err := operationOf("instance.exec", resp)
+	if err != nil {
+		return nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
+	}
+	secrets, err := execSecrets(op)
+	if err != nil {
+		return nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
+	}
+
+	x := &ExecConn{instance: instance}
+	// Incus waits (up to 10 s) for stdin, stdout and stderr before it starts
+	// the command; control is what lets Close end it. A failed dial closes
+	// what was opened, and Incus then abandons the operation.
+	for _, fd := range []string{"control", "0", "1", "2"} {
+		ws, err := c.dialOperationWebsocket(ctx, op.ID, secrets[fd])
+		if err != nil {
+			x.closeAll()
+			return nil, fmt.Errorf("incus: exec in %q: websocket %s: %w", instance, fd, err)
+		}
+		switch fd {
+		case "control":
+			x.control = ws
+		case "0":
+			x.stdin = ws
+		case "1":
+			x.stdout = ws
+		case "2":
+			x.stderr = ws
+		}
+	}
+	x.stderrDone = make(chan struct{})
+	go x.drainStderr()
+	return x, nil
+}
+
+// execSecrets reads the websocket secrets of an exec operation.
+func execSecrets(op *Operation) (map[string]string, error) {
+	fds, ok := op.Metadata["fds"].(map[string]any)
+	if !ok {
+		return nil, fmt.Errorf("%w: exec operation %s carries no websocket secrets", ErrMalformedResponse, op.ID)
+	}
+	out := make(map[string]string, 4)
+	for _, fd := range []string{"control", "0", "1", "2"} {
+		s, ok := fds[fd].(string)
+		if !ok || s == "" {
+			return nil, fmt.Errorf("%w: exec operation %s has no secret for websocket %q", ErrMalformedResponse, op.ID, fd)
+		}
+		out[fd] = s
+	}
+	return out, nil
+}
+
+// dialOperationWebsocket connects one websocket of an operation, the same
+// way (socket or pinned TLS) as every other call of this client. The URL is
+// built from the operation's id rather than from what the server sent: a
+// member that forwarded the request may hand back another member's URL.
+func (c *Client) dialOperationWebsocket(ctx context.Context, id, secret string) (*websocket.Conn, error) {
+	tr, ok := c.http.Transport.(*http.Transport)
+	if !ok {
+		return nil, errors.New("incus: websocket: client has no HTTP transport")
+	}
+	u := *c.base
+	switch u.Scheme {
+	case "https":
+		u.Scheme = "wss"
+	default:
+		u.Scheme = "ws"
+	}
+	u.Path = "/1.0/operations/" + escape(id) + "/websocket"
+	u.RawQuery = url.Values{"secret": {secret}, "project": {c.project}}.Encode()
+	d := websocket.Dialer{
+		NetDialContext:   tr.DialContext,
+		TLSClientConfig:  tr.TLSClientConfig,
+		HandshakeTimeout: c.callTimeout,
+		ReadBufferSize:   execBuffer,
+		WriteBufferSize:  execBuffer,
+	}
+	header := http.Header{"User-Agent": {"incus-provider"}}
+	ws, resp, err := d.DialContext(ctx, u.String(), header)
+	if resp != nil && resp.Body != nil {
+		_ = resp.Body.Close()
+	}
+	if err != nil {
+		if resp != nil {
+			return nil, &Error{Op: "operation.websocket", Status: resp.StatusCode, Err: err}
+		}
+		return nil, &Error{Op: "operation.websocket", Err: err}
+	}
+	return ws, nil
+}
+
+// ExecConn is a command's stdin and stdout as a net.Conn. Incus frames the
+// bytes as binary websocket messages and marks the end of a stream with an
+// empty text message (or a close).
+type ExecConn struct {
+	instance string
+	control  *websocket.Conn
+	stdin    *websocket.Conn
+	stdout   *websocket.Conn
+	stderr   *websocket.Conn
+
+	rmu    sync.Mutex
+	reader io.Reader // the stdout message being read
+	got    bool      // any stdout byte arrived
+	rerr   error     // sticky once stdout ended
+
+	wmu    sync.Mutex
+	closed bool // stdin's end was sent
+
+	emu        sync.Mutex
+	errText    strings.Builder
+	stderrDone chan struct{}
+
+	closeOnce sync.Once
+}
+
+var _ net.Conn = (*ExecConn)(nil)
+
+func (x *ExecConn) Read(p []byte) (int, error) {
+	x.rmu.Lock()
+	defer x.rmu.Unlock()
+	for {
+		if x.rerr != nil {
+			return 0, x.rerr
+		}
+		if x.reader == nil {
+			mt, r, err := x.stdout.NextReader()
+			if err != nil {
+				if websocket.IsCloseError(err, websocket.CloseNormalClosure) {
+					err = io.EOF
+				}
+				x.rerr = x.ended(err)
+				continue
+			}
+			if mt != websocket.BinaryMessage {
+				x.rerr = x.ended(io.EOF)
+				continue
+			}
+			x.reader = r
+		}
+		n, err := x.reader.Read(p)
+		if n > 0 {
+			x.got = true
+		}
+		if err == io.EOF {
+			x.reader = nil
+			err = nil
+		}
+		if n > 0 || err != nil {
+			return n, err
+		}
+	}
+}
+
+// ended turns the end of stdout into the Read error: a command that ended
+// without a byte of output failed to bridge, and its stderr says why.
+func (x *ExecConn) ended(err error) error {
+	if x.got || !errors.Is(err, io.EOF) {
+		return err
+	}
+	// stderr ends with the command, a moment after stdout; wait briefly
+	// for its last words.
+	select {
+	case <-x.stderrDone:
+	case <-time.After(100 * time.Millisecond):
+	}
+	x.emu.Lock()
+	text := strings.TrimSpace(x.errText.String())
+	x.emu.Unlock()
+	if text == "" {
+		return io.EOF
+	}
+	return fmt.Errorf("%w in %q without output: %s", ErrExecEnded, x.instance, text)
+}
+
+func (x *ExecConn) Write(p []byte) (int, error) {
+	x.wmu.Lock()
+	defer x.wmu.Unlock()
+	if x.closed {
+		return 0, net.ErrClosed
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	if err := x.stdin.WriteMessage(websocket.BinaryMessage, p); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// CloseWrite ends the command's stdin, as a TCP half-close would.
+func (x *ExecConn) CloseWrite() error {
+	x.wmu.Lock()
+	defer x.wmu.Unlock()
+	if x.closed {
+		return nil
+	}
+	x.closed = true
+	_ = x.stdin.SetWriteDeadline(time.Now().Add(time.Second))
+	return x.stdin.WriteMessage(websocket.TextMessage, nil)
+}
+
+// Close ends the stream and the command: a close on the control websocket
+// makes Incus kill it, so no bridge outlives its connection.
+func (x *ExecConn) Close() error {
+	x.closeOnce.Do(func() {
+		_ = x.CloseWrite()
+		if x.control != nil {
+			deadline := time.Now().Add(time.Second)
+			_ = x.control.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), deadline)
+		}
+		x.closeAll()
+	})
+	return nil
+}
+
+func (x *ExecConn) closeAll() {
+	for _, ws := range []*websocket.Conn{x.control, x.stdin, x.stdout, x.stderr} {
+		if ws != nil {
+			_ = ws.Close()
+		}
+	}
+}
+
+// drainStderr reads stderr to its end (Close ends it), keeping its start.
+func (x *ExecConn) drainStderr() {
+	defer close(x.stderrDone)
+	buf := make([]byte, 4096)
+	for {
+		mt, r, err := x.stderr.NextReader()
+		if err != nil || mt != websocket.BinaryMessage {
+			return
+		}
+		for {
+			n, err := r.Read(buf)
+			if n > 0 {
+				x.emu.Lock()
+				if room := stderrKeep - x.errText.Len(); room > 0 {
+					x.errText.Write(buf[:min(n, room)])
+				}
+				x.emu.Unlock()
+			}
+			if err != nil {
+				break
+			}
+		}
+	}
+}
+
+func (x *ExecConn) LocalAddr() net.Addr  { return x.stdout.LocalAddr() }
+func (x *ExecConn) RemoteAddr() net.Addr { return x.stdout.RemoteAddr() }
+
+func (x *ExecConn) SetDeadline(t time.Time) error {
+	return errors.Join(x.SetReadDeadline(t), x.SetWriteDeadline(t))
+}
+func (x *ExecConn) SetReadDeadline(t time.Time) error  { return x.stdout.SetReadDeadline(t) }
+func (x *ExecConn) SetWriteDeadline(t time.Time) error { return x.stdin.SetWriteDeadline(t) }
