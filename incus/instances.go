@@ -114,6 +114,10 @@ type InstancesPost struct {
 	Profiles    []string `json:"profiles"`
 	Start       bool     `json:"start"`
 	Description string   `json:"description,omitempty"`
+	// Target places the instance on a cluster member, or a cluster group
+	// as "@name" (sent as ?target=, not in the body); empty lets Incus's
+	// scheduler choose.
+	Target string `json:"-"`
 }
 
 // InstancePut is the writable part of an instance. A PUT replaces all of it;
@@ -190,7 +194,11 @@ func (c *Client) GetInstanceState(ctx context.Context, name string) (*InstanceSt
 // refuse the request at once; then CreateInstance itself returns it, as an
 // *Error. The existing instance is left untouched either way.
 func (c *Client) CreateInstance(ctx context.Context, req InstancesPost) (*Operation, error) {
-	resp, err := c.do(ctx, request{op: "instance.create", method: http.MethodPost, scoped: true, path: "/1.0/instances", body: req})
+	r := request{op: "instance.create", method: http.MethodPost, scoped: true, path: "/1.0/instances", body: req}
+	if req.Target != "" {
+		r.query = url.Values{"target": {req.Target}}
+	}
+	resp, err := c.do(ctx, r)
 	if err != nil {
 		return nil, fmt.Errorf("incus: create instance %q: %w", req.Name, err)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
@@ -71,15 +72,26 @@ type rigOptions struct {
 	// after, when set, is an earlier provider's rig: the new provider
 	// serves the same Incus project, as a restarted process would.
 	after *rig
+	// cluster, when set, puts the provider on the cluster rig, as a
+	// provider running on its first member would be: HTTPS to the
+	// cluster, clusterTemplates, netns for that member's guests and exec
+	// for the others'.
+	cluster *incustest.ClusterRig
 }
 
 func newRig(t *testing.T, o rigOptions) *rig {
 	t.Helper()
 	var client *incus.Client
 	var catalog *templates.Catalog
-	if o.after != nil {
+	var dialer guest.Dialer
+	switch {
+	case o.after != nil:
 		client, catalog = o.after.client, o.after.catalog
-	} else {
+	case o.cluster != nil:
+		client = o.cluster.Client(t)
+		catalog = testrig.Catalog(t, client, incustest.DefaultImage, clusterTemplates)
+		dialer = newMemberDialer(t, o.cluster.Members[0], client)
+	default:
 		client = incustest.Client(t)
 		catalog = testrig.Catalog(t, client, incustest.Image(t), testTemplates)
 	}
@@ -87,7 +99,9 @@ func newRig(t *testing.T, o rigOptions) *rig {
 	if o.providerIncus != nil {
 		pc = o.providerIncus(client.Project())
 	}
-	dialer := testrig.NetnsDialer(t, client)
+	if dialer == nil {
+		dialer = testrig.NetnsDialer(t, client)
+	}
 	reg := prometheus.NewRegistry()
 	ctx, cancel := context.WithCancel(context.Background())
 	p, err := provider.New(ctx, provider.Config{Incus: pc, Catalog: catalog, Dialer: dialer,

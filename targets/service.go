@@ -376,7 +376,7 @@ func (s *Service) finishCreate(ctx context.Context, name string, op *incus.Opera
 	}
 	config[keyFailure] = "Incus could not create the instance; the provider's log has the details."
 	rec, cerr := s.incus.CreateInstance(ctx, incus.InstancesPost{Name: name, Type: req.Type,
-		Source: incus.InstanceSource{Type: "none"}, Config: config, Profiles: req.Profiles})
+		Source: incus.InstanceSource{Type: "none"}, Config: config, Profiles: req.Profiles, Target: req.Target})
 	if cerr == nil {
 		_, cerr = s.wait(ctx, rec, time.Minute)
 	}
@@ -482,6 +482,7 @@ func (s *Service) instanceRequest(name string, p controller.CreateParams, t *tem
 		Devices:  devices,
 		Profiles: t.Profiles,
 		Start:    true,
+		Target:   t.Placement,
 	}, nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"regexp"
 	"slices"
 	"strings"
 
@@ -37,6 +38,10 @@ type Entry struct {
 	IngressPort uint16 `json:"ingressPort,omitempty"`
 	// StoragePool holds the root disk when resources.diskBytes sizes it.
 	StoragePool string `json:"storagePool,omitempty" wire:"opaque"`
+	// Placement puts the template's instances on one cluster member
+	// ("lsm2") or a cluster group ("@gpu"), Incus's target parameter; empty
+	// lets Incus's scheduler place each one.
+	Placement string `json:"placement,omitempty" wire:"opaque"`
 }
 
 // CheckWire states the rules that span members.
@@ -64,6 +69,9 @@ func (e *Entry) CheckWire() *wire.FieldError {
 	if e.Resources != nil && e.Resources.DiskBytes != nil && e.StoragePool == "" {
 		return &wire.FieldError{Path: "storagePool", Problem: "is required when resources.diskBytes sizes the root disk"}
 	}
+	if e.Placement != "" && !placement.MatchString(e.Placement) {
+		return &wire.FieldError{Path: "placement", Problem: "must name a cluster member (such as m2) or a cluster group after an @ (such as @gpu)"}
+	}
 	for i, p := range e.Profiles {
 		if problem := wire.CheckGrammar(wire.GrammarOpaque, p); problem != "" {
 			return &wire.FieldError{Path: fmt.Sprintf("profiles[%d]", i), Problem: problem}
@@ -71,6 +79,10 @@ func (e *Entry) CheckWire() *wire.FieldError {
 	}
 	return nil
 }
+
+// placement is what Incus takes as a target: a member's host name, or @ and
+// a cluster group's name.
+var placement = regexp.MustCompile(`^@?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
 
 func (e *Entry) daemonPort() uint16 {
 	if e.DaemonPort == 0 {
@@ -112,6 +124,7 @@ type Template struct {
 	DaemonPort   int
 	IngressPort  int
 	StoragePool  string
+	Placement    string // Incus's target: a member, @group, or empty
 }
 
 // Catalog is the loaded, validated set of templates.
@@ -163,6 +176,7 @@ func build(path string, f file) (*Catalog, error) {
 			DaemonPort:   int(e.daemonPort()),
 			IngressPort:  int(e.IngressPort),
 			StoragePool:  e.StoragePool,
+			Placement:    e.Placement,
 		}
 		c.byID[e.TemplateID] = t
 		c.list = append(c.list, t)
@@ -320,6 +334,54 @@ func (c *Catalog) CheckHost(h Host) error {
 		if t.InstanceType == "virtual-machine" && !h.VirtualMachines {
 			return fmt.Errorf("templates file %s: template %q is a virtual machine, but %s cannot run virtual machines here (no qemu driver); use a container template or another host",
 				c.path, t.Wire.TemplateID, h.Server)
+		}
+	}
+	return nil
+}
+
+// Placer is what CheckPlacement asks Incus (incus.Client).
+type Placer interface {
+	ListClusterMembers(ctx context.Context) ([]incus.ClusterMember, error)
+	ClusterGroupExists(ctx context.Context, name string) (bool, error)
+}
+
+// CheckPlacement refuses, at start-up, a template placed on a member or a
+// cluster group the cluster does not have, or placed at all on a server
+// that is no cluster: otherwise every create of it would fail, one owner at
+// a time. The refusal is one sentence naming the file and the template.
+func (c *Catalog) CheckPlacement(ctx context.Context, clustered bool, p Placer) error {
+	var members []incus.ClusterMember
+	listed := false
+	for _, t := range c.list {
+		if t.Placement == "" {
+			continue
+		}
+		if !clustered {
+			return fmt.Errorf("templates file %s: template %q has placement %q, but Incus here is not a cluster; remove placement", c.path, t.Wire.TemplateID, t.Placement)
+		}
+		if group, ok := strings.CutPrefix(t.Placement, "@"); ok {
+			found, err := p.ClusterGroupExists(ctx, group)
+			if err != nil {
+				return fmt.Errorf("templates file %s: template %q: checking cluster group %q: %w", c.path, t.Wire.TemplateID, group, err)
+			}
+			if !found {
+				return fmt.Errorf("templates file %s: template %q is placed on the cluster group %q, which the cluster does not have (incus cluster group list)", c.path, t.Wire.TemplateID, group)
+			}
+			continue
+		}
+		if !listed {
+			var err error
+			if members, err = p.ListClusterMembers(ctx); err != nil {
+				return fmt.Errorf("templates file %s: template %q: listing cluster members: %w", c.path, t.Wire.TemplateID, err)
+			}
+			listed = true
+		}
+		if !slices.ContainsFunc(members, func(m incus.ClusterMember) bool { return m.ServerName == t.Placement }) {
+			names := make([]string, 0, len(members))
+			for _, m := range members {
+				names = append(names, m.ServerName)
+			}
+			return fmt.Errorf("templates file %s: template %q is placed on the member %q, which the cluster does not have (members: %s)", c.path, t.Wire.TemplateID, t.Placement, strings.Join(names, ", "))
 		}
 	}
 	return nil

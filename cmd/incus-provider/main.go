@@ -105,6 +105,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if err := catalog.Resolve(startCtx, client); err != nil {
 		return err
 	}
+	if err := catalog.CheckPlacement(startCtx, server.Environment.ServerClustered, client); err != nil {
+		return err
+	}
 	cancel()
 
 	kind, member := guestDialerFor(cfg, server)

@@ -63,7 +63,7 @@ for m in "${MEMBERS[@]}"; do
   d=$(dir_of "$m")
   [ -d "$d" ] || continue
   # Deepest first; lazily, since a dead daemon's mounts may still be busy.
-  grep -o " $d[^ ]*" /proc/self/mounts | sort -r | while read -r mnt; do umount -l "$mnt" 2>/dev/null || true; done
+  { grep -o " $d[^ ]*" /proc/self/mounts || true; } | sort -r | while read -r mnt; do umount -l "$mnt" 2>/dev/null || true; done
   rm -rf "$d"
 done
 rm -rf "$CLUSTER_DIR"

@@ -17,6 +17,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -203,4 +205,126 @@ func randomHex(n int) string {
 		panic(err)
 	}
 	return hex.EncodeToString(b)
+}
+
+// EnvClusterFile names the settings file deploy/dev/incus-cluster-up.sh
+// writes (default DefaultClusterFile); EnvRequireCluster "1" makes a missing
+// cluster fail the test instead of skipping it (make test sets it).
+const (
+	EnvClusterFile     = "INCUS_PROVIDER_TEST_CLUSTER_ENV"
+	EnvRequireCluster  = "INCUS_PROVIDER_REQUIRE_CLUSTER"
+	DefaultClusterFile = "/run/incus-provider-dev/cluster/cluster.env"
+
+	// ClusterProjectPrefix starts the projects ClusterClient makes: LXC
+	// names a container's cgroup after its project and name on the whole
+	// host, which the rig shares with the ordinary daemon.
+	ClusterProjectPrefix = "lsc-"
+)
+
+// ClusterRig is the three-member cluster of deploy/dev/incus-cluster-up.sh.
+type ClusterRig struct {
+	// Config reaches the cluster over HTTPS (every member's URL, the rig's
+	// client certificate, the cluster certificate pinned), in the default
+	// project.
+	Config incus.Config
+	// URLs, Members, Sockets and PIDs list the members in one order.
+	URLs    []string
+	Members []string
+	Sockets []string
+	PIDs    []int
+}
+
+// Cluster reads the rig's settings and checks that every member answers;
+// otherwise the test is skipped, or failed with
+// INCUS_PROVIDER_REQUIRE_CLUSTER=1.
+func Cluster(t testing.TB) *ClusterRig {
+	t.Helper()
+	path := os.Getenv(EnvClusterFile)
+	if path == "" {
+		path = DefaultClusterFile
+	}
+	missing := func(why string) {
+		t.Helper()
+		if os.Getenv(EnvRequireCluster) == "1" {
+			t.Fatalf("incustest: no cluster rig: %s (%s=1; deploy/dev/incus-cluster-up.sh makes one)", why, EnvRequireCluster)
+		}
+		t.Skipf("incustest: skipping: no cluster rig: %s; run deploy/dev/incus-cluster-up.sh, and set %s=1 to fail instead", why, EnvRequireCluster)
+	}
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		missing(err.Error())
+	}
+	vars := map[string]string{}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if k, v, ok := strings.Cut(strings.TrimSpace(line), "="); ok {
+			vars[k] = v
+		}
+	}
+	list := func(k string) []string {
+		if vars[k] == "" {
+			return nil
+		}
+		return strings.Split(vars[k], ",")
+	}
+	r := &ClusterRig{URLs: list("INCUS_URL"), Members: list("INCUS_CLUSTER_MEMBERS"), Sockets: list("INCUS_CLUSTER_SOCKETS")}
+	for _, p := range list("INCUS_CLUSTER_PIDS") {
+		n, err := strconv.Atoi(p)
+		if err != nil {
+			t.Fatalf("incustest: %s: bad PID %q", path, p)
+		}
+		r.PIDs = append(r.PIDs, n)
+	}
+	if len(r.URLs) == 0 || len(r.Members) != len(r.URLs) || len(r.Sockets) != len(r.URLs) || len(r.PIDs) != len(r.URLs) {
+		t.Fatalf("incustest: %s does not list every member's URL, name, socket and PID", path)
+	}
+	r.Config = incus.Config{URL: r.URLs[0], ClientCert: vars["INCUS_CLIENT_CERT"],
+		ClientKey: vars["INCUS_CLIENT_KEY"], ServerCert: vars["INCUS_SERVER_CERT"], CallTimeout: 30 * time.Second}
+	for i, s := range r.Sockets {
+		c, err := incus.New(incus.Config{Socket: s, CallTimeout: 5 * time.Second})
+		if err != nil {
+			t.Fatalf("incustest: %v", err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err = c.GetServer(ctx)
+		cancel()
+		c.Close()
+		if err != nil {
+			missing(fmt.Sprintf("member %s does not answer: %v", r.Members[i], err))
+		}
+	}
+	return r
+}
+
+// Member returns a client of one member's unix socket, default project.
+func (r *ClusterRig) Member(t testing.TB, i int) *incus.Client {
+	t.Helper()
+	c, err := incus.New(incus.Config{Socket: r.Sockets[i], CallTimeout: 30 * time.Second})
+	if err != nil {
+		t.Fatalf("incustest: %v", err)
+	}
+	t.Cleanup(c.Close)
+	return c
+}
+
+// Client returns a client of the cluster over HTTPS in a fresh project
+// (lsc-<random>, sharing the default project's images and profile), which
+// is emptied and deleted when the test ends, through member 0's socket.
+func (r *ClusterRig) Client(t testing.TB) *incus.Client {
+	t.Helper()
+	root := r.Member(t, 0)
+	name := ClusterProjectPrefix + randomHex(4)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := root.CreateProject(ctx, name, map[string]string{"features.images": "false", "features.profiles": "false"}); err != nil {
+		t.Fatalf("incustest: %v", err)
+	}
+	t.Cleanup(func() { removeProject(t, root, name) })
+	cfg := r.Config
+	cfg.Project = name
+	c, err := incus.New(cfg)
+	if err != nil {
+		t.Fatalf("incustest: cluster client: %v", err)
+	}
+	t.Cleanup(c.Close)
+	return c
 }
