@@ -176,6 +176,27 @@ func (c *Client) ListInstances(ctx context.Context) ([]Instance, error) {
 	return *out, nil
 }
 
+// FindInstance lists the one instance of that name (nil when there is
+// none). On a cluster it still answers while the member holding the
+// instance is unreachable, where GetInstance fails or hangs: the list is
+// served from the cluster database, and such an instance has the status
+// Error and its member as Location.
+func (c *Client) FindInstance(ctx context.Context, name string) (*Instance, error) {
+	out, _, err := get[[]Instance](ctx, c, request{op: "instance.find", scoped: true,
+		path: "/1.0/instances", query: url.Values{"recursion": {"1"}, "filter": {"name eq " + name}}},
+		fmt.Sprintf("find instance %q", name))
+	if err != nil {
+		return nil, err
+	}
+	for i := range *out {
+		// The filter is Incus's; the name is checked here all the same.
+		if (*out)[i].Name == name {
+			return &(*out)[i], nil
+		}
+	}
+	return nil, nil
+}
+
 // GetInstanceState fetches the runtime state of an instance.
 func (c *Client) GetInstanceState(ctx context.Context, name string) (*InstanceState, error) {
 	st, _, err := get[InstanceState](ctx, c, request{op: "instance.state.get", scoped: true, path: instancePath(name) + "/state"},

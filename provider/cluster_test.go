@@ -3,6 +3,9 @@ package provider_test
 import (
 	"context"
 	"net"
+	"net/http"
+	"os/exec"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -124,4 +127,116 @@ func TestClusterGuestsOnEveryMember(t *testing.T) {
 		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused
 	})
 	t.Logf("idle pause on lsm3 after %s", time.Since(start))
+}
+
+// memberCtl runs deploy/dev/incus-cluster-member.sh, the one way the rig
+// kills and starts a member.
+func memberCtl(t *testing.T, action, member string) {
+	t.Helper()
+	out, err := exec.Command("../deploy/dev/incus-cluster-member.sh", action, member).CombinedOutput()
+	if err != nil {
+		t.Fatalf("incus-cluster-member.sh %s %s: %v: %s", action, member, err, out)
+	}
+}
+
+// TestClusterMemberDown kills the incusd of the member holding one target
+// (its guests keep running, as after a daemon crash) and drives the
+// provider from outside meanwhile: the target on a live member keeps
+// working without pause; the one on the dead member is observed unknown,
+// with a message naming its member, and never failed, closed or created
+// again; its route answers 503 with Retry-After at once. With the member
+// back, everything is as before.
+func TestClusterMemberDown(t *testing.T) {
+	cl := incustest.Cluster(t)
+	r := newRig(t, rigOptions{cluster: cl})
+	live := r.create("down-live", "on-lsm1")
+	dead := r.create("down-dead", "on-lsm3")
+	before, _, err := r.client.GetInstance(r.ctx(), dead.TargetID)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	memberCtl(t, "kill", "lsm3")
+	killed := time.Now()
+	restarted := false
+	t.Cleanup(func() {
+		if !restarted {
+			memberCtl(t, "start", "lsm3")
+		}
+	})
+
+	// Until the dead member's target is observed unknown: every answer is
+	// unavailable or unknown or still active, never failed or closed.
+	var unknownAfter time.Duration
+	phases := map[controller.Phase]int{}
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		o, err := r.get(dead.Owner)
+		if err == nil {
+			phases[o.Phase]++
+			switch o.Phase {
+			case controller.PhaseFailed, controller.PhaseClosed, controller.PhaseClosing:
+				t.Fatalf("%s after the member died: the target observed %s: %+v", time.Since(killed), o.Phase, o)
+			case controller.PhaseUnknown:
+				if !strings.Contains(o.Message, "lsm3") {
+					t.Fatalf("the unknown observation does not name the member: %q", o.Message)
+				}
+				unknownAfter = time.Since(killed)
+			}
+		}
+		if unknownAfter > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the dead member's target was never observed unknown in 60 s (phases seen %v, last error %v)", phases, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Logf("member killed -> its target observed unknown after %s (answers before: %v)", unknownAfter, phases)
+
+	// Meanwhile the live member's target serves, and the dead one's route
+	// refuses at once, retryably.
+	ws := r.mustUpgrade(live)
+	_ = ws.Close()
+	d := r.dial(dead)
+	if d.Conn != nil {
+		t.Fatal("the route of a target on a dead member upgraded")
+	}
+	if d.Refusal == nil || d.Refusal.Status != http.StatusServiceUnavailable || d.Refusal.RetryAfter <= 0 {
+		t.Fatalf("route of a target on a dead member: %+v, want 503 with Retry-After", d.Refusal)
+	}
+	if d.Elapsed > 3*time.Second {
+		t.Fatalf("the refusal took %s: nothing can change while the member is down, so it need not hold", d.Elapsed)
+	}
+	if o, err := r.get(dead.Owner); err != nil || o.Phase != controller.PhaseUnknown {
+		t.Fatalf("a create for the owner would go through get first: %+v, %v", o, err)
+	}
+	// A create for the owner while its member is down answers the target it
+	// has, never a second one.
+	if o, err := r.call("target/create", controller.CreateParams{Owner: dead.Owner, TemplateID: "on-lsm3"}); err == nil && o.TargetID != dead.TargetID {
+		t.Fatalf("create during the outage answered another target: %+v", o)
+	}
+
+	memberCtl(t, "start", "lsm3")
+	restarted = true
+	back := time.Now()
+	r.until(dead.Owner, "active and running again", 90*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
+	})
+	t.Logf("member restarted -> its target active again after %s", time.Since(back))
+	ws = r.mustUpgrade(dead)
+	_ = ws.Close()
+	after, _, err := r.client.GetInstance(r.ctx(), dead.TargetID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.Location != before.Location || after.CreatedAt != before.CreatedAt {
+		t.Fatalf("the instance changed across the outage: %s created %s, now %s created %s", before.Location, before.CreatedAt, after.Location, after.CreatedAt)
+	}
+	list, err := r.client.ListInstances(r.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != 2 {
+		t.Fatalf("%d instances after the outage, want the 2 targets", len(list))
+	}
 }

@@ -380,6 +380,10 @@ func terminal(o controller.Observation) (*Refusal, string) {
 			msg = defaultFailedMessage
 		}
 		return &Refusal{State: StateFailed, Message: msg}, OutcomeFailed
+	case controller.PhaseUnknown:
+		// Incus cannot tell (a cluster member down): no wait within the
+		// hold would change that, and a wake must not touch the target.
+		return refuse(StateBooting, 5*time.Second), OutcomeUnavailable
 	}
 	return nil, ""
 }

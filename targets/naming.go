@@ -93,6 +93,16 @@ func ownerOf(inst *incus.Instance) (controller.Owner, bool) {
 	return o, true
 }
 
+// unreadable says Incus listed the instance without its configuration: on a
+// cluster, the member holding it does not answer, and the list carries only
+// its name, member and status Error. Its recorded owner cannot be read then;
+// an instance at an owner's derived name is taken for that owner's target
+// for observing it (unknown), never for changing it: every write reads the
+// instance afresh, and fails while the member is down.
+func unreadable(inst *incus.Instance) bool {
+	return inst.Status == incus.InstanceError && inst.Config[keySchema] == ""
+}
+
 // DaemonPort is the guest daemon's port recorded on the instance.
 func DaemonPort(inst *incus.Instance) int {
 	p, err := strconv.Atoi(inst.Config[keyDaemonPort])

@@ -65,7 +65,7 @@ func TestObserveMapsIncusStatus(t *testing.T) {
 		{"stopped before first boot", "Stopped", nil, false, controller.PhaseProvisioning, ""},
 		{"stopped after boot", "Stopped", booted, false, controller.PhaseActive, controller.PowerStopped},
 		{"suspended", "Stopped", booted, true, controller.PhaseActive, controller.PowerSuspended},
-		{"error", "Error", booted, false, controller.PhaseFailed, ""},
+		{"error (Incus cannot tell: its member is down)", "Error", booted, false, controller.PhaseUnknown, ""},
 		{"unknown status", "Migrating", booted, false, controller.PhaseUnknown, ""},
 		{"closing wins", "Running", map[string]string{keyClosing: "1"}, false, controller.PhaseClosing, ""},
 		{"recorded failure", "Stopped", map[string]string{keyFailure: "could not start"}, false, controller.PhaseFailed, ""},

@@ -51,7 +51,7 @@ func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targ
 	if inst == nil {
 		return nil, controller.Observation{}, ErrRouteGone
 	}
-	if got, ok := ownerOf(inst); !ok || got != owner {
+	if err := checkOwned(inst, owner); err != nil {
 		return nil, controller.Observation{}, ErrRouteOwner
 	}
 	return inst, Observe(inst, owner), nil

@@ -161,14 +161,46 @@ func (s *Service) ListTemplates(_ context.Context, _ string) ([]controller.Templ
 
 // lookup reads the instance at name; nil without error when there is none.
 func (s *Service) lookup(ctx context.Context, name string) (*incus.Instance, error) {
-	inst, _, err := s.incus.GetInstance(ctx, name)
+	gctx, cancel := context.WithTimeout(ctx, getAttempt(ctx))
+	inst, _, err := s.incus.GetInstance(gctx, name)
+	cancel()
 	if errors.Is(err, incus.ErrNotFound) {
 		return nil, nil
 	}
 	if err != nil {
+		if ctx.Err() == nil && memberTrouble(err) {
+			// On a cluster, a GET is answered by the member that holds the
+			// instance: while that member is down it is refused, hangs or
+			// fails. The cluster's list still knows the instance (status
+			// Error, its member as location), which reads as unknown.
+			if found, ferr := s.incus.FindInstance(ctx, name); ferr == nil && found != nil && found.Status == incus.InstanceError {
+				return found, nil
+			}
+		}
 		return nil, err
 	}
 	return inst, nil
+}
+
+// getAttempt bounds one instance GET: a member that does not answer must
+// leave time, within the caller's deadline, to ask the cluster's list.
+func getAttempt(ctx context.Context) time.Duration {
+	const most = 1500 * time.Millisecond
+	if dl, ok := ctx.Deadline(); ok {
+		return min(most, max(time.Until(dl)/2, 50*time.Millisecond))
+	}
+	return most
+}
+
+// memberTrouble says an instance GET failed on Incus's side rather than
+// with an answer about the instance: a server error, no connection, or no
+// answer in time.
+func memberTrouble(err error) bool {
+	var e *incus.Error
+	if errors.As(err, &e) {
+		return e.Status == 0 || e.Status >= 500
+	}
+	return errors.Is(err, context.DeadlineExceeded)
 }
 
 func ownerMismatch(id string) error {
@@ -178,6 +210,9 @@ func ownerMismatch(id string) error {
 
 // checkOwned refuses an instance whose recorded owner is not the caller.
 func checkOwned(inst *incus.Instance, owner controller.Owner) error {
+	if unreadable(inst) && inst.Name == Name(owner) {
+		return nil
+	}
 	got, ok := ownerOf(inst)
 	if !ok || got != owner {
 		return ownerMismatch(inst.Name)

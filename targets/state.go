@@ -28,6 +28,9 @@ type State struct {
 	Intent Intent
 	// Failure is the reason recorded when the provider gave up on it.
 	Failure string
+	// Location is the cluster member of an instance whose state Incus
+	// cannot tell (phase unknown).
+	Location string
 }
 
 // Settled says the target is active, Incus rests, and it has the power
@@ -78,7 +81,10 @@ func StateOf(inst *incus.Instance) State {
 		}
 		return active(controller.PowerStopped)
 	case incus.InstanceError:
-		st.Phase = controller.PhaseFailed
+		// Incus cannot tell the instance's state: on a cluster, the member
+		// that holds it does not answer. Nothing is known to be broken, so
+		// the target is unknown (never failed: the runtime would give it up).
+		st.Phase, st.Location = controller.PhaseUnknown, inst.Location
 		return st
 	default:
 		st.Phase = controller.PhaseUnknown
@@ -107,7 +113,14 @@ func observation(inst *incus.Instance, owner controller.Owner, st State, p *prog
 	case controller.PhaseProvisioning:
 		o.Message = "Starting the instance."
 	case controller.PhaseUnknown:
-		o.Message = "Incus reports an instance status this provider does not know: " + string(st.Status) + "."
+		switch {
+		case st.Status == incus.InstanceError && st.Location != "" && st.Location != "none":
+			o.Message = "The Incus cluster member " + st.Location + " that holds this target does not answer; the target is left as it is and observed again once the member is back."
+		case st.Status == incus.InstanceError:
+			o.Message = "Incus cannot tell this target's state (status Error); it is left as it is and observed again."
+		default:
+			o.Message = "Incus reports an instance status this provider does not know: " + string(st.Status) + "."
+		}
 	case controller.PhaseActive:
 		o.Power = st.Power
 		switch {

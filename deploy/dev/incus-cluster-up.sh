@@ -81,17 +81,7 @@ done
 
 start=$(date +%s%N)
 for m in "${MEMBERS[@]}"; do
-  d=$(dir_of "$m")
-  mkdir -m 0711 -p "$d"
-  # Its own session and no inherited output: a daemon holding the caller's
-  # pipe would keep a CI run from ending.
-  INCUS_DIR=$d INCUS_SKIP_INSTANCE_TYPES=1 setsid "$INCUSD" --group root \
-    --logfile "$d/incusd.log" </dev/null >>"$d/incusd.out" 2>&1 &
-  echo "$!" > "$d/rig.pid"
-done
-for m in "${MEMBERS[@]}"; do
-  INCUS_DIR=$(dir_of "$m") incus admin waitready --timeout=60 >/dev/null 2>&1 ||
-    fail "member $m did not become ready within 60 s; see $(dir_of "$m")/incusd.log"
+  "$(dirname "$0")/incus-cluster-member.sh" start "$m"
 done
 
 on lsm1 admin init --preseed >/dev/null <<EOF

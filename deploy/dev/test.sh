@@ -13,6 +13,7 @@ step() { printf '\n== %s\n' "$*"; }
 # writes a new PID file exactly when it starts the daemon.
 pid_before=$(cat "$STATE_DIR/incusd.pid" 2>/dev/null || true)
 started_incus=0
+started_cluster=0
 provider_pid=""
 conform_project="lsconform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 work=$(mktemp -d)
@@ -24,6 +25,7 @@ cleanup() {
     incus project delete "$conform_project" >/dev/null 2>&1 || true
   fi
   rm -rf "$work"
+  if [ "$started_cluster" = 1 ]; then deploy/dev/incus-cluster-down.sh || true; fi
   if [ "$started_incus" = 1 ] && [ -f "$STATE_DIR/incusd.pid" ]; then deploy/dev/incus-down.sh || true; fi
   exit $status
 }
@@ -36,6 +38,12 @@ if [ -n "$pid_after" ] && [ "$pid_after" != "$pid_before" ]; then started_incus=
 
 step "development guest image"
 deploy/guest/build-image.sh
+
+step "three-member Incus cluster (deploy/dev/incus-cluster-up.sh)"
+# Removed at the end only if this run made it.
+if [ ! -f "$STATE_DIR/cluster/cluster.env" ]; then started_cluster=1; fi
+deploy/dev/incus-cluster-up.sh
+export INCUS_PROVIDER_REQUIRE_CLUSTER=1
 
 step "lint"
 deploy/dev/lint.sh
