@@ -46,24 +46,43 @@ type Operation struct {
 	Location    string              `json:"location"`
 	CreatedAt   time.Time           `json:"created_at"`
 	UpdatedAt   time.Time           `json:"updated_at"`
+
+	// via is the endpoint that started the operation, which follows it.
+	via *endpoint
 }
 
 // Final reports whether the operation has finished, successfully or not.
 func (o *Operation) Final() bool { return o.StatusCode >= StatusSuccess }
 
-// GetOperation fetches an operation by ID.
+// GetOperation fetches an operation by ID through any endpoint, relying on
+// the member that answers to know it or forward to the one that does. For
+// an operation this client started, RefreshOperation asks where it runs.
 func (c *Client) GetOperation(ctx context.Context, id string) (*Operation, error) {
-	o, err := c.getOperation(ctx, id)
+	o, err := c.getOperation(ctx, id, nil)
 	if err != nil {
 		return nil, fmt.Errorf("incus: get operation %q: %w", id, err)
 	}
 	return o, nil
 }
 
-func (c *Client) getOperation(ctx context.Context, id string) (*Operation, error) {
+// RefreshOperation fetches the current state of op through the endpoint
+// that started it (see Client), and keeps following it there.
+func (c *Client) RefreshOperation(ctx context.Context, op *Operation) (*Operation, error) {
+	if op == nil || op.ID == "" {
+		return nil, errors.New("incus: refresh operation: operation without ID")
+	}
+	o, err := c.getOperation(ctx, op.ID, op.via)
+	if err != nil {
+		return nil, fmt.Errorf("incus: get operation %q: %w", op.ID, err)
+	}
+	return o, nil
+}
+
+// getOperation fetches operation id, through via when that is set.
+func (c *Client) getOperation(ctx context.Context, id string, via *endpoint) (*Operation, error) {
 	resp, err := c.do(ctx, request{
 		op: "operation.get", method: http.MethodGet, scoped: true,
-		path: "/1.0/operations/" + escape(id),
+		path: "/1.0/operations/" + escape(id), via: via,
 	})
 	if err != nil {
 		return nil, err
@@ -72,6 +91,7 @@ func (c *Client) getOperation(ctx context.Context, id string) (*Operation, error
 	if err := decode("operation.get", resp, &o); err != nil {
 		return nil, err
 	}
+	o.via = resp.via
 	return &o, nil
 }
 
@@ -125,6 +145,10 @@ const maxTransient = 5
 //
 // An op that is already final (e.g. a create response that finished at once,
 // or a synchronous answer) is returned straight away without a call.
+//
+// An op this client started is followed through the endpoint that started
+// it, with no failover: the operation lives on the member that runs it.
+// That endpoint failing is one of the transient rounds above.
 func (c *Client) Wait(ctx context.Context, op *Operation) (*Operation, error) {
 	got, err := c.wait(ctx, op)
 	if err != nil {
@@ -144,7 +168,7 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 	if op.ID == "" {
 		return op, errors.New("operation without ID")
 	}
-	id := op.ID
+	id, via := op.ID, op.via
 	wrap := func(err error) error { return fmt.Errorf("operation %s: %w", id, err) }
 
 	cur := op
@@ -163,6 +187,7 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 			query:    url.Values{"timeout": {strconv.Itoa(n)}},
 			timeout:  time.Duration(n)*time.Second + c.waitGrace,
 			waitCall: true,
+			via:      via,
 		})
 
 		switch {
@@ -174,6 +199,8 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 			if got.ID == "" {
 				got.ID = id
 			}
+			got.via = resp.via
+			via = resp.via
 			cur = &got
 			transient = 0
 			if cur.Final() {
@@ -209,7 +236,7 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 				waitSaid = resp.Error
 			}
 
-			got, gerr := c.getOperation(ctx, id)
+			got, gerr := c.getOperation(ctx, id, via)
 			switch {
 			case gerr == nil:
 				cur = got
