@@ -140,6 +140,20 @@ func (s *endpointSet) order(write bool) []pick {
 	return append(out, cooling...)
 }
 
+// preferred is the first healthy endpoint in the configured order, or the
+// first configured when none is healthy.
+func (s *endpointSet) preferred() *endpoint {
+	for _, ep := range s.list {
+		ep.mu.Lock()
+		ok := ep.failures == 0
+		ep.mu.Unlock()
+		if ok {
+			return ep
+		}
+	}
+	return s.list[0]
+}
+
 // pinned is the one-endpoint order for a call that must go to ep.
 func pinned(ep *endpoint) []pick {
 	ep.mu.Lock()

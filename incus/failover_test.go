@@ -639,7 +639,7 @@ func TestFailoverPinnedCertificate(t *testing.T) {
 }
 
 // An operation is followed through the endpoint that started it, even once
-// calls prefer another.
+// calls prefer another; its websockets too.
 func TestOperationFollowsItsEndpoint(t *testing.T) {
 	rg := newRig(t)
 	waits := 0
@@ -691,4 +691,22 @@ func TestOperationFollowsItsEndpoint(t *testing.T) {
 		}
 	}
 
+	u, err := c.WebsocketURL(op, "s3cret")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "wss://" + runs.label() + "/1.0/operations/op-9/websocket?project=p1&secret=s3cret"; u != want {
+		t.Errorf("websocket URL %s, want %s", u, want)
+	}
+	conn, err := c.DialOperation(ctx, op)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if conn.RemoteAddr().String() != runs.label() {
+		t.Errorf("websocket connection to %s, want %s", conn.RemoteAddr(), runs.label())
+	}
+	if tc, ok := conn.(*tls.Conn); !ok || !tc.ConnectionState().HandshakeComplete {
+		t.Errorf("want a TLS connection with its handshake done, got %T", conn)
+	}
 }

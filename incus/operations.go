@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"net/http"
 	"net/url"
 	"sort"
@@ -120,6 +121,56 @@ func (c *Client) ListOperations(ctx context.Context) ([]Operation, error) {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
 	return out, nil
+}
+
+// WebsocketURL is the address of one of op's websockets (secret from
+// op.Metadata, as Incus hands it out), on the endpoint that started op:
+// an operation lives on the member that runs it, and other members need
+// not forward its websockets. It is built from op.ID, never from the
+// operation URL the server returned, which carries ?project= when the
+// answering member does not hold the instance. Dial it over a connection
+// from DialOperation.
+func (c *Client) WebsocketURL(op *Operation, secret string) (string, error) {
+	if op == nil || op.ID == "" {
+		return "", errors.New("incus: websocket: operation without ID")
+	}
+	ep := c.opEndpoint(op)
+	u := *ep.base
+	u.Scheme = map[string]string{"https": "wss", "http": "ws"}[u.Scheme]
+	u.Path = "/1.0/operations/" + op.ID + "/websocket"
+	u.RawPath = "/1.0/operations/" + escape(op.ID) + "/websocket"
+	u.RawQuery = url.Values{"project": {c.project}, "secret": {secret}}.Encode()
+	return u.String(), nil
+}
+
+// DialOperation opens a connection to the endpoint that started op, ready
+// for a websocket handshake to WebsocketURL: TLS done (client certificate
+// presented, server certificate pinned) for an HTTPS endpoint, the unix
+// socket otherwise. It is bounded by ctx, and by the call timeout when ctx
+// has no deadline.
+func (c *Client) DialOperation(ctx context.Context, op *Operation) (net.Conn, error) {
+	if op == nil || op.ID == "" {
+		return nil, errors.New("incus: websocket: operation without ID")
+	}
+	ep := c.opEndpoint(op)
+	by := time.Now().Add(c.callTimeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(by) {
+		by = dl
+	}
+	conn, err := ep.dial(withConnectBy(ctx, by))
+	if err != nil {
+		return nil, fmt.Errorf("incus: websocket of operation %s: %s: %w", op.ID, ep.label, err)
+	}
+	return conn, nil
+}
+
+// opEndpoint is the endpoint that follows op: the one that started it, or
+// for an operation of unknown origin the one calls prefer.
+func (c *Client) opEndpoint(op *Operation) *endpoint {
+	if op.via != nil {
+		return op.via
+	}
+	return c.eps.preferred()
 }
 
 // maxTransient is how many failed rounds in a row Wait tolerates (transport
