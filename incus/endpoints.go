@@ -3,6 +3,7 @@ package incus
 import (
 	"context"
 	"crypto/tls"
+	"fmt"
 	"net"
 	"net/http"
 	"net/url"
@@ -273,7 +274,7 @@ func tcpDialer(tlsCfg *tls.Config, hostport string) func(ctx context.Context) (n
 		tc := tls.Client(raw, tlsCfg)
 		if err := tc.HandshakeContext(ctx); err != nil {
 			_ = raw.Close()
-			return nil, err
+			return nil, fmt.Errorf("tls handshake: %w", err)
 		}
 		return tc, nil
 	}
