@@ -162,7 +162,7 @@ func New(cfg Config) (*Client, error) {
 		var hosts []string
 		for _, raw := range urls {
 			if err := CheckURL(raw); err != nil {
-				return nil, fmt.Errorf("incus: config: URL %q: %w", raw, err)
+				return nil, fmt.Errorf("incus: config: URL %q %w", raw, err)
 			}
 			u, _ := url.Parse(raw)
 			host := strings.ToLower(u.Host)
@@ -202,27 +202,28 @@ func New(cfg Config) (*Client, error) {
 
 // CheckURL says whether raw is usable as an HTTPS endpoint: https, a host
 // and a port, and nothing else (no user, path, query or fragment), so that
-// no two spellings name one member. Its error completes "use ...".
+// no two spellings name one member. Its error is a predicate that reads
+// after the URL: `"http://x:1" must start with https://`.
 func CheckURL(raw string) error {
 	u, err := url.Parse(raw)
 	switch {
 	case err != nil:
-		return fmt.Errorf("it is not an https://host:port URL (%w)", errors.Unwrap(err))
+		return fmt.Errorf("is not an https://host:port URL (%w)", errors.Unwrap(err))
 	case u.Scheme != "https":
-		return errors.New("it must start with https://")
+		return errors.New("must start with https://")
 	case u.User != nil:
-		return errors.New("it must not carry a user or password (the client certificate is the identity)")
+		return errors.New("must not carry a user or password (the client certificate is the identity)")
 	case u.Host == "":
-		return errors.New("it must name a host, as https://10.0.0.1:8443")
+		return errors.New("must name a host, as https://10.0.0.1:8443")
 	case u.Port() == "":
-		return errors.New("it must give a port, as https://10.0.0.1:8443")
+		return errors.New("must give a port, as https://10.0.0.1:8443")
 	case u.Hostname() == "":
-		return errors.New("it must name a host, as https://10.0.0.1:8443")
+		return errors.New("must name a host, as https://10.0.0.1:8443")
 	case u.Path != "" && u.Path != "/", u.RawQuery != "", u.Fragment != "", u.Opaque != "":
-		return errors.New("it must be https://host:port only, without a path, query or fragment")
+		return errors.New("must be https://host:port only, without a path, query or fragment")
 	}
 	if n, err := strconv.Atoi(u.Port()); err != nil || n < 1 || n > 65535 {
-		return errors.New("its port must be a number from 1 to 65535")
+		return errors.New("must have a port from 1 to 65535")
 	}
 	return nil
 }

@@ -82,7 +82,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	incusMetrics := newIncusMetrics(reg)
 
 	client, err := incus.New(incus.Config{
-		Socket: cfg.IncusSocket, URL: cfg.IncusURL, ClientCert: cfg.IncusClientCert, ClientKey: cfg.IncusClientKey,
+		Socket: cfg.IncusSocket, URLs: cfg.incusURLs, ClientCert: cfg.IncusClientCert, ClientKey: cfg.IncusClientKey,
 		ServerCert: cfg.IncusServerCert, Project: cfg.IncusProject, Observe: incusMetrics.observe,
 	})
 	if err != nil {
