@@ -90,17 +90,20 @@ type Config struct {
 //     ready yet", "Missing event connection with target cluster member"):
 //     any method, since Incus says so before it acts;
 //   - a read got no answer within AttemptTimeout, or lost its connection,
-//     or got a 503.
+//     or got a 503. A recursive list (ListInstances, ListOperations) may
+//     rightly take seconds on a large project and is not cut short.
 //
 // A write (POST, PUT, PATCH, DELETE) that was sent and got no answer is
 // never sent elsewhere, because it may have been carried out: its error
 // matches ErrOutcomeUnknown. When no endpoint answers, the error matches
 // ErrUnreachable (and a write was then sent to none). An endpoint that
 // failed is set aside for a cool-down that doubles from 1 s to 30 s;
-// calls try it after the others, and the first read after the cool-down
-// tries it first. A read that timed out counts against its endpoint only
-// once another endpoint has answered the same call, since a call can be
-// slow everywhere for a reason that is not the member's (one that must be
+// calls try it after the others, and the first short read after the
+// cool-down tries it first (writes and lists never probe). A read that
+// timed out, or a member that could not reach the member the call needs,
+// counts against its endpoint only once another endpoint has answered the
+// same call within AttemptTimeout, since a call can be slow or refused
+// everywhere for a reason that is not the member's (one that must be
 // forwarded to a dead member is). Endpoints reports what is known of each.
 //
 // An operation is followed (Wait, RefreshOperation, its websockets)

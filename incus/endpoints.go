@@ -98,14 +98,15 @@ type pick struct {
 // order is the sequence a call tries endpoints in.
 //
 // Healthy endpoints come in the configured order, so the first configured
-// one that works takes the calls. A read also takes, first of all, an
-// endpoint whose cool-down has ended and that no other read is trying:
-// that is how a member that is back is noticed, at the cost of one read.
-// Writes never probe, because a write to a member that accepts and then
-// hangs has an unknown outcome: they go to endpoints known to work first.
-// Endpoints still cooling down come last, soonest-to-retry first, so that
-// a call tries every endpoint before it gives up.
-func (s *endpointSet) order(write bool) []pick {
+// one that works takes the calls. A call that may probe (a short read)
+// also takes, first of all, an endpoint whose cool-down has ended and that
+// no other call is trying: that is how a member that is back is noticed,
+// at the cost of one read. Writes never probe, because a write to a
+// member that accepts and then hangs has an unknown outcome; nor do long
+// reads, which nothing cuts short. They go to endpoints known to work
+// first. Endpoints still cooling down come last, soonest-to-retry first,
+// so that a call tries every endpoint before it gives up.
+func (s *endpointSet) order(probe bool) []pick {
 	if len(s.list) == 1 {
 		ep := s.list[0]
 		ep.mu.Lock()
@@ -120,7 +121,7 @@ func (s *endpointSet) order(write bool) []pick {
 		switch {
 		case ep.failures == 0:
 			healthy = append(healthy, p)
-		case !write && !ep.probing && !now.Before(ep.retryAt):
+		case probe && !ep.probing && !now.Before(ep.retryAt):
 			ep.probing = true
 			p.probe = true
 			probes = append(probes, p)

@@ -42,7 +42,7 @@ func TestEndpointOrderRandomized(t *testing.T) {
 			where := fmt.Sprintf("run %d (%d endpoints) step %d", run, n, step)
 			write := rnd.IntN(3) == 0
 			before := set.states()
-			picks := set.order(write)
+			picks := set.order(!write)
 			checkOrder(t, where, set, before, picks, write, clock.now())
 			for _, p := range picks {
 				if p.probe {
@@ -165,7 +165,7 @@ func TestConcurrentFailuresCountOnce(t *testing.T) {
 	set.list = []*endpoint{{label: "a"}, {index: 1, label: "b"}}
 	var picks []pick
 	for range 20 {
-		picks = append(picks, set.order(false)[0])
+		picks = append(picks, set.order(true)[0])
 	}
 	for _, p := range picks {
 		set.failed(p, errors.New("connection refused"))

@@ -710,3 +710,70 @@ func TestOperationFollowsItsEndpoint(t *testing.T) {
 		t.Errorf("want a TLS connection with its handshake done, got %T", conn)
 	}
 }
+
+// slowly answers every request after d, as a member under load.
+func slowly(d time.Duration, h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-time.After(d):
+			h(w, r)
+		case <-r.Context().Done():
+		}
+	}
+}
+
+func instanceList(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/1.0/instances" {
+		writeSync(w, []map[string]any{{"name": "c1"}})
+		return
+	}
+	serverOK(w, r)
+}
+
+// A read that is slow on every member is not the members' fault: the one
+// cut short is not blamed when the next is slow as well.
+func TestFailoverSlowEverywhereBlamesNobody(t *testing.T) {
+	rg := newRig(t)
+	a := rg.member(t, slowly(700*time.Millisecond, serverOK))
+	b := rg.member(t, slowly(700*time.Millisecond, serverOK))
+	c := rg.client(t, []string{a.url(), b.url()}, nil)
+	if _, err := c.GetServer(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if a.count("") != 1 || b.count("") != 1 {
+		t.Errorf("a saw %v, b saw %v", a.methods, b.methods)
+	}
+	for _, st := range c.Endpoints() {
+		if !st.Healthy {
+			t.Errorf("%s blamed for a call that was slow everywhere: %+v", st.URL, st)
+		}
+	}
+}
+
+// A recursive list may rightly take longer than the attempt bound: it is
+// not cut short, and it does not probe a member that failed.
+func TestFailoverListsArePatient(t *testing.T) {
+	rg := newRig(t)
+	slow := rg.member(t, slowly(900*time.Millisecond, instanceList))
+	other := rg.member(t, instanceList)
+	c := rg.client(t, []string{slow.url(), other.url()}, nil)
+	list, err := c.ListInstances(t.Context())
+	if err != nil || len(list) != 1 {
+		t.Fatalf("%v %v", list, err)
+	}
+	if slow.count("") != 1 || other.count("") != 0 {
+		t.Errorf("a slow list was cut short: slow saw %v, other saw %v", slow.methods, other.methods)
+	}
+
+	// Set aside and cooled down: a short read would probe it, a list does not.
+	clock := newFakeClock()
+	c.eps.now = clock.now
+	c.eps.failed(pinned(c.eps.list[0])[0], errors.New("set aside by the test"))
+	clock.advance(time.Minute)
+	if _, err := c.ListInstances(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if slow.count("") != 1 || other.count("") != 1 {
+		t.Errorf("a list probed a member that had failed: slow saw %v, other saw %v", slow.methods, other.methods)
+	}
+}

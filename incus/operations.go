@@ -101,7 +101,7 @@ func (c *Client) getOperation(ctx context.Context, id string, via *endpoint) (*O
 func (c *Client) ListOperations(ctx context.Context) ([]Operation, error) {
 	resp, err := c.do(ctx, request{
 		op: "operation.list", method: http.MethodGet, scoped: true,
-		path: "/1.0/operations", query: url.Values{"recursion": {"1"}},
+		path: "/1.0/operations", query: url.Values{"recursion": {"1"}}, patient: true,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("incus: list operations: %w", err)

@@ -34,6 +34,12 @@ type request struct {
 	// via pins the call to one endpoint (an operation's): no failover.
 	via *endpoint
 
+	// patient marks a read that may rightly take seconds (a recursive
+	// list of a large project): AttemptTimeout does not cut it short, and
+	// like a write it goes to endpoints known to answer before it would
+	// probe one that failed.
+	patient bool
+
 	// waitCall marks GET /1.0/operations/{id}/wait. Incus sends the 200
 	// header before it starts waiting, so the outcome of the wait (the
 	// operation failed, or the server-side timeout ran out) arrives as an
@@ -91,6 +97,7 @@ type attempt struct {
 	resp *response
 	err  error // *Error for an answer, else the transport failure
 	sent bool  // some of the request may have reached the server
+	took time.Duration
 }
 
 // errAttemptTimeout is the cause of an attempt cut short by AttemptTimeout.
@@ -118,7 +125,7 @@ func (c *Client) call(ctx context.Context, r request) (*response, error) {
 	if r.via != nil {
 		picks = pinned(r.via)
 	} else {
-		picks = c.eps.order(write)
+		picks = c.eps.order(!write && !r.patient)
 	}
 	// Every pick is settled once: by its attempt's result, as a suspect
 	// at the end, or unused.
@@ -141,11 +148,14 @@ func (c *Client) call(ctx context.Context, r request) (*response, error) {
 		case answered:
 			c.eps.succeeded(p)
 			settled[i] = true
-			// Another endpoint answered this call: those that did not
-			// were at fault after all.
-			for _, j := range suspects {
-				c.eps.failed(picks[j], failures[j])
-				settled[j] = true
+			// Another endpoint answered this call, and in good time: those
+			// that did not were at fault after all. (One that answered
+			// slowly too says the call is slow, not the members.)
+			if a.took < c.attemptTO {
+				for _, j := range suspects {
+					c.eps.failed(picks[j], failures[j])
+					settled[j] = true
+				}
 			}
 			return a.resp, a.err
 		case callOver:
@@ -198,8 +208,9 @@ func outcomeUnknown(op string, err error) error {
 func (c *Client) attempt(callCtx context.Context, r request, body []byte, p pick, last, write bool) attempt {
 	start := time.Now()
 	a := c.tryEndpoint(callCtx, r, body, p.ep, last, write)
+	a.took = time.Since(start)
 	if c.observeEP != nil {
-		c.observeEP(p.ep.label, r.op, attemptStatus(callCtx, a), time.Since(start))
+		c.observeEP(p.ep.label, r.op, attemptStatus(callCtx, a), a.took)
 	}
 	return a
 }
@@ -262,7 +273,7 @@ func (t *sentTracker) sent(timedOut bool) bool {
 
 func (c *Client) tryEndpoint(callCtx context.Context, r request, body []byte, ep *endpoint, last, write bool) attempt {
 	actx := callCtx
-	if !last && !write {
+	if !last && !write && !r.patient {
 		var cancel context.CancelFunc
 		actx, cancel = context.WithTimeoutCause(callCtx, c.attemptTO, errAttemptTimeout)
 		defer cancel()
