@@ -159,7 +159,10 @@ func isDuplicateMessage(msg string) bool {
 // failed operations, lost operations and malformed answers are not.
 //
 // Incus uses 500 for many refusals that will not go away by themselves
-// ("Only empty projects can be removed."), so bound any retry loop.
+// ("Only empty projects can be removed."), so bound any retry loop. A write
+// whose outcome is unknown (ErrOutcomeUnknown) is retryable as a transport
+// failure, but may have been carried out: repeat it only if doing it twice
+// is harmless, or read what it acted on first.
 func IsRetryable(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) {
 		return false
