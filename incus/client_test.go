@@ -33,7 +33,7 @@ func TestConfigValidation(t *testing.T) {
 	if other.Project() != "p2" || c.Project() != "default" {
 		t.Fatalf("WithProject: got %q, original now %q", other.Project(), c.Project())
 	}
-	if other.http != c.http {
+	if other.eps != c.eps {
 		t.Fatal("WithProject should share the HTTP client")
 	}
 	if c.WithProject("").Project() != "default" {

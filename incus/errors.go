@@ -38,6 +38,25 @@ var (
 	// ErrMalformedResponse: the server answered with something that is not
 	// an Incus response envelope.
 	ErrMalformedResponse = errors.New("incus: malformed response")
+
+	// ErrOutcomeUnknown: a write (POST, PUT, PATCH, DELETE) was sent and
+	// no answer came back (no answer in time, or the connection broke), so
+	// Incus may or may not have carried it out. It was not sent to another
+	// endpoint. Read the object it acted on to know. Never matches
+	// ErrUnreachable.
+	ErrOutcomeUnknown = errors.New("incus: the request was sent but its outcome is unknown")
+
+	// ErrUnreachable: no endpoint answered the call (each refused the
+	// connection, failed the handshake, did not answer in time, or said
+	// it could not serve it yet), or the call ran out of time before one
+	// did. A write was then sent to none of them: nothing happened. Not
+	// matched when the caller cancelled the call.
+	ErrUnreachable = errors.New("incus: no Incus endpoint answered")
+
+	// ErrMemberUnavailable: the member that took the call could not reach
+	// the cluster member the call needed (the one holding the instance):
+	// that member is down or not yet reconnected. Nothing of the call ran.
+	ErrMemberUnavailable = errors.New("incus: the cluster member the call needs is not reachable")
 )
 
 // Error is a failed call: either the server answered with an error
@@ -48,6 +67,9 @@ type Error struct {
 	Status  int    // HTTP status / Incus error_code; 0 for transport failures
 	Message string // the server's error text
 	Err     error  // transport or decoding failure, if any
+
+	unreachable bool // matches ErrUnreachable
+	unknown     bool // matches ErrOutcomeUnknown
 }
 
 func (e *Error) Error() string {
@@ -76,6 +98,12 @@ func (e *Error) Is(target error) bool {
 		return e.Status == http.StatusPreconditionFailed
 	case ErrBusy:
 		return e.Status >= 400 && isBusyMessage(e.Message)
+	case ErrUnreachable:
+		return e.unreachable
+	case ErrOutcomeUnknown:
+		return e.unknown
+	case ErrMemberUnavailable:
+		return e.Status >= 500 && isForwardMessage(e.Message)
 	}
 	return false
 }
@@ -131,7 +159,10 @@ func isDuplicateMessage(msg string) bool {
 // failed operations, lost operations and malformed answers are not.
 //
 // Incus uses 500 for many refusals that will not go away by themselves
-// ("Only empty projects can be removed."), so bound any retry loop.
+// ("Only empty projects can be removed."), so bound any retry loop. A write
+// whose outcome is unknown (ErrOutcomeUnknown) is retryable as a transport
+// failure, but may have been carried out: repeat it only if doing it twice
+// is harmless, or read what it acted on first.
 func IsRetryable(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) {
 		return false

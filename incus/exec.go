@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -70,7 +69,7 @@ func (c *Client) ExecStream(ctx context.Context, instance string, argv []string)
 	// the command; control is what lets Close end it. A failed dial closes
 	// what was opened, and Incus then abandons the operation.
 	for _, fd := range []string{"control", "0", "1", "2"} {
-		ws, err := c.dialOperationWebsocket(ctx, op.ID, secrets[fd])
+		ws, err := c.dialOperationWebsocket(ctx, op, secrets[fd])
 		if err != nil {
 			x.closeAll()
 			return nil, fmt.Errorf("incus: exec in %q: websocket %s: %w", instance, fd, err)
@@ -108,33 +107,24 @@ func execSecrets(op *Operation) (map[string]string, error) {
 	return out, nil
 }
 
-// dialOperationWebsocket connects one websocket of an operation, the same
-// way (socket or pinned TLS) as every other call of this client. The URL is
-// built from the operation's id rather than from what the server sent: a
-// member that forwarded the request may hand back another member's URL.
-func (c *Client) dialOperationWebsocket(ctx context.Context, id, secret string) (*websocket.Conn, error) {
-	tr, ok := c.http.Transport.(*http.Transport)
-	if !ok {
-		return nil, errors.New("incus: websocket: client has no HTTP transport")
+// dialOperationWebsocket connects one websocket of an operation through
+// the endpoint that started it (WebsocketURL, DialOperation): the
+// connection is made, TLS included, by this client, so gorilla only speaks
+// the handshake over it.
+func (c *Client) dialOperationWebsocket(ctx context.Context, op *Operation, secret string) (*websocket.Conn, error) {
+	u, err := c.WebsocketURL(op, secret)
+	if err != nil {
+		return nil, err
 	}
-	u := *c.base
-	switch u.Scheme {
-	case "https":
-		u.Scheme = "wss"
-	default:
-		u.Scheme = "ws"
-	}
-	u.Path = "/1.0/operations/" + escape(id) + "/websocket"
-	u.RawQuery = url.Values{"secret": {secret}, "project": {c.project}}.Encode()
+	dial := func(ctx context.Context, _, _ string) (net.Conn, error) { return c.DialOperation(ctx, op) }
 	d := websocket.Dialer{
-		NetDialContext:   tr.DialContext,
-		TLSClientConfig:  tr.TLSClientConfig,
-		HandshakeTimeout: c.callTimeout,
-		ReadBufferSize:   execBuffer,
-		WriteBufferSize:  execBuffer,
+		NetDialContext:    dial,
+		NetDialTLSContext: dial,
+		HandshakeTimeout:  c.callTimeout,
+		ReadBufferSize:    execBuffer,
+		WriteBufferSize:   execBuffer,
 	}
-	header := http.Header{"User-Agent": {"incus-provider"}}
-	ws, resp, err := d.DialContext(ctx, u.String(), header)
+	ws, resp, err := d.DialContext(ctx, u, http.Header{"User-Agent": {"incus-provider"}})
 	if resp != nil && resp.Body != nil {
 		_ = resp.Body.Close()
 	}

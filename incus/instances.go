@@ -169,7 +169,7 @@ func (c *Client) GetInstance(ctx context.Context, name string) (*Instance, strin
 // as empty, not as an error (Incus 6.0.4; ListOperations alike).
 func (c *Client) ListInstances(ctx context.Context) ([]Instance, error) {
 	out, _, err := get[[]Instance](ctx, c, request{op: "instance.list", scoped: true,
-		path: "/1.0/instances", query: url.Values{"recursion": {"1"}}}, "list instances")
+		path: "/1.0/instances", query: url.Values{"recursion": {"1"}}, patient: true}, "list instances")
 	if err != nil {
 		return nil, err
 	}

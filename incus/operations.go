@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"net/http"
 	"net/url"
 	"sort"
@@ -46,24 +47,43 @@ type Operation struct {
 	Location    string              `json:"location"`
 	CreatedAt   time.Time           `json:"created_at"`
 	UpdatedAt   time.Time           `json:"updated_at"`
+
+	// via is the endpoint that started the operation, which follows it.
+	via *endpoint
 }
 
 // Final reports whether the operation has finished, successfully or not.
 func (o *Operation) Final() bool { return o.StatusCode >= StatusSuccess }
 
-// GetOperation fetches an operation by ID.
+// GetOperation fetches an operation by ID through any endpoint, relying on
+// the member that answers to know it or forward to the one that does. For
+// an operation this client started, RefreshOperation asks where it runs.
 func (c *Client) GetOperation(ctx context.Context, id string) (*Operation, error) {
-	o, err := c.getOperation(ctx, id)
+	o, err := c.getOperation(ctx, id, nil)
 	if err != nil {
 		return nil, fmt.Errorf("incus: get operation %q: %w", id, err)
 	}
 	return o, nil
 }
 
-func (c *Client) getOperation(ctx context.Context, id string) (*Operation, error) {
+// RefreshOperation fetches the current state of op through the endpoint
+// that started it (see Client), and keeps following it there.
+func (c *Client) RefreshOperation(ctx context.Context, op *Operation) (*Operation, error) {
+	if op == nil || op.ID == "" {
+		return nil, errors.New("incus: refresh operation: operation without ID")
+	}
+	o, err := c.getOperation(ctx, op.ID, op.via)
+	if err != nil {
+		return nil, fmt.Errorf("incus: get operation %q: %w", op.ID, err)
+	}
+	return o, nil
+}
+
+// getOperation fetches operation id, through via when that is set.
+func (c *Client) getOperation(ctx context.Context, id string, via *endpoint) (*Operation, error) {
 	resp, err := c.do(ctx, request{
 		op: "operation.get", method: http.MethodGet, scoped: true,
-		path: "/1.0/operations/" + escape(id),
+		path: "/1.0/operations/" + escape(id), via: via,
 	})
 	if err != nil {
 		return nil, err
@@ -72,6 +92,7 @@ func (c *Client) getOperation(ctx context.Context, id string) (*Operation, error
 	if err := decode("operation.get", resp, &o); err != nil {
 		return nil, err
 	}
+	o.via = resp.via
 	return &o, nil
 }
 
@@ -80,7 +101,7 @@ func (c *Client) getOperation(ctx context.Context, id string) (*Operation, error
 func (c *Client) ListOperations(ctx context.Context) ([]Operation, error) {
 	resp, err := c.do(ctx, request{
 		op: "operation.list", method: http.MethodGet, scoped: true,
-		path: "/1.0/operations", query: url.Values{"recursion": {"1"}},
+		path: "/1.0/operations", query: url.Values{"recursion": {"1"}}, patient: true,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("incus: list operations: %w", err)
@@ -100,6 +121,56 @@ func (c *Client) ListOperations(ctx context.Context) ([]Operation, error) {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
 	return out, nil
+}
+
+// WebsocketURL is the address of one of op's websockets (secret from
+// op.Metadata, as Incus hands it out), on the endpoint that started op:
+// an operation lives on the member that runs it, and other members need
+// not forward its websockets. It is built from op.ID, never from the
+// operation URL the server returned, which carries ?project= when the
+// answering member does not hold the instance. Dial it over a connection
+// from DialOperation.
+func (c *Client) WebsocketURL(op *Operation, secret string) (string, error) {
+	if op == nil || op.ID == "" {
+		return "", errors.New("incus: websocket: operation without ID")
+	}
+	ep := c.opEndpoint(op)
+	u := *ep.base
+	u.Scheme = map[string]string{"https": "wss", "http": "ws"}[u.Scheme]
+	u.Path = "/1.0/operations/" + op.ID + "/websocket"
+	u.RawPath = "/1.0/operations/" + escape(op.ID) + "/websocket"
+	u.RawQuery = url.Values{"project": {c.project}, "secret": {secret}}.Encode()
+	return u.String(), nil
+}
+
+// DialOperation opens a connection to the endpoint that started op, ready
+// for a websocket handshake to WebsocketURL: TLS done (client certificate
+// presented, server certificate pinned) for an HTTPS endpoint, the unix
+// socket otherwise. It is bounded by ctx, and by the call timeout when ctx
+// has no deadline.
+func (c *Client) DialOperation(ctx context.Context, op *Operation) (net.Conn, error) {
+	if op == nil || op.ID == "" {
+		return nil, errors.New("incus: websocket: operation without ID")
+	}
+	ep := c.opEndpoint(op)
+	by := time.Now().Add(c.callTimeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(by) {
+		by = dl
+	}
+	conn, err := ep.dial(withConnectBy(ctx, by))
+	if err != nil {
+		return nil, fmt.Errorf("incus: websocket of operation %s: %s: %w", op.ID, ep.label, err)
+	}
+	return conn, nil
+}
+
+// opEndpoint is the endpoint that follows op: the one that started it, or
+// for an operation of unknown origin the one calls prefer.
+func (c *Client) opEndpoint(op *Operation) *endpoint {
+	if op.via != nil {
+		return op.via
+	}
+	return c.eps.preferred()
 }
 
 // maxTransient is how many failed rounds in a row Wait tolerates (transport
@@ -125,6 +196,10 @@ const maxTransient = 5
 //
 // An op that is already final (e.g. a create response that finished at once,
 // or a synchronous answer) is returned straight away without a call.
+//
+// An op this client started is followed through the endpoint that started
+// it, with no failover: the operation lives on the member that runs it.
+// That endpoint failing is one of the transient rounds above.
 func (c *Client) Wait(ctx context.Context, op *Operation) (*Operation, error) {
 	got, err := c.wait(ctx, op)
 	if err != nil {
@@ -144,7 +219,7 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 	if op.ID == "" {
 		return op, errors.New("operation without ID")
 	}
-	id := op.ID
+	id, via := op.ID, op.via
 	wrap := func(err error) error { return fmt.Errorf("operation %s: %w", id, err) }
 
 	cur := op
@@ -163,6 +238,7 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 			query:    url.Values{"timeout": {strconv.Itoa(n)}},
 			timeout:  time.Duration(n)*time.Second + c.waitGrace,
 			waitCall: true,
+			via:      via,
 		})
 
 		switch {
@@ -174,6 +250,8 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 			if got.ID == "" {
 				got.ID = id
 			}
+			got.via = resp.via
+			via = resp.via
 			cur = &got
 			transient = 0
 			if cur.Final() {
@@ -209,7 +287,7 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 				waitSaid = resp.Error
 			}
 
-			got, gerr := c.getOperation(ctx, id)
+			got, gerr := c.getOperation(ctx, id, via)
 			switch {
 			case gerr == nil:
 				cur = got

@@ -8,9 +8,11 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"net/url"
 	"path"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -28,6 +30,15 @@ type request struct {
 	body    any        // JSON-encoded when non-nil
 	etag    string     // sent as If-Match when non-empty
 	timeout time.Duration
+
+	// via pins the call to one endpoint (an operation's): no failover.
+	via *endpoint
+
+	// patient marks a read that may rightly take seconds (a recursive
+	// list of a large project): AttemptTimeout does not cut it short, and
+	// like a write it goes to endpoints known to answer before it would
+	// probe one that failed.
+	patient bool
 
 	// waitCall marks GET /1.0/operations/{id}/wait. Incus sends the 200
 	// header before it starts waiting, so the outcome of the wait (the
@@ -52,20 +63,47 @@ type response struct {
 	envelope
 	httpStatus int
 	etag       string
+	via        *endpoint // the endpoint that answered
 }
 
-// do runs one HTTP call under the call deadline, decodes the envelope and
-// turns error answers into *Error. It reports the call to Observe.
+// do runs one call under the call deadline, over as many endpoints as it
+// takes (see Client), decodes the envelope and turns error answers into
+// *Error. It reports the call to Observe.
 func (c *Client) do(ctx context.Context, r request) (*response, error) {
 	start := time.Now()
-	resp, err := c.roundTrip(ctx, r)
+	resp, err := c.call(ctx, r)
 	if c.observe != nil {
 		c.observe(r.op, outcome(err), time.Since(start))
 	}
 	return resp, err
 }
 
-func (c *Client) roundTrip(ctx context.Context, r request) (*response, error) {
+// attemptKind is how one attempt on one endpoint ended.
+type attemptKind int
+
+const (
+	answered      attemptKind = iota // an answer (success or refusal): the endpoint works
+	notConnected                     // no connection, or none of the request written
+	lost                             // the connection broke after the request may have left
+	timedOut                         // the request may have left; no answer within the attempt's bound
+	unready                          // the member itself is starting up or shutting down
+	cannotForward                    // the member could not reach what the call needs (or a read got 503)
+	callOver                         // the call's own context ended
+	invalid                          // the request could not be built: no endpoint is to blame
+)
+
+type attempt struct {
+	kind attemptKind
+	resp *response
+	err  error // *Error for an answer, else the transport failure
+	sent bool  // some of the request may have reached the server
+	took time.Duration
+}
+
+// errAttemptTimeout is the cause of an attempt cut short by AttemptTimeout.
+var errAttemptTimeout = errors.New("no answer within the attempt's bound")
+
+func (c *Client) call(ctx context.Context, r request) (*response, error) {
 	timeout := r.timeout
 	if timeout <= 0 {
 		timeout = c.callTimeout
@@ -74,6 +112,181 @@ func (c *Client) roundTrip(ctx context.Context, r request) (*response, error) {
 		fmt.Errorf("call took longer than %s: %w", timeout, context.DeadlineExceeded))
 	defer cancel()
 
+	var body []byte
+	if r.body != nil {
+		buf, err := json.Marshal(r.body)
+		if err != nil {
+			return nil, &Error{Op: r.op, Err: fmt.Errorf("encode request: %w", err)}
+		}
+		body = buf
+	}
+	write := r.method != http.MethodGet && r.method != http.MethodHead
+	var picks []pick
+	if r.via != nil {
+		picks = pinned(r.via)
+	} else {
+		picks = c.eps.order(!write && !r.patient)
+	}
+	// Every pick is settled once: by its attempt's result, as a suspect
+	// at the end, or unused.
+	settled := make([]bool, len(picks))
+	defer func() {
+		for i, p := range picks {
+			if !settled[i] {
+				p.release()
+			}
+		}
+	}()
+
+	var failures []error
+	var suspects []int // picks whose failure may not be theirs; see Client
+	for i, p := range picks {
+		a := c.attempt(callCtx, r, body, p, i == len(picks)-1, write)
+		switch a.kind {
+		case invalid:
+			return nil, a.err
+		case answered:
+			c.eps.succeeded(p)
+			settled[i] = true
+			// Another endpoint answered this call, and in good time: those
+			// that did not were at fault after all. (One that answered
+			// slowly too says the call is slow, not the members.)
+			if a.took < c.attemptTO {
+				for _, j := range suspects {
+					c.eps.failed(picks[j], failures[j])
+					settled[j] = true
+				}
+			}
+			return a.resp, a.err
+		case callOver:
+			if write && a.sent {
+				return nil, outcomeUnknown(r.op, contextual(callCtx, a.err))
+			}
+			failures = append(failures, a.err)
+			e := &Error{Op: r.op, Err: contextual(callCtx, joinAttempts(failures))}
+			e.unreachable = !errors.Is(ctx.Err(), context.Canceled)
+			return nil, e
+		case notConnected, unready:
+			c.eps.failed(p, a.err)
+			settled[i] = true
+		case lost:
+			c.eps.failed(p, a.err)
+			settled[i] = true
+			if write {
+				return nil, outcomeUnknown(r.op, a.err)
+			}
+		case timedOut:
+			if write {
+				return nil, outcomeUnknown(r.op, a.err)
+			}
+			suspects = append(suspects, i)
+		case cannotForward:
+			suspects = append(suspects, i)
+		}
+		failures = append(failures, a.err)
+	}
+
+	// No endpoint answered, and a write was sent to none.
+	var e *Error
+	if errors.As(failures[len(failures)-1], &e) && e.Status != 0 {
+		// The last endpoint's own words say more than a summary (and keep
+		// a single endpoint's errors as they always were).
+		cp := *e
+		cp.unreachable = true
+		return nil, &cp
+	}
+	return nil, &Error{Op: r.op, Err: joinAttempts(failures), unreachable: true}
+}
+
+// outcomeUnknown is the error of a write that was sent and got no answer.
+func outcomeUnknown(op string, err error) error {
+	return &Error{Op: op, Err: fmt.Errorf("sent, but no answer came back, so it may have been carried out: %w", err), unknown: true}
+}
+
+// attempt runs the call once on one endpoint. last says no other endpoint
+// follows: it then has the rest of the call's time for everything.
+func (c *Client) attempt(callCtx context.Context, r request, body []byte, p pick, last, write bool) attempt {
+	start := time.Now()
+	a := c.tryEndpoint(callCtx, r, body, p.ep, last, write)
+	a.took = time.Since(start)
+	if c.observeEP != nil {
+		c.observeEP(p.ep.label, r.op, attemptStatus(callCtx, a), a.took)
+	}
+	return a
+}
+
+func attemptStatus(callCtx context.Context, a attempt) string {
+	switch a.kind {
+	case answered:
+		return outcome(a.err)
+	case notConnected, lost:
+		return "transport"
+	case timedOut:
+		return "timeout"
+	case unready, cannotForward:
+		return "not_ready"
+	default:
+		if errors.Is(callCtx.Err(), context.Canceled) {
+			return "canceled"
+		}
+		return "timeout"
+	}
+}
+
+// sentTracker watches which connections a request got and whether any
+// byte of it was handed to one.
+type sentTracker struct {
+	mu    sync.Mutex
+	conns []*countingConn
+	from  []int64
+	other bool // a connection of another kind: assume it was written to
+}
+
+func (t *sentTracker) gotConn(info httptrace.GotConnInfo) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	cc, ok := info.Conn.(*countingConn)
+	if !ok {
+		t.other = true
+		return
+	}
+	t.conns = append(t.conns, cc)
+	t.from = append(t.from, cc.writes.Load())
+}
+
+// sent: some byte of the request may have left. A request that timed out
+// once it had a connection counts as sent, written or not: its write may
+// be under way.
+func (t *sentTracker) sent(timedOut bool) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.other || (timedOut && len(t.conns) > 0) {
+		return true
+	}
+	for i, cc := range t.conns {
+		if cc.writes.Load() != t.from[i] {
+			return true
+		}
+	}
+	return false
+}
+
+func (c *Client) tryEndpoint(callCtx context.Context, r request, body []byte, ep *endpoint, last, write bool) attempt {
+	actx := callCtx
+	if !last && !write && !r.patient {
+		var cancel context.CancelFunc
+		actx, cancel = context.WithTimeoutCause(callCtx, c.attemptTO, errAttemptTimeout)
+		defer cancel()
+	}
+	connectBy, ok := actx.Deadline()
+	if !last {
+		if t := time.Now().Add(c.connectTO); !ok || t.Before(connectBy) {
+			connectBy = t
+		}
+	}
+	tracker := &sentTracker{}
+	tctx := httptrace.WithClientTrace(withConnectBy(actx, connectBy), &httptrace.ClientTrace{GotConn: tracker.gotConn})
+
 	q := url.Values{}
 	for k, v := range r.query {
 		q[k] = v
@@ -81,22 +294,17 @@ func (c *Client) roundTrip(ctx context.Context, r request) (*response, error) {
 	if r.scoped {
 		q.Set("project", c.project)
 	}
-	target := c.base.String() + r.path
+	target := ep.base.String() + r.path
 	if len(q) > 0 {
 		target += "?" + q.Encode()
 	}
-
-	var body io.Reader
-	if r.body != nil {
-		buf, err := json.Marshal(r.body)
-		if err != nil {
-			return nil, &Error{Op: r.op, Err: fmt.Errorf("encode request: %w", err)}
-		}
-		body = bytes.NewReader(buf)
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
 	}
-	req, err := http.NewRequestWithContext(callCtx, r.method, target, body)
+	req, err := http.NewRequestWithContext(tctx, r.method, target, rd)
 	if err != nil {
-		return nil, &Error{Op: r.op, Err: err}
+		return attempt{kind: invalid, err: &Error{Op: r.op, Err: err}}
 	}
 	req.Header.Set("Accept", "application/json")
 	req.Header.Set("User-Agent", "incus-provider")
@@ -107,15 +315,79 @@ func (c *Client) roundTrip(ctx context.Context, r request) (*response, error) {
 		req.Header.Set("If-Match", r.etag)
 	}
 
-	hresp, err := c.http.Do(req)
+	// failed classifies a call that got no (complete) answer.
+	failed := func(err error, answerStarted bool) attempt {
+		timeout := actx.Err() != nil
+		sent := answerStarted || tracker.sent(timeout)
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err // the URL is the endpoint's, which the text names already
+		}
+		switch {
+		case callCtx.Err() != nil:
+			return attempt{kind: callOver, err: &endpointError{ep.label, err}, sent: sent}
+		case !sent:
+			return attempt{kind: notConnected, err: &endpointError{ep.label, err}}
+		case timeout:
+			return attempt{kind: timedOut, err: &endpointError{ep.label, fmt.Errorf("no answer within %s", c.attemptTO)}, sent: true}
+		default:
+			return attempt{kind: lost, err: &endpointError{ep.label, err}, sent: true}
+		}
+	}
+
+	hresp, err := ep.http.Do(req)
 	if err != nil {
-		return nil, &Error{Op: r.op, Err: contextual(callCtx, err)}
+		return failed(err, false)
 	}
 	defer hresp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(hresp.Body, maxResponse+1))
 	if err != nil {
-		return nil, &Error{Op: r.op, Err: contextual(callCtx, fmt.Errorf("read response: %w", err))}
+		return failed(fmt.Errorf("read response: %w", err), true)
 	}
+	resp, aerr := c.parse(r, hresp, raw)
+	if resp != nil {
+		resp.via = ep
+	}
+	return attempt{kind: failoverKind(aerr, write), resp: resp, err: aerr, sent: true}
+}
+
+// failoverKind says whether an answer is one to try the next endpoint on.
+func failoverKind(err error, write bool) attemptKind {
+	var e *Error
+	if !errors.As(err, &e) || e.Status == 0 {
+		return answered
+	}
+	switch {
+	case e.Status == http.StatusServiceUnavailable && isUnreadyMessage(e.Message):
+		return unready
+	case e.Status >= 500 && isForwardMessage(e.Message):
+		return cannotForward
+	case !write && e.Status == http.StatusServiceUnavailable:
+		return cannotForward
+	}
+	return answered
+}
+
+// isUnreadyMessage recognises Incus refusing a call at its front door
+// because the daemon is not set up yet or is shutting down (503): nothing
+// of the call ran.
+func isUnreadyMessage(msg string) bool {
+	return msg == "Daemon is starting up" || msg == "Shutting down"
+}
+
+// isForwardMessage recognises a member that could not reach the member a
+// call must be forwarded to (the one holding the instance): "Server isn't
+// ready yet" when that member is known to be down, "Missing event
+// connection with target cluster member" after waiting 10 s for it (Incus
+// 6.0, internal/server/cluster/connect.go). Both come before the call is
+// forwarded, so nothing of it ran.
+func isForwardMessage(msg string) bool {
+	return strings.Contains(msg, "Server isn't ready yet") ||
+		strings.Contains(msg, "Missing event connection with target cluster member")
+}
+
+// parse turns a complete HTTP answer into a response or an *Error.
+func (c *Client) parse(r request, hresp *http.Response, raw []byte) (*response, error) {
 	if len(raw) > maxResponse {
 		return nil, &Error{Op: r.op, Status: hresp.StatusCode, Err: fmt.Errorf("%w: body larger than %d bytes", ErrMalformedResponse, maxResponse)}
 	}
@@ -154,6 +426,32 @@ func (c *Client) roundTrip(ctx context.Context, r request) (*response, error) {
 	default:
 		return nil, &Error{Op: r.op, Status: hresp.StatusCode, Err: fmt.Errorf("%w: response type %q", ErrMalformedResponse, resp.Type)}
 	}
+}
+
+// endpointError is one endpoint's failure, named by its label.
+type endpointError struct {
+	label string
+	err   error
+}
+
+func (e *endpointError) Error() string { return e.label + ": " + e.err.Error() }
+func (e *endpointError) Unwrap() error { return e.err }
+
+// attemptsError is the failures of every endpoint a call tried.
+type attemptsError struct{ errs []error }
+
+func (e *attemptsError) Error() string {
+	parts := make([]string, len(e.errs))
+	for i, err := range e.errs {
+		parts[i] = err.Error()
+	}
+	return "no Incus endpoint answered: " + strings.Join(parts, "; ")
+}
+
+func (e *attemptsError) Unwrap() []error { return e.errs }
+
+func joinAttempts(errs []error) error {
+	return &attemptsError{errs: append([]error(nil), errs...)}
 }
 
 // contextual makes sure a failure caused by the call's context says so and
@@ -237,6 +535,7 @@ func operationOf(op string, resp *response) (*Operation, error) {
 		return nil, &Error{Op: op, Status: resp.httpStatus, Err: fmt.Errorf("%w: async response without operation", ErrMalformedResponse)}
 	}
 	o.ID = id
+	o.via = resp.via
 	if o.StatusCode == 0 {
 		o.Status, o.StatusCode = "Running", StatusRunning
 	}

@@ -153,8 +153,14 @@ func (e *WriteUnknownError) Unwrap() error { return e.Err }
 // writeMayHaveLanded says whether a failed write may still have reached
 // Incus: a transport failure after the request could be sent (no answer,
 // a cut connection, a deadline), as opposed to an answer refusing it or a
-// connection that was never made.
+// connection that was never made. The client says which when it knows:
+// with several endpoints a write that reached none of them (each refused,
+// timed out connecting, or said it could not serve it yet) is
+// ErrUnreachable, and that one is "unavailable", not "under way".
 func writeMayHaveLanded(err error) bool {
+	if errors.Is(err, incus.ErrUnreachable) {
+		return false
+	}
 	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
 		return false
 	}

@@ -344,7 +344,7 @@ func (s *Service) awaitRecord(ctx context.Context, name string, op *incus.Operat
 		if err == nil && inst != nil {
 			return true, nil
 		}
-		if cur, err := s.incus.GetOperation(ctx, op.ID); err == nil && cur.Final() {
+		if cur, err := s.incus.RefreshOperation(ctx, op); err == nil && cur.Final() {
 			if again, _ := s.lookup(ctx, name); again != nil {
 				return true, nil
 			}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"net/url"
 	"os"
 	"regexp"
 	"strconv"
@@ -14,6 +15,7 @@ import (
 	"github.com/caarlos0/env/v11"
 
 	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
@@ -50,6 +52,7 @@ type config struct {
 	IncusProject      string        `env:"INCUS_PROJECT" envDefault:"default"`
 
 	// Set by check from the strings above.
+	incusURLs         []string
 	decodeBudgetBytes int64
 	memoryLimitBytes  int64 // 0: off
 }
@@ -154,9 +157,11 @@ func (c *config) check() error {
 		return bad("PROVIDER_LOG_LEVEL", c.LogLevel, "use debug, info, warn or error")
 	}
 	if c.IncusURL != "" {
-		if !strings.HasPrefix(c.IncusURL, "https://") {
-			return bad("INCUS_URL", c.IncusURL, "use an https:// URL, or leave it empty to use INCUS_SOCKET")
+		urls, why := splitIncusURLs(c.IncusURL)
+		if why != "" {
+			return bad("INCUS_URL", c.IncusURL, why+"; give one https://host:port URL, or several (the members of one cluster) separated by commas, or leave it empty to use INCUS_SOCKET")
 		}
+		c.incusURLs = urls
 		for name, path := range map[string]string{"INCUS_CLIENT_CERT": c.IncusClientCert, "INCUS_CLIENT_KEY": c.IncusClientKey, "INCUS_SERVER_CERT": c.IncusServerCert} {
 			if path == "" {
 				return bad(name, path, "INCUS_URL needs INCUS_CLIENT_CERT, INCUS_CLIENT_KEY and INCUS_SERVER_CERT (the pinned server certificate)")
@@ -167,6 +172,29 @@ func (c *config) check() error {
 		return bad("INCUS_PROJECT", c.IncusProject, "name an Incus project, such as default")
 	}
 	return nil
+}
+
+// splitIncusURLs reads INCUS_URL: https://host:port URLs separated by
+// commas, each naming another member. why says what is wrong, if anything.
+func splitIncusURLs(v string) (urls []string, why string) {
+	seen := map[string]string{}
+	for _, item := range strings.Split(v, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			return nil, "it has an empty entry"
+		}
+		if err := incus.CheckURL(item); err != nil {
+			return nil, fmt.Sprintf("%q %s", item, err)
+		}
+		u, _ := url.Parse(item)
+		host := strings.ToLower(u.Host)
+		if first, dup := seen[host]; dup {
+			return nil, fmt.Sprintf("%q and %q name the same endpoint twice", first, item)
+		}
+		seen[host] = item
+		urls = append(urls, item)
+	}
+	return urls, ""
 }
 
 func checkListen(addr string) error {

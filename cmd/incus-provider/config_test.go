@@ -27,6 +27,13 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_TLS_CERT", "/nonexistent.pem", "PROVIDER_TLS_KEY"},
 		{"PROVIDER_CREDENTIAL_FILE", "/nonexistent", "readable file"},
 		{"INCUS_URL", "http://incus:8443", "https://"},
+		{"INCUS_URL", "https://10.0.0.1:8443,http://10.0.0.2:8443", `"http://10.0.0.2:8443" must start with https://`},
+		{"INCUS_URL", "https://10.0.0.1:8443,https://10.0.0.1:8443/", "the same endpoint twice"},
+		{"INCUS_URL", "https://10.0.0.1:8443,", "empty entry"},
+		{"INCUS_URL", "https://10.0.0.1:8443/1.0", "without a path"},
+		{"INCUS_URL", "https://10.0.0.1", "must give a port"},
+		{"INCUS_URL", "https://admin@10.0.0.1:8443", "user"},
+		{"INCUS_URL", "https://10.0.0.1:8443?project=x", "query"},
 		{"PROVIDER_METRICS_LISTEN", "unix:/x", "host:port"},
 		{"PROVIDER_MEMORY_LIMIT", "lots", "such as 768MiB or 2GiB, or off"},
 		{"PROVIDER_MEMORY_LIMIT", "768MB", "such as 768MiB"},
@@ -91,5 +98,35 @@ func TestConfigSizes(t *testing.T) {
 		if got.memoryLimitBytes != c.memoryB || got.decodeBudgetBytes != c.budgetB {
 			t.Fatalf("%s, %s: read %d, %d", c.memory, c.budget, got.memoryLimitBytes, got.decodeBudgetBytes)
 		}
+	}
+}
+
+func TestConfigIncusURLs(t *testing.T) {
+	templates := filepath.Join(t.TempDir(), "t.yaml")
+	if err := os.WriteFile(templates, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PROVIDER_TEMPLATES", templates)
+	t.Setenv("INCUS_CLIENT_CERT", "/c.crt")
+	t.Setenv("INCUS_CLIENT_KEY", "/c.key")
+	t.Setenv("INCUS_SERVER_CERT", "/s.crt")
+	for v, want := range map[string][]string{
+		"https://10.0.0.1:8443": {"https://10.0.0.1:8443"},
+		"https://10.0.0.1:8443, https://10.0.0.2:8443,https://m3.example:8443/": {
+			"https://10.0.0.1:8443", "https://10.0.0.2:8443", "https://m3.example:8443/"},
+	} {
+		t.Setenv("INCUS_URL", v)
+		c, err := loadConfig()
+		if err != nil {
+			t.Fatalf("%s: %v", v, err)
+		}
+		if strings.Join(c.incusURLs, " ") != strings.Join(want, " ") {
+			t.Errorf("INCUS_URL=%s: got %q, want %q", v, c.incusURLs, want)
+		}
+	}
+	t.Setenv("INCUS_URL", "https://10.0.0.1:8443,https://10.0.0.2:8443")
+	t.Setenv("INCUS_SERVER_CERT", "")
+	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "INCUS_SERVER_CERT") {
+		t.Errorf("a list without the pinned certificate: %v", err)
 	}
 }

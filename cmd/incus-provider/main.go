@@ -82,12 +82,14 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	incusMetrics := newIncusMetrics(reg)
 
 	client, err := incus.New(incus.Config{
-		Socket: cfg.IncusSocket, URL: cfg.IncusURL, ClientCert: cfg.IncusClientCert, ClientKey: cfg.IncusClientKey,
+		Socket: cfg.IncusSocket, URLs: cfg.incusURLs, ClientCert: cfg.IncusClientCert, ClientKey: cfg.IncusClientKey,
 		ServerCert: cfg.IncusServerCert, Project: cfg.IncusProject, Observe: incusMetrics.observe,
+		ObserveEndpoint: incusMetrics.observeEndpoint,
 	})
 	if err != nil {
 		return fmt.Errorf("incus client: %w", err)
 	}
+	watchEndpoints(reg, client)
 	catalog, err := templates.Load(cfg.Templates)
 	if err != nil {
 		return err
@@ -292,22 +294,50 @@ func controlURL(cfg config, scheme string) string {
 	return scheme + "://" + cfg.Listen + "/control"
 }
 
+// readyz answers 200 "ok" when Incus answers and every template's image is
+// there, 503 otherwise; with several Incus endpoints it then lists what
+// the client knows of each, so an operator sees which members this
+// replica can reach.
 func readyz(client *incus.Client, catalog *templates.Catalog) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 		defer cancel()
+		status, verdict := http.StatusOK, "ok"
 		if _, err := client.GetServer(ctx); err != nil {
-			http.Error(w, "incus: unreachable", http.StatusServiceUnavailable)
-			return
-		}
-		for _, t := range catalog.All() {
-			if _, err := client.GetImage(ctx, t.Fingerprint); err != nil {
-				http.Error(w, "template "+t.Wire.TemplateID+": image missing", http.StatusServiceUnavailable)
-				return
+			status, verdict = http.StatusServiceUnavailable, "incus: unreachable"
+		} else {
+			for _, t := range catalog.All() {
+				if _, err := client.GetImage(ctx, t.Fingerprint); err != nil {
+					status, verdict = http.StatusServiceUnavailable, "template "+t.Wire.TemplateID+": image missing"
+					break
+				}
 			}
 		}
-		_, _ = w.Write([]byte("ok\n"))
+		body := verdict + "\n"
+		if eps := client.Endpoints(); len(eps) > 1 {
+			body += endpointLines(eps, time.Now())
+		}
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		w.WriteHeader(status)
+		_, _ = w.Write([]byte(body))
 	}
+}
+
+// endpointLines is one line per Incus endpoint: up, or down since when,
+// after how many failures in a row, and the last error.
+func endpointLines(eps []incus.EndpointState, now time.Time) string {
+	var b strings.Builder
+	for _, ep := range eps {
+		if ep.Healthy {
+			fmt.Fprintf(&b, "incus endpoint %s: up\n", ep.URL)
+			continue
+		}
+		fmt.Fprintf(&b, "incus endpoint %s: down since %s (%s ago, %d failures in a row, retried after %s): %s\n",
+			ep.URL, ep.DownSince.UTC().Format(time.RFC3339), now.Sub(ep.DownSince).Round(time.Second),
+			ep.Failures, ep.RetryAt.UTC().Format(time.RFC3339), ep.LastError)
+	}
+	return b.String()
 }
 
 // warnIfFewFiles says so when the open-file limit is below the connection

@@ -4,11 +4,14 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
 type incusMetrics struct {
-	calls   *prometheus.CounterVec
-	latency *prometheus.HistogramVec
+	calls    *prometheus.CounterVec
+	latency  *prometheus.HistogramVec
+	attempts *prometheus.CounterVec
 }
 
 func newIncusMetrics(reg prometheus.Registerer) *incusMetrics {
@@ -22,12 +25,39 @@ func newIncusMetrics(reg prometheus.Registerer) *incusMetrics {
 			Help:    "Incus API call latency, by operation.",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
 		}, []string{"operation"}),
+		// The endpoint label is one of the configured endpoints (a
+		// cluster member's host:port, or "unix"): bounded by INCUS_URL.
+		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "incus_provider_incus_endpoint_requests_total",
+			Help: "Attempts of Incus API calls on each configured endpoint, by outcome (ok, not_found, conflict, error, transport, timeout, not_ready, canceled).",
+		}, []string{"endpoint", "status"}),
 	}
-	reg.MustRegister(m.calls, m.latency)
+	reg.MustRegister(m.calls, m.latency, m.attempts)
 	return m
 }
 
 func (m *incusMetrics) observe(op, status string, d time.Duration) {
 	m.calls.WithLabelValues(op, status).Inc()
 	m.latency.WithLabelValues(op).Observe(d.Seconds())
+}
+
+func (m *incusMetrics) observeEndpoint(endpoint, _, status string, _ time.Duration) {
+	m.attempts.WithLabelValues(endpoint, status).Inc()
+}
+
+// watchEndpoints exposes each configured endpoint's health, read from the
+// client at scrape time.
+func watchEndpoints(reg prometheus.Registerer, client *incus.Client) {
+	for i, st := range client.Endpoints() {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name:        "incus_provider_incus_endpoint_up",
+			Help:        "1 while the Incus endpoint has not failed since it last answered, 0 while calls set it aside.",
+			ConstLabels: prometheus.Labels{"endpoint": st.Label},
+		}, func() float64 {
+			if client.Endpoints()[i].Healthy {
+				return 1
+			}
+			return 0
+		}))
+	}
 }

@@ -277,7 +277,7 @@ func Cluster(t testing.TB) *ClusterRig {
 	if len(r.URLs) == 0 || len(r.Members) != len(r.URLs) || len(r.Sockets) != len(r.URLs) || len(r.PIDs) != len(r.URLs) {
 		t.Fatalf("incustest: %s does not list every member's URL, name, socket and PID", path)
 	}
-	r.Config = incus.Config{URL: r.URLs[0], ClientCert: vars["INCUS_CLIENT_CERT"],
+	r.Config = incus.Config{URLs: r.URLs, ClientCert: vars["INCUS_CLIENT_CERT"],
 		ClientKey: vars["INCUS_CLIENT_KEY"], ServerCert: vars["INCUS_SERVER_CERT"], CallTimeout: 30 * time.Second}
 	for i, s := range r.Sockets {
 		c, err := incus.New(incus.Config{Socket: s, CallTimeout: 5 * time.Second})

@@ -1,0 +1,128 @@
+package main
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"math/big"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+// selfSigned writes one certificate and key as PEM files; the tests below
+// never complete a handshake, so it serves as client and pinned server
+// certificate alike.
+func selfSigned(t *testing.T) (crt, key string) {
+	t.Helper()
+	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour)}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &k.PublicKey, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kd, err := x509.MarshalECPrivateKey(k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	crt, key = filepath.Join(dir, "t.crt"), filepath.Join(dir, "t.key")
+	if err := os.WriteFile(crt, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kd}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return crt, key
+}
+
+func closedAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return addr
+}
+
+// With several Incus endpoints, /readyz says what this replica can reach,
+// and the metrics carry each endpoint.
+func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
+	crt, key := selfSigned(t)
+	a, b := closedAddr(t), closedAddr(t)
+	reg := prometheus.NewRegistry()
+	m := newIncusMetrics(reg)
+	client, err := incus.New(incus.Config{URLs: []string{"https://" + a, "https://" + b},
+		ClientCert: crt, ClientKey: key, ServerCert: crt, Observe: m.observe, ObserveEndpoint: m.observeEndpoint})
+	if err != nil {
+		t.Fatal(err)
+	}
+	watchEndpoints(reg, client)
+	if got := endpointUp(t, reg, a); got != 1 {
+		t.Errorf("before any call endpoint_up = %v, want 1", got)
+	}
+
+	rec := httptest.NewRecorder()
+	readyz(client, &templates.Catalog{})(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	body := rec.Body.String()
+	if rec.Code != http.StatusServiceUnavailable || !strings.HasPrefix(body, "incus: unreachable\n") {
+		t.Fatalf("got %d %q", rec.Code, body)
+	}
+	for _, addr := range []string{a, b} {
+		if !strings.Contains(body, "incus endpoint https://"+addr+": down since ") || !strings.Contains(body, "1 failures in a row") {
+			t.Errorf("readyz does not report %s: %q", addr, body)
+		}
+	}
+	if !strings.Contains(body, "connection refused") {
+		t.Errorf("readyz should give the last error: %q", body)
+	}
+	if got := testutil.ToFloat64(m.attempts.WithLabelValues(a, "transport")); got != 1 {
+		t.Errorf("attempts{endpoint=%s,status=transport} = %v", a, got)
+	}
+	if got := endpointUp(t, reg, b); got != 0 {
+		t.Errorf("after a refusal endpoint_up = %v, want 0", got)
+	}
+}
+
+// endpointUp is the incus_provider_incus_endpoint_up sample of one endpoint.
+func endpointUp(t *testing.T, reg *prometheus.Registry, endpoint string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "incus_provider_incus_endpoint_up" {
+			continue
+		}
+		for _, mt := range mf.GetMetric() {
+			for _, lp := range mt.GetLabel() {
+				if lp.GetName() == "endpoint" && lp.GetValue() == endpoint {
+					return mt.GetGauge().GetValue()
+				}
+			}
+		}
+	}
+	t.Fatalf("no incus_provider_incus_endpoint_up{endpoint=%q}", endpoint)
+	return 0
+}
