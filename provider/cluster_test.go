@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -239,4 +240,72 @@ func TestClusterMemberDown(t *testing.T) {
 	if len(list) != 2 {
 		t.Fatalf("%d instances after the outage, want the 2 targets", len(list))
 	}
+}
+
+// TestClusterLeaderDown kills the cluster's database leader while the
+// provider serves a target on another member: answers stay bounded while
+// Incus elects a new leader, then every method and the route work again,
+// without a restart of anything.
+func TestClusterLeaderDown(t *testing.T) {
+	cl := incustest.Cluster(t)
+	r := newRig(t, rigOptions{cluster: cl})
+	members, err := cl.Member(t, 0).ListClusterMembers(r.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	leader := ""
+	for _, m := range members {
+		if slices.Contains(m.Roles, "database-leader") {
+			leader = m.ServerName
+		}
+	}
+	if leader == "" {
+		t.Fatalf("no database leader among %+v", members)
+	}
+	other := "lsm2"
+	if leader == other {
+		other = "lsm3"
+	}
+	route := r.create("leader-down", "on-"+other)
+
+	memberCtl(t, "kill", leader)
+	killed := time.Now()
+	restarted := false
+	t.Cleanup(func() {
+		if !restarted {
+			memberCtl(t, "start", leader)
+		}
+	})
+	var longest, firstOK time.Duration
+	failures, streak := 0, 0
+	for deadline := killed.Add(60 * time.Second); streak < 5; {
+		start := time.Now()
+		o, err := r.get(route.Owner)
+		took := time.Since(start)
+		longest = max(longest, took)
+		if took > 4*time.Second {
+			t.Fatalf("target/get took %s while the leader was down (%v)", took, err)
+		}
+		if err == nil && o.Phase == controller.PhaseActive {
+			if firstOK == 0 || streak == 0 {
+				firstOK = time.Since(killed)
+			}
+			streak++
+		} else {
+			failures++
+			streak = 0
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the target was not observed active again within 60 s of the leader's death (%d failed answers; last %+v, %v)", failures, o, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("leader %s killed: target/get answered within %s each, %d failed answers, served again from %s", leader, longest, failures, firstOK)
+	ws := r.mustUpgrade(route)
+	_ = ws.Close()
+	r.power(route, controller.PowerPaused)
+	r.power(route, controller.PowerRunning)
+
+	memberCtl(t, "start", leader)
+	restarted = true
 }
