@@ -170,6 +170,7 @@ func TestClusterMemberDown(t *testing.T) {
 	// unavailable or unknown or still active, never failed or closed.
 	var unknownAfter time.Duration
 	phases := map[controller.Phase]int{}
+	refused := 0
 	for deadline := time.Now().Add(60 * time.Second); ; {
 		o, err := r.get(dead.Owner)
 		if err == nil {
@@ -184,6 +185,9 @@ func TestClusterMemberDown(t *testing.T) {
 				unknownAfter = time.Since(killed)
 			}
 		}
+		if err != nil {
+			refused++
+		}
 		if unknownAfter > 0 {
 			break
 		}
@@ -192,7 +196,7 @@ func TestClusterMemberDown(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	t.Logf("member killed -> its target observed unknown after %s (answers before: %v)", unknownAfter, phases)
+	t.Logf("member killed -> its target observed unknown after %s (observations before: %v, errors before: %d)", unknownAfter, phases, refused)
 
 	// Meanwhile the live member's target serves, and the dead one's route
 	// refuses at once, retryably.
@@ -217,12 +221,29 @@ func TestClusterMemberDown(t *testing.T) {
 		t.Fatalf("create during the outage answered another target: %+v", o)
 	}
 
+	// A power request while the member is down answers in its bound, and
+	// means what it says: refused (nothing changes), or accepted (and
+	// carried out once the member is back).
+	start := time.Now()
+	_, perr := r.setPower(dead.Owner, controller.PowerPaused)
+	if took := time.Since(start); took > 4*time.Second {
+		t.Fatalf("setPower took %s while the member was down", took)
+	}
+	want := controller.PowerRunning
+	if perr == nil {
+		want = controller.PowerPaused
+	}
+	t.Logf("setPower paused during the outage: %v", perr)
+
 	memberCtl(t, "start", "lsm3")
 	restarted = true
 	back := time.Now()
-	r.until(dead.Owner, "active and running again", 90*time.Second, func(o controller.Observation) bool {
-		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
+	r.until(dead.Owner, "active and "+string(want)+" again", 90*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == want && o.Message == ""
 	})
+	if want == controller.PowerPaused {
+		r.power(dead, controller.PowerRunning)
+	}
 	t.Logf("member restarted -> its target active again after %s", time.Since(back))
 	ws = r.mustUpgrade(dead)
 	_ = ws.Close()
