@@ -176,7 +176,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		mmux := http.NewServeMux()
 		mmux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-		mmux.HandleFunc("/readyz", readyz(client, catalog))
+		mmux.HandleFunc("/readyz", readyz(client, catalog, reachOf(kind, member), server.Environment.ServerClustered))
 		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
 		var lc net.ListenConfig
 		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)
@@ -250,6 +250,18 @@ func guestDialerFor(cfg config, server *incus.Server) (kind, member string) {
 	}
 }
 
+// reachOf says in a line how guests are reached, for /readyz.
+func reachOf(kind, member string) string {
+	switch kind {
+	case guest.KindMember:
+		return "netns on member " + member + ", exec on every other member"
+	case guest.KindExec:
+		return "exec through the Incus API, on every member"
+	default:
+		return kind
+	}
+}
+
 func incusWhere(cfg config) string {
 	if cfg.IncusURL != "" {
 		return "INCUS_URL=" + cfg.IncusURL
@@ -298,7 +310,7 @@ func controlURL(cfg config, scheme string) string {
 // there, 503 otherwise; with several Incus endpoints it then lists what
 // the client knows of each, so an operator sees which members this
 // replica can reach.
-func readyz(client *incus.Client, catalog *templates.Catalog) http.HandlerFunc {
+func readyz(client *incus.Client, catalog *templates.Catalog, reach string, clustered bool) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 		defer cancel()
@@ -316,6 +328,16 @@ func readyz(client *incus.Client, catalog *templates.Catalog) http.HandlerFunc {
 		body := verdict + "\n"
 		if eps := client.Endpoints(); len(eps) > 1 {
 			body += endpointLines(eps, time.Now())
+		}
+		body += "guests: " + reach + "\n"
+		if clustered && status == http.StatusOK {
+			// What Incus says of each member: a guest on one that is not
+			// online is observed unknown until it is back.
+			if members, err := client.ListClusterMembers(ctx); err == nil {
+				for _, m := range members {
+					body += "member " + m.ServerName + ": " + m.Status + "\n"
+				}
+			}
 		}
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Header().Set("X-Content-Type-Options", "nosniff")

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -83,8 +84,11 @@ func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
 	}
 
 	rec := httptest.NewRecorder()
-	readyz(client, &templates.Catalog{})(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	readyz(client, &templates.Catalog{}, reachOf(guest.KindMember, "m1"), true)(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
 	body := rec.Body.String()
+	if !strings.Contains(body, "guests: netns on member m1, exec on every other member\n") {
+		t.Errorf("readyz does not say how guests are reached: %q", body)
+	}
 	if rec.Code != http.StatusServiceUnavailable || !strings.HasPrefix(body, "incus: unreachable\n") {
 		t.Fatalf("got %d %q", rec.Code, body)
 	}

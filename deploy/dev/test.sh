@@ -24,6 +24,12 @@ cleanup() {
     for i in $(incus list --project "$conform_project" --format csv -c n); do incus delete --force --project "$conform_project" "$i" >/dev/null 2>&1 || true; done
     incus project delete "$conform_project" >/dev/null 2>&1 || true
   fi
+  if [ -n "${cluster_project:-}" ]; then
+    export INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client"
+    for i in $(incus list --project "$cluster_project" --format csv -c n 2>/dev/null); do incus delete --force --project "$cluster_project" "$i" >/dev/null 2>&1 || true; done
+    incus project delete "$cluster_project" >/dev/null 2>&1 || true
+    unset INCUS_DIR INCUS_CONF
+  fi
   rm -rf "$work"
   if [ "$started_cluster" = 1 ]; then deploy/dev/incus-cluster-down.sh || true; fi
   if [ "$started_incus" = 1 ] && [ -f "$STATE_DIR/incusd.pid" ]; then deploy/dev/incus-down.sh || true; fi
@@ -69,3 +75,22 @@ provider_pid=$!
 for _ in $(seq 1 100); do grep -q '^controller URL' "$work/provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/provider.log" >&2; exit 1; }; sleep 0.1; done
 bin/lsconform -url ws://127.0.0.1:18480/control -credential-file "$work/credential" -universe u-conformance || {
   echo "provider log:" >&2; tail -n 50 "$work/provider.log" >&2; exit 1; }
+kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
+
+step "conformance against a provider on the cluster rig (all members' URLs, guests reached by member/exec)"
+cluster_project="lsc-conform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client" \
+  incus project create "$cluster_project" -c features.images=false -c features.profiles=false >/dev/null
+(
+  set -a; . "$STATE_DIR/cluster/cluster.env"; set +a
+  PROVIDER_LISTEN=127.0.0.1:18481 PROVIDER_METRICS_LISTEN=127.0.0.1:19481 \
+    PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
+    INCUS_PROJECT="$cluster_project" PROVIDER_INCUS_MEMBER=lsm1 PROVIDER_GRACEFUL_STOP=5s \
+    exec bin/incus-provider >"$work/cluster-provider.out" 2>"$work/cluster-provider.log"
+) &
+provider_pid=$!
+for _ in $(seq 1 100); do grep -q '^controller URL' "$work/cluster-provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/cluster-provider.log" >&2; exit 1; }; sleep 0.1; done
+grep -q '"kind":"member","member":"lsm1","clustered":true' "$work/cluster-provider.log" || {
+  echo "the provider on the cluster did not choose the member dialer:" >&2; grep 'guest dialer' "$work/cluster-provider.log" >&2; exit 1; }
+bin/lsconform -url ws://127.0.0.1:18481/control -credential-file "$work/credential" -universe u-conformance || {
+  echo "provider log:" >&2; tail -n 50 "$work/cluster-provider.log" >&2; exit 1; }
