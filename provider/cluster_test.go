@@ -2,19 +2,25 @@ package provider_test
 
 import (
 	"context"
+	"errors"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
 // These tests run the provider against the three-member cluster of
@@ -329,4 +335,155 @@ func TestClusterLeaderDown(t *testing.T) {
 
 	memberCtl(t, "start", leader)
 	restarted = true
+}
+
+// TestClusterTwoReplicas runs two providers on one project, as replicas on
+// members lsm1 and lsm2 would, each with its own relays, pending requests
+// and reconciler, coordinated through Incus alone: concurrent creates and
+// closes for one owner through both leave one instance and one answer, and
+// concurrent dials of one sleeping target through both all succeed.
+func TestClusterTwoReplicas(t *testing.T) {
+	cl := incustest.Cluster(t)
+	a := newRig(t, rigOptions{cluster: cl})
+	b := newRig(t, rigOptions{cluster: cl, after: a, member: "lsm2"})
+	replicas := []*rig{a, b}
+	seed := testSeed(t)
+	rnd := rand.New(rand.NewPCG(uint64(seed), 0))
+
+	// Creates: eight owners, four creates each, spread over both replicas.
+	const owners, each = 8, 4
+	type answer struct {
+		id  string
+		err error
+	}
+	answers := make([][]answer, owners)
+	var wg sync.WaitGroup
+	var retried atomic.Int64
+	for i := range owners {
+		answers[i] = make([]answer, each)
+		owner := controller.Owner{UniverseID: "u-replicas", EnvironmentID: "env-" + strconv.Itoa(i)}
+		tmpl := []string{"on-lsm1", "on-lsm2", "on-lsm3"}[i%3]
+		for j := range each {
+			r := replicas[(i+j)%2]
+			wg.Go(func() {
+				// unavailable is retryable: the runtime retries it, so does this.
+				var o controller.Observation
+				var err error
+				for range 20 {
+					o, err = r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: tmpl})
+					if !isUnavailable(err) {
+						break
+					}
+					retried.Add(1)
+					time.Sleep(250 * time.Millisecond)
+				}
+				answers[i][j] = answer{o.TargetID, err}
+			})
+		}
+	}
+	wg.Wait()
+	for i := range owners {
+		owner := controller.Owner{UniverseID: "u-replicas", EnvironmentID: "env-" + strconv.Itoa(i)}
+		for j, an := range answers[i] {
+			if an.err != nil {
+				t.Fatalf("owner %d, create %d: %v", i, j, an.err)
+			}
+			if an.id != "" && an.id != answers[i][0].id && answers[i][0].id != "" {
+				t.Fatalf("owner %d: creates answered two targets, %s and %s", i, answers[i][0].id, an.id)
+			}
+		}
+		a.until(owner, "active", 90*time.Second, func(o controller.Observation) bool {
+			return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning
+		})
+	}
+	t.Logf("%d creates through two replicas: one target per owner (%d answers unavailable and retried)", owners*each, retried.Load())
+	list, err := a.client.ListInstances(a.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != owners {
+		t.Fatalf("%d instances for %d owners", len(list), owners)
+	}
+
+	// Dials of a paused target, half through each replica, at once.
+	owner := controller.Owner{UniverseID: "u-replicas", EnvironmentID: "env-1"}
+	o, err := a.get(owner)
+	if err != nil {
+		t.Fatal(err)
+	}
+	route := routeOf(owner, o.TargetID)
+	a.power(route, controller.PowerPaused)
+	const dials = 8
+	results := make([]conformance.RouteDial, dials)
+	for i := range dials {
+		r := replicas[i%2]
+		wg.Go(func() {
+			d, err := conformance.DialRoute(context.Background(), r.url(route), credential)
+			if err != nil {
+				t.Errorf("dial %d: %v", i, err)
+			}
+			results[i] = d
+		})
+	}
+	wg.Wait()
+	for i, d := range results {
+		if d.Conn == nil {
+			t.Fatalf("dial %d through replica %d refused: %+v after %s", i, i%2, d.Refusal, d.Elapsed)
+		}
+		initialize(t, d.Conn)
+		_ = d.Conn.Close()
+	}
+	t.Logf("%d dials of a paused target through two replicas: all upgraded; wakes finished: replica A %d, B %d", dials, a.wakes(), b.wakes())
+
+	// Closes and creates for one owner through both replicas at once, in a
+	// seeded order: the owner ends with at most one instance, closed or
+	// active, never two.
+	owner = controller.Owner{UniverseID: "u-replicas", EnvironmentID: "env-2"}
+	ops := []string{"target/close", "target/close", "target/create", "target/create"}
+	rnd.Shuffle(len(ops), func(i, j int) { ops[i], ops[j] = ops[j], ops[i] })
+	for i, m := range ops {
+		r := replicas[i%2]
+		wg.Go(func() {
+			var err error
+			if m == "target/close" {
+				_, err = r.closeTarget(owner)
+			} else {
+				_, err = r.call(m, controller.CreateParams{Owner: owner, TemplateID: "on-lsm3"})
+			}
+			if err != nil {
+				t.Logf("%s through replica %d: %v", m, i%2, err)
+			}
+		})
+	}
+	wg.Wait()
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		o, err := a.get(owner)
+		var rpcErr *jsonrpc.Error
+		if errors.As(err, &rpcErr) && rpcErr.Kind == jsonrpc.KindNotFound {
+			t.Logf("order %v: the owner ends with nothing (closed)", ops)
+			break
+		}
+		if err == nil && o.Phase == controller.PhaseActive && o.Message == "" {
+			t.Logf("order %v: the owner ends active", ops)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("order %v: the owner never settled: %+v, %v", ops, o, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	list, err = a.client.ListInstances(a.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) > owners {
+		t.Fatalf("%d instances for %d owners after the close/create race", len(list), owners)
+	}
+}
+
+// isUnavailable says a controller call was answered unavailable.
+func isUnavailable(err error) bool {
+	var e *jsonrpc.Error
+	return errors.As(err, &e) && e.Kind == jsonrpc.KindUnavailable
 }

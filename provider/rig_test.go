@@ -77,6 +77,16 @@ type rigOptions struct {
 	// cluster, clusterTemplates, netns for that member's guests and exec
 	// for the others'.
 	cluster *incustest.ClusterRig
+	// member is the cluster member the provider runs on (default the
+	// first); with after, a second replica on another member.
+	member string
+}
+
+func (o rigOptions) memberOr(def string) string {
+	if o.member != "" {
+		return o.member
+	}
+	return def
 }
 
 func newRig(t *testing.T, o rigOptions) *rig {
@@ -87,10 +97,13 @@ func newRig(t *testing.T, o rigOptions) *rig {
 	switch {
 	case o.after != nil:
 		client, catalog = o.after.client, o.after.catalog
+		if o.cluster != nil {
+			dialer = newMemberDialer(t, o.memberOr(o.cluster.Members[0]), client)
+		}
 	case o.cluster != nil:
 		client = o.cluster.Client(t)
 		catalog = testrig.Catalog(t, client, incustest.DefaultImage, clusterTemplates)
-		dialer = newMemberDialer(t, o.cluster.Members[0], client)
+		dialer = newMemberDialer(t, o.memberOr(o.cluster.Members[0]), client)
 	default:
 		client = incustest.Client(t)
 		catalog = testrig.Catalog(t, client, incustest.Image(t), testTemplates)

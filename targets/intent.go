@@ -96,6 +96,12 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 			}
 		}
 		if st.Intent.Power != "" && st.Intent.At.After(in.At) {
+			if st.Intent.Power == in.Power {
+				// A newer request for the same power (another replica's
+				// dial, say) stands for this one too: nothing to write, and
+				// nothing to give up.
+				return inst, false, nil
+			}
 			return inst, false, ErrSuperseded
 		}
 		if _, kept := s.pending.get(name); st.Intent.Power == in.Power && st.Intent.By == in.By && len(extra) == 0 && !kept {
