@@ -16,6 +16,7 @@ type Metrics struct {
 	actions       *prometheus.CounterVec
 	passDuration  prometheus.Histogram
 	targets       *prometheus.GaugeVec
+	byMember      *prometheus.GaugeVec
 }
 
 // The label values the targets gauge always carries, so that a phase or
@@ -52,7 +53,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "The provider's targets as the latest inventory listing saw them, by phase and power (power \"none\" unless active).",
 		}, []string{"phase", "power"}),
 	}
-	reg.MustRegister(m.probes, m.probeDuration, m.actions, m.passDuration, m.targets)
+	m.byMember = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "incus_provider_targets_by_member",
+		Help: "On an Incus cluster, the provider's targets by the member holding them and phase, as the latest inventory listing saw them (unknown: the member does not answer).",
+	}, []string{"member", "phase"})
+	reg.MustRegister(m.probes, m.probeDuration, m.actions, m.passDuration, m.targets, m.byMember)
 	for _, o := range []string{OutcomeOK, OutcomeUnreachable, OutcomeHandshake, OutcomeTimeout, OutcomeMalformed, OutcomeError} {
 		m.probes.WithLabelValues(o)
 	}
@@ -97,7 +102,17 @@ func (m *Metrics) inventory(ts []Target) {
 		power controller.Power
 	}
 	counts := map[key]int{}
+	type place struct {
+		member string
+		phase  controller.Phase
+	}
+	placed := map[place]int{}
+	members := map[string]bool{}
 	for _, t := range ts {
+		if t.Location != "" && t.Location != "none" {
+			placed[place{t.Location, t.Phase}]++
+			members[t.Location] = true
+		}
 		k := key{t.Phase, t.Power}
 		if t.Phase != controller.PhaseActive || t.Power == "" {
 			k.power = "none"
@@ -112,5 +127,13 @@ func (m *Metrics) inventory(ts []Target) {
 			continue
 		}
 		m.targets.WithLabelValues(string(ph), "none").Set(float64(counts[key{ph, "none"}]))
+	}
+	// Members come and go with the cluster: the series are rebuilt from each
+	// listing, every phase of a member that holds a target set (zero too).
+	m.byMember.Reset()
+	for member := range members {
+		for _, ph := range gaugePhases {
+			m.byMember.WithLabelValues(member, string(ph)).Set(float64(placed[place{member, ph}]))
+		}
 	}
 }

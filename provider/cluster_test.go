@@ -204,6 +204,14 @@ func TestClusterMemberDown(t *testing.T) {
 	}
 	t.Logf("member killed -> its target observed unknown after %s (observations before: %v, errors before: %d)", unknownAfter, phases, refused)
 
+	// The operator's view: the targets gauge names the member.
+	for deadline := time.Now().Add(30 * time.Second); gaugeValue(t, r, "incus_provider_targets_by_member", map[string]string{"member": "lsm3", "phase": "unknown"}) != 1; {
+		if time.Now().After(deadline) {
+			t.Fatal("incus_provider_targets_by_member{member=lsm3,phase=unknown} never reached 1")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+
 	// Meanwhile the live member's target serves, and the dead one's route
 	// refuses at once, retryably.
 	ws := r.mustUpgrade(live)
@@ -486,4 +494,35 @@ func TestClusterTwoReplicas(t *testing.T) {
 func isUnavailable(err error) bool {
 	var e *jsonrpc.Error
 	return errors.As(err, &e) && e.Kind == jsonrpc.KindUnavailable
+}
+
+// gaugeValue is the value of the gauge series whose labels include all of
+// want (-1 when there is none).
+func gaugeValue(t *testing.T, r *rig, name string, want map[string]string) float64 {
+	t.Helper()
+	mfs, err := r.metrics.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			for k, v := range want {
+				found := false
+				for _, l := range m.GetLabel() {
+					if l.GetName() == k && l.GetValue() == v {
+						found = true
+					}
+				}
+				if !found {
+					continue next
+				}
+			}
+			return m.GetGauge().GetValue()
+		}
+	}
+	return -1
 }

@@ -48,6 +48,11 @@ func (s *Service) IdleTargets(ctx context.Context) ([]idle.Target, error) {
 // idleTargetOf describes an instance for the idle loop; ok is false for an
 // instance that is not one of the provider's targets.
 func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
+	if unreadable(inst) && looksLikeTargetID(inst.Name) {
+		// Its member does not answer: counted (unknown, on its member),
+		// never acted on.
+		return idle.Target{Name: inst.Name, Phase: controller.PhaseUnknown, Location: inst.Location}, true
+	}
 	if _, ok := ownerOf(inst); !ok {
 		return idle.Target{}, false
 	}

@@ -43,17 +43,20 @@ start)
   record_pids
   INCUS_DIR=$d incus admin waitready --timeout=60 >/dev/null 2>&1 || {
     say "member $member did not become ready within 60 s; see $d/incusd.log"; exit 1; }
-  # A member that was in the cluster before answers on its socket at once
-  # but serves its instances only once the cluster has it online again
-  # (1-14 s): wait for that, so the caller finds it as before.
+  # A member that was in the cluster before answers on its socket at once,
+  # but the others forward calls to it only once they see it again (1-14
+  # s): wait until another member forwards a call to it three times in a
+  # row, so the caller finds the cluster as before.
   if [ -f "$CLUSTER_DIR/cluster.env" ]; then
     export INCUS_CONF=$CLUSTER_DIR/client
+    other=lsm1; [ "$member" = lsm1 ] && other=lsm2
+    ok=0
     for _ in $(seq 1 600); do
-      status=$(INCUS_DIR=$d timeout 5 incus query "/1.0/cluster/members/$member" 2>/dev/null | sed -n 's/.*"status": "\([A-Za-z]*\)".*/\1/p')
-      [ "$status" = Online ] && break
-      sleep 0.1
+      if INCUS_DIR=/var/lib/incus-$other timeout 5 incus query "/1.0?target=$member" >/dev/null 2>&1; then ok=$((ok + 1)); else ok=0; fi
+      [ "$ok" -ge 3 ] && break
+      sleep 0.2
     done
-    [ "$status" = Online ] || { say "member $member is not online in the cluster 60 s after its start"; exit 1; }
+    [ "$ok" -ge 3 ] || { say "member $member is not reachable through $other 120 s after its start"; exit 1; }
   fi
   ;;
 kill)
