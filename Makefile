@@ -7,7 +7,7 @@ GO ?= go
 BIN := bin
 export GOFLAGS ?= -mod=mod
 
-.PHONY: run test build lint unit bench fuzz clean-test-projects
+.PHONY: run run-cluster test build lint unit bench fuzz clean-test-projects
 
 build:
 	@mkdir -p $(BIN)
@@ -20,6 +20,11 @@ run: build
 	@deploy/dev/incus-up.sh
 	@deploy/guest/build-image.sh >/dev/null
 	PROVIDER_TEMPLATES=$${PROVIDER_TEMPLATES:-deploy/templates.dev.yaml} $(BIN)/incus-provider
+
+# The provider as on a cluster: a three-member Incus cluster rig, two
+# replicas and HAProxy in front, serving 127.0.0.1:8480 in the foreground.
+run-cluster:
+	@deploy/dev/run-cluster.sh
 
 # The whole suite: lint, unit, integration on the real Incus, conformance
 # against a running provider.

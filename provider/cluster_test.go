@@ -526,3 +526,79 @@ func gaugeValue(t *testing.T, r *rig, name string, want map[string]string) float
 	}
 	return -1
 }
+
+// TestClusterReplicaPowerDown: replica A relays a data connection to a
+// target; a setPower paused through replica B first closes A's relay with
+// a going-away frame, then pauses the target; and no replica's idle loop
+// powers a target down while another replica relays to it.
+func TestClusterReplicaPowerDown(t *testing.T) {
+	cl := incustest.Cluster(t)
+	a := newRig(t, rigOptions{cluster: cl})
+	b := newRig(t, rigOptions{cluster: cl, after: a, member: "lsm2"})
+
+	route := a.create("replica-drain", "on-lsm2")
+	ws := a.mustUpgrade(route)
+	// A's lease is on the instance within leaseWatch of the relay.
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		inst, _, err := a.client.GetInstance(a.ctx(), route.TargetID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if countPrefix(inst.Config, "user.lightspeed.relays.") == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no relay lease on the instance 5 s after replica A's relay opened: %v", inst.Config)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	start := time.Now()
+	o, err := b.setPower(route.Owner, controller.PowerPaused)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("setPower paused through B answered: %s %s %q", o.Phase, o.Power, o.Message)
+	awaitGoingAway(t, ws)
+	closedAfter := time.Since(start)
+	b.until(route.Owner, "paused", 30*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
+	})
+	t.Logf("A's relay got going-away %s after B's setPower; paused after %s", closedAfter, time.Since(start))
+	// A's lease is gone with its relay.
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		inst, _, err := a.client.GetInstance(a.ctx(), route.TargetID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if countPrefix(inst.Config, "user.lightspeed.relays.") == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica A's lease outlived its relay by 5 s: %v", inst.Config)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+
+	// Idle: a target paused after 1.5 s idle stays running for as long as
+	// A relays to it, though B's idle loop finds its daemon idle.
+	idleRoute := b.create("replica-idle", "idle-lsm3")
+	ws = a.mustUpgrade(idleRoute)
+	time.Sleep(6 * time.Second)
+	if o, err := b.get(idleRoute.Owner); err != nil || o.Power != controller.PowerRunning {
+		t.Fatalf("a target another replica relays to was powered down by idle: %+v, %v", o, err)
+	}
+	_ = ws.Close()
+	b.until(idleRoute.Owner, "paused by idle once A's relay closed", 40*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused
+	})
+}
+
+func countPrefix(m map[string]string, prefix string) int {
+	n := 0
+	for k := range m {
+		if strings.HasPrefix(k, prefix) {
+			n++
+		}
+	}
+	return n
+}

@@ -55,6 +55,10 @@ type Config struct {
 	// MaxControlConnections bounds the open controller connections
 	// (default controller.DefaultMaxConnections).
 	MaxControlConnections int
+	// Replica names this process among the provider replicas serving one
+	// Incus project (1-32 of a-z, 0-9 and -); default a random id. It names
+	// the relay lease this process keeps on the instances it relays to.
+	Replica string
 }
 
 // DefaultDecodeBudget is the default decode budget: four messages of the
@@ -91,7 +95,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	}
 	reg := relays.New(closeWait)
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
-		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval,
+		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
 	})
 	if err != nil {
 		return nil, err

@@ -23,6 +23,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -63,6 +64,7 @@ type rig struct {
 	metrics *prometheus.Registry
 	ctl     *jsonrpc.Client
 	stop    func()
+	replica string
 }
 
 type rigOptions struct {
@@ -117,9 +119,15 @@ func newRig(t *testing.T, o rigOptions) *rig {
 	}
 	reg := prometheus.NewRegistry()
 	ctx, cancel := context.WithCancel(context.Background())
+	// A provider after an earlier one is that one restarted, under its
+	// name; a second replica on the cluster is another.
+	replica := targets.RandomReplica()
+	if o.after != nil && o.cluster == nil {
+		replica = o.after.replica
+	}
 	p, err := provider.New(ctx, provider.Config{Incus: pc, Catalog: catalog, Dialer: dialer,
 		Credential: bearer.New(credential), Log: zaptest.NewLogger(t), Metrics: reg,
-		GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+		GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, Replica: replica})
 	if err != nil {
 		cancel()
 		t.Fatal(err)
@@ -127,7 +135,7 @@ func newRig(t *testing.T, o rigOptions) *rig {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = p.Run(ctx) }()
 	srv := httptest.NewServer(p.Handler())
-	r := &rig{t: t, client: client, catalog: catalog, p: p, srv: srv, metrics: reg}
+	r := &rig{t: t, client: client, catalog: catalog, p: p, srv: srv, metrics: reg, replica: replica}
 	var once bool
 	r.stop = func() {
 		if once {

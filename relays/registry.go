@@ -38,6 +38,11 @@ type Registry struct {
 	entries map[string]*entry
 	total   int
 	hooks   []func(instance string)
+
+	// opened gets a token whenever an instance's first relay opens, so that
+	// whoever announces this process's relays to other replicas does so at
+	// once (Opened).
+	opened chan struct{}
 }
 
 type entry struct {
@@ -55,7 +60,25 @@ func New(closeWait time.Duration) *Registry {
 	if closeWait <= 0 {
 		closeWait = 3 * time.Second
 	}
-	return &Registry{closeWait: closeWait, entries: map[string]*entry{}}
+	return &Registry{closeWait: closeWait, entries: map[string]*entry{}, opened: make(chan struct{}, 1)}
+}
+
+// Opened is signalled (coalesced) whenever some instance's first relay
+// opens.
+func (g *Registry) Opened() <-chan struct{} { return g.opened }
+
+// Instances lists the instances with a relay open or a dial in progress,
+// in no order.
+func (g *Registry) Instances() []string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	out := make([]string, 0, len(g.entries))
+	for name, e := range g.entries {
+		if len(e.conns)+e.pending > 0 {
+			out = append(out, name)
+		}
+	}
+	return out
 }
 
 // OnPowerChange adds fn to what is told of every power-down the registry
@@ -312,7 +335,14 @@ func (t *Ticket) Adopt(c Conn) {
 		e.conns[c] = struct{}{}
 		g.total++
 		e.signalLocked()
+		first := len(e.conns) == 1
 		g.mu.Unlock()
+		if first {
+			select {
+			case g.opened <- struct{}{}:
+			default:
+			}
+		}
 	})
 }
 

@@ -124,7 +124,9 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 	if st.Power != controller.PowerRunning && inst.Config[KeyIdleSince] != idleSinceText(t.IdleSince) {
 		return idle.ErrStale
 	}
-	if s.relays.Open(t.Name) > 0 {
+	if s.relays.Open(t.Name) > 0 || foreignLeases(inst.Config, s.cfg.Replica, s.now()) > 0 {
+		// This replica or another relays to it: no idle action while any
+		// replica relays a data connection to the target.
 		return ErrRelayOpen
 	}
 	if action == idlepolicy.ActionClose {

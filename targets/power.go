@@ -309,6 +309,20 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 	if now.Intent != st.Intent || now.Phase != controller.PhaseActive || !now.Resting {
 		return nil // the next step reads the newer state
 	}
+	if n := foreignLeases(cur.Config, s.cfg.Replica, s.now()); n > 0 {
+		// Another replica relays to the target. The idle loop's power-down
+		// yields to that use; an explicit one waits while that replica,
+		// which reads the request within leaseWatch, closes its relays.
+		if st.Intent.By == ByIdle {
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, nil, nil)
+			if err != nil && !errors.Is(err, ErrSuperseded) {
+				return err
+			}
+			return nil
+		}
+		s.progress.waitingElsewhere(name, to, n)
+		return errStillOpen{n}
+	}
 	if now.Power == to {
 		return nil
 	}

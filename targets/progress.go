@@ -15,6 +15,8 @@ type progress struct {
 	to controller.Power
 	// waiting counts the data connections a power-down waits to see closed.
 	waiting int
+	// elsewhere counts the other replicas whose relays it waits for.
+	elsewhere int
 	// failures counts attempts that failed in a row; retryAt is the next.
 	failures int
 	retryAt  time.Time
@@ -33,6 +35,10 @@ func (p *progress) detail(to controller.Power, now time.Time) string {
 		return ": waiting for 1 data connection to close"
 	case p.waiting > 1:
 		return fmt.Sprintf(": waiting for %d data connections to close", p.waiting)
+	case p.elsewhere == 1:
+		return ": waiting for another provider replica's data connections to close"
+	case p.elsewhere > 1:
+		return fmt.Sprintf(": waiting for the data connections of %d other provider replicas to close", p.elsewhere)
 	case p.unrecorded:
 		return ": waiting for Incus to take the request"
 	case p.failures > 0:
@@ -74,7 +80,11 @@ func (t *progressTable) update(name string, to controller.Power, fn func(p *prog
 
 // waiting records how many data connections the move to `to` waits for.
 func (t *progressTable) waiting(name string, to controller.Power, n int) {
-	t.update(name, to, func(p *progress) { p.waiting = n })
+	t.update(name, to, func(p *progress) { p.waiting, p.elsewhere = n, 0 })
+}
+
+func (t *progressTable) waitingElsewhere(name string, to controller.Power, n int) {
+	t.update(name, to, func(p *progress) { p.waiting, p.elsewhere = 0, n })
 }
 
 // failed records a failed attempt and answers when to try again: 250 ms
@@ -82,7 +92,7 @@ func (t *progressTable) waiting(name string, to controller.Power, n int) {
 func (t *progressTable) failed(name string, to controller.Power, now time.Time) time.Duration {
 	var d time.Duration
 	t.update(name, to, func(p *progress) {
-		p.waiting = 0
+		p.waiting, p.elsewhere = 0, 0
 		p.failures++
 		d = min(250*time.Millisecond<<min(p.failures-1, 7), 30*time.Second)
 		p.retryAt = now.Add(d)

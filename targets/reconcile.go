@@ -18,6 +18,9 @@ import (
 // returns when ctx ends, after the background work it started has stopped.
 func (s *Service) Run(ctx context.Context) error {
 	defer s.work.stop()
+	leasesDone := make(chan struct{})
+	go func() { defer close(leasesDone); s.runLeases(ctx) }()
+	defer func() { <-leasesDone }()
 	t := time.NewTicker(s.cfg.ReconcileInterval)
 	defer t.Stop()
 	for {
@@ -49,6 +52,7 @@ func (s *Service) pass(ctx context.Context) error {
 		if needsWork(inst) {
 			s.work.kick(inst.Name)
 		}
+		s.forgetStaleLease(ctx, inst)
 	}
 	return nil
 }

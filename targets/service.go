@@ -36,6 +36,9 @@ type Config struct {
 	// answer, whatever Incus does: every Incus call it makes inherits the
 	// deadline (default AnswerWithin + 1 s).
 	MethodBudget time.Duration
+	// Replica names this process among the replicas serving one project
+	// (see leases.go); default a random id.
+	Replica string
 }
 
 func (c *Config) defaults() {
@@ -82,6 +85,8 @@ type Service struct {
 	creates createTable
 	// changes tells the idle loop which targets this process changed (see idle.go).
 	changes changeFeed
+	// leases are this replica's relay leases on instances (see leases.go).
+	leases leaseTable
 }
 
 // New builds the service. Call Run to start its reconciler. The relay
@@ -92,11 +97,18 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 		return nil, errors.New("targets: the Incus client, catalog, guest dialer and relay registry are all required")
 	}
 	cfg.defaults()
+	if cfg.Replica == "" {
+		cfg.Replica = RandomReplica()
+	}
+	if !ValidReplica(cfg.Replica) {
+		return nil, fmt.Errorf("targets: replica id %q: use 1 to 32 lowercase letters, digits and dashes, starting with a letter or digit", cfg.Replica)
+	}
 	if log == nil {
 		log = zap.NewNop()
 	}
 	s := &Service{incus: client, catalog: catalog, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
 		startFailures: map[string]int{}}
+	s.leases.expires, s.leases.draining = map[string]time.Time{}, map[string]bool{}
 	s.work = newWorker(s.converge)
 	return s, nil
 }

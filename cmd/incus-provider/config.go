@@ -17,6 +17,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
 // memberName is what Incus accepts as a cluster member's name (a host name).
@@ -36,6 +37,7 @@ type config struct {
 	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s"`
 	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"auto"`
 	IncusMember       string        `env:"PROVIDER_INCUS_MEMBER"`
+	Replica           string        `env:"PROVIDER_REPLICA_ID"`
 	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests"`
 	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info"`
 	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s"`
@@ -147,6 +149,9 @@ func (c *config) check() error {
 	case "auto", guest.KindNetns, guest.KindProxy, guest.KindExec, guest.KindMember:
 	default:
 		return bad("PROVIDER_GUEST_DIALER", c.GuestDialer, "use auto, netns, proxy, exec or member")
+	}
+	if c.Replica != "" && !targets.ValidReplica(c.Replica) {
+		return bad("PROVIDER_REPLICA_ID", c.Replica, "use 1 to 32 lowercase letters, digits and dashes, starting with a letter or digit, different for every replica")
 	}
 	if c.IncusMember != "" && !memberName.MatchString(c.IncusMember) {
 		return bad("PROVIDER_INCUS_MEMBER", c.IncusMember, "name the Incus cluster member this provider runs on, as `incus cluster list` shows it")

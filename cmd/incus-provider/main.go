@@ -29,6 +29,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/serve"
 	"github.com/lightspeed-dev/incus-provider/provider"
+	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -128,13 +129,16 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		return fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err)
 	}
 
+	if cfg.Replica == "" {
+		cfg.Replica = defaultReplica(cfg.Listen)
+	}
 	srvCtx, cancelServe := context.WithCancel(ctx)
 	defer cancelServe()
 	prov, err := provider.New(srvCtx, provider.Config{
 		Incus: client, Catalog: catalog, Dialer: dialer, Credential: credential, Log: log, Metrics: reg,
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
-		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl,
+		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
 	})
 	if err != nil {
 		return err
@@ -198,7 +202,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	}
 	url := controlURL(cfg, scheme)
 	log.Info("incus-provider is serving", zap.String("controller", url), zap.Strings("templates", ids),
-		zap.String("guestDialer", dialer.Name()), zap.String("incusProject", cfg.IncusProject),
+		zap.String("guestDialer", dialer.Name()), zap.String("incusProject", cfg.IncusProject), zap.String("replica", cfg.Replica),
 		zap.Bool("credential", credential.Enabled()), zap.String("metrics", cfg.MetricsListen),
 		zap.String("memoryLimit", cfg.MemoryLimit), zap.String("decodeBudget", cfg.DecodeBudget),
 		zap.Int("maxConnections", cfg.MaxConnections), zap.Int("maxControlConnections", cfg.MaxControl))
@@ -248,6 +252,37 @@ func guestDialerFor(cfg config, server *incus.Server) (kind, member string) {
 	default:
 		return guest.KindExec, member
 	}
+}
+
+// defaultReplica names this process from its host and listen port: stable
+// across restarts (so a restarted replica knows its own leases) and
+// different for replicas on one host, which listen on different ports.
+func defaultReplica(listen string) string {
+	host, _ := os.Hostname()
+	var b strings.Builder
+	for _, r := range strings.ToLower(host) {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9':
+			b.WriteRune(r)
+		case b.Len() > 0:
+			b.WriteByte('-')
+		}
+	}
+	port := "unix"
+	if _, p, err := net.SplitHostPort(listen); err == nil {
+		port = p
+	}
+	name := strings.Trim(b.String(), "-")
+	if len(name) > 32-len(port)-1 {
+		name = strings.Trim(name[:32-len(port)-1], "-")
+	}
+	if name == "" {
+		name = "provider"
+	}
+	if id := name + "-" + port; targets.ValidReplica(id) {
+		return id
+	}
+	return targets.RandomReplica()
 }
 
 // reachOf says in a line how guests are reached, for /readyz.

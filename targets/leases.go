@@ -1,0 +1,216 @@
+package targets
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"regexp"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+// Replicas coordinate their data connections through Incus alone. Each
+// replica that relays a connection to a target keeps a lease on the
+// instance, user.lightspeed.relays.<replica> = the lease's expiry in Unix
+// milliseconds, renewed while it relays and removed when it stops. A
+// power-down by any replica waits (explicit) or yields (idle) while another
+// replica's lease is live, and a replica that relays to a target whose
+// recorded power is an explicit power-down closes its relays first, with
+// going-away frames, which ends its lease. A replica that dies leaves a
+// lease that expires by itself.
+const (
+	keyRelayPrefix = "user.lightspeed.relays."
+	// leaseTTL is how long a lease stands unrenewed: how long a dead
+	// replica's relays hold off power-downs at most.
+	leaseTTL = 30 * time.Second
+	// leaseRenew is how often a live lease is written again.
+	leaseRenew = 10 * time.Second
+	// leaseWatch is how often a replica reads the targets it relays to, to
+	// see another replica's power-down: the longest a setPower through
+	// another replica waits for this one to start closing.
+	leaseWatch = 500 * time.Millisecond
+)
+
+// replicaName is what a replica id may be: it becomes part of a key.
+var replicaName = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,31}$`)
+
+// ValidReplica says whether id can name a replica.
+func ValidReplica(id string) bool { return replicaName.MatchString(id) }
+
+// RandomReplica is a fresh replica id, for a process not given one.
+func RandomReplica() string {
+	b := make([]byte, 4)
+	_, _ = rand.Read(b)
+	return "r" + hex.EncodeToString(b)
+}
+
+// foreignLeases counts the live leases other replicas hold on inst.
+func foreignLeases(config map[string]string, self string, now time.Time) int {
+	n := 0
+	for k, v := range config {
+		id, ok := strings.CutPrefix(k, keyRelayPrefix)
+		if !ok || id == self {
+			continue
+		}
+		if exp, ok := parseMs(v); ok && exp.After(now) {
+			n++
+		}
+	}
+	return n
+}
+
+// leaseTable is what this replica last wrote of its own leases.
+type leaseTable struct {
+	mu       sync.Mutex
+	expires  map[string]time.Time
+	draining map[string]bool // closeForeign under way
+	wg       sync.WaitGroup  // the closeForeign goroutines; runLeases waits for them
+	ctx      context.Context // runLeases's, which bounds them
+}
+
+// runLeases keeps this replica's leases true and closes its relays to a
+// target another replica powers down. It ends with ctx, and then removes
+// the leases it holds (best effort, bounded).
+func (s *Service) runLeases(ctx context.Context) {
+	s.leases.ctx = ctx
+	t := time.NewTicker(leaseWatch)
+	defer t.Stop()
+	for {
+		s.leaseRound(ctx)
+		select {
+		case <-ctx.Done():
+			s.leases.wg.Wait()
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
+			s.dropLeases(dctx, nil)
+			cancel()
+			return
+		case <-t.C:
+		case <-s.relays.Opened():
+		}
+	}
+}
+
+func (s *Service) leaseRound(ctx context.Context) {
+	open := s.relays.Instances()
+	held := make(map[string]bool, len(open))
+	for _, name := range open {
+		held[name] = true
+		if !looksLikeTargetID(name) {
+			continue
+		}
+		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		s.leaseOne(rctx, name)
+		cancel()
+	}
+	s.dropLeases(ctx, held)
+}
+
+// leaseOne renews the lease on one relayed target, and starts closing this
+// replica's relays to it when its recorded power is an explicit power-down
+// (by another replica: this one drains before it records such a request).
+func (s *Service) leaseOne(ctx context.Context, name string) {
+	inst, err := s.lookup(ctx, name)
+	if err != nil || inst == nil {
+		return
+	}
+	st := StateOf(inst)
+	if st.Phase == controller.PhaseActive && st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.By != ByIdle {
+		s.leases.mu.Lock()
+		busy := s.leases.draining[name]
+		s.leases.draining[name] = true
+		s.leases.mu.Unlock()
+		if !busy {
+			s.leases.wg.Go(func() {
+				s.closeForeign(s.leases.ctx, name, st.Intent.Power)
+				s.leases.mu.Lock()
+				delete(s.leases.draining, name)
+				s.leases.mu.Unlock()
+			})
+		}
+		return
+	}
+	now := s.now()
+	s.leases.mu.Lock()
+	exp, ok := s.leases.expires[name]
+	s.leases.mu.Unlock()
+	if ok && exp.Sub(now) > leaseTTL-leaseRenew {
+		return
+	}
+	next := now.Add(leaseTTL)
+	if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: msString(next)}); err != nil {
+		s.log.Debug("writing a relay lease failed; retrying", zap.String("instance", name), zap.Error(err))
+		return
+	}
+	s.leases.mu.Lock()
+	s.leases.expires[name] = next
+	s.leases.mu.Unlock()
+}
+
+// closeForeign closes this replica's relays to a target another replica
+// powers down; the next round then drops the lease. Draining holds new
+// dials only for as long as it takes.
+func (s *Service) closeForeign(ctx context.Context, name string, to controller.Power) {
+	ctx, cancel := context.WithTimeout(ctx, drainWait)
+	defer cancel()
+	release, left := s.relays.Drain(ctx, name, "the target is powering down", nil)
+	release()
+	s.log.Info("closed this replica's data connections to a target another replica powers down",
+		zap.String("instance", name), zap.String("to", string(to)), zap.Int("left", left))
+}
+
+// dropLeases removes this replica's leases on targets it no longer relays
+// to (every lease when held is nil).
+func (s *Service) dropLeases(ctx context.Context, held map[string]bool) {
+	s.leases.mu.Lock()
+	var drop []string
+	for name := range s.leases.expires {
+		if !held[name] {
+			drop = append(drop, name)
+		}
+	}
+	s.leases.mu.Unlock()
+	for _, name := range drop {
+		if ctx.Err() != nil {
+			return
+		}
+		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		err := s.incus.PatchInstanceConfig(rctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: ""})
+		cancel()
+		if err != nil && !errors.Is(err, incus.ErrNotFound) {
+			s.log.Debug("removing a relay lease failed; retrying", zap.String("instance", name), zap.Error(err))
+			continue
+		}
+		s.leases.mu.Lock()
+		delete(s.leases.expires, name)
+		s.leases.mu.Unlock()
+	}
+}
+
+// forgetStaleLease removes a lease of this replica's name that this process
+// did not write and does not hold: one an earlier run of the same replica
+// left when it was killed. Other replicas ignore it once expired; this
+// keeps it from lingering on the instance.
+func (s *Service) forgetStaleLease(ctx context.Context, inst *incus.Instance) {
+	key := keyRelayPrefix + s.cfg.Replica
+	if inst.Config[key] == "" || s.relays.Open(inst.Name) > 0 {
+		return
+	}
+	s.leases.mu.Lock()
+	_, ours := s.leases.expires[inst.Name]
+	s.leases.mu.Unlock()
+	if ours {
+		return
+	}
+	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if err := s.incus.PatchInstanceConfig(rctx, inst.Name, map[string]string{key: ""}); err != nil && !errors.Is(err, incus.ErrNotFound) {
+		s.log.Debug("removing an earlier run's relay lease failed; retrying on the next pass", zap.String("instance", inst.Name), zap.Error(err))
+	}
+}
