@@ -45,6 +45,14 @@ if [ -n "$pid_after" ] && [ "$pid_after" != "$pid_before" ]; then started_incus=
 step "development guest image"
 deploy/guest/build-image.sh
 
+step "HAProxy (the load balancer in front of replicas in the cluster tests)"
+if ! command -v haproxy >/dev/null 2>&1; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y haproxy >>"$STATE_DIR/apt.log" 2>&1 ||
+    { apt-get update >>"$STATE_DIR/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y haproxy >>"$STATE_DIR/apt.log" 2>&1; } ||
+    { echo "apt-get install haproxy failed; see $STATE_DIR/apt.log" >&2; exit 1; }
+fi
+haproxy -v | head -1
+
 step "three-member Incus cluster (deploy/dev/incus-cluster-up.sh)"
 # Removed at the end only if this run made it.
 if [ ! -f "$STATE_DIR/cluster/cluster.env" ]; then started_cluster=1; fi

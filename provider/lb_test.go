@@ -1,0 +1,366 @@
+package provider_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"github.com/lightspeed-dev/incus-provider/conformance"
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/routes"
+)
+
+// lbRig is two provider binaries on the cluster rig, as replicas on
+// members lsm1 and lsm2, behind HAProxy with the shipped configuration.
+type lbRig struct {
+	t        *testing.T
+	bin, dir string
+	client   *incus.Client
+	cl       *incustest.ClusterRig
+	lb       string
+	replicas [2]*lbReplica
+	haproxy  *exec.Cmd
+}
+
+type lbReplica struct {
+	id, member, addr, metrics string
+	cmd                       *exec.Cmd
+}
+
+func newLBRig(t *testing.T) *lbRig {
+	t.Helper()
+	cl := incustest.Cluster(t)
+	haproxy, err := exec.LookPath("haproxy")
+	if err != nil {
+		if os.Getenv(incustest.EnvRequireCluster) == "1" {
+			t.Fatalf("haproxy is not installed (make test installs it): %v", err)
+		}
+		t.Skipf("haproxy is not installed: %v", err)
+	}
+	r := &lbRig{t: t, bin: buildProvider(t), dir: t.TempDir(), client: cl.Client(t), cl: cl, lb: freeAddr(t)}
+	if err := os.WriteFile(filepath.Join(r.dir, "credential"), []byte(credential), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tmpl := strings.ReplaceAll(clusterTemplates, "{{image}}", incustest.DefaultImage)
+	if err := os.WriteFile(filepath.Join(r.dir, "templates.yaml"), []byte(tmpl), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for i, m := range []string{"lsm1", "lsm2"} {
+		r.replicas[i] = &lbReplica{id: fmt.Sprintf("lbr%d", i+1), member: m, addr: freeAddr(t), metrics: freeAddr(t)}
+		r.start(i)
+	}
+	_, p1, _ := net.SplitHostPort(r.replicas[0].metrics)
+	_, p2, _ := net.SplitHostPort(r.replicas[1].metrics)
+	cmd := exec.Command(haproxy, "-db", "-f", "../deploy/haproxy/incus-provider.cfg")
+	cmd.Env = append(os.Environ(), "LB_LISTEN="+r.lb, "REPLICA1="+r.replicas[0].addr, "REPLICA2="+r.replicas[1].addr,
+		"REPLICA1_CHECK_PORT="+p1, "REPLICA2_CHECK_PORT="+p2)
+	logf, err := os.Create(filepath.Join(r.dir, "haproxy.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	_ = logf.Close()
+	r.haproxy = cmd
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		for i := range r.replicas {
+			r.stop(i, syscall.SIGTERM)
+		}
+	})
+	r.awaitUp(0)
+	r.awaitUp(1)
+	return r
+}
+
+func (r *lbRig) start(i int) {
+	r.t.Helper()
+	rep := r.replicas[i]
+	logf, err := os.OpenFile(filepath.Join(r.dir, rep.id+".log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	cmd := exec.Command(r.bin)
+	cmd.Env = append(os.Environ(),
+		"PROVIDER_LISTEN="+rep.addr, "PROVIDER_METRICS_LISTEN="+rep.metrics, "PROVIDER_REPLICA_ID="+rep.id,
+		"PROVIDER_TEMPLATES="+filepath.Join(r.dir, "templates.yaml"), "PROVIDER_CREDENTIAL_FILE="+filepath.Join(r.dir, "credential"),
+		"INCUS_URL="+strings.Join(r.cl.URLs, ","), "INCUS_CLIENT_CERT="+r.cl.Config.ClientCert,
+		"INCUS_CLIENT_KEY="+r.cl.Config.ClientKey, "INCUS_SERVER_CERT="+r.cl.Config.ServerCert,
+		"INCUS_PROJECT="+r.client.Project(), "PROVIDER_INCUS_MEMBER="+rep.member,
+		"PROVIDER_GRACEFUL_STOP=2s", "PROVIDER_RECONCILE_INTERVAL=1s")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		r.t.Fatal(err)
+	}
+	_ = logf.Close()
+	rep.cmd = cmd
+}
+
+func (r *lbRig) stop(i int, sig syscall.Signal) {
+	rep := r.replicas[i]
+	if rep.cmd == nil {
+		return
+	}
+	_ = rep.cmd.Process.Signal(sig)
+	_ = rep.cmd.Wait()
+	rep.cmd = nil
+}
+
+// awaitUp waits until the replica's /readyz answers 200.
+func (r *lbRig) awaitUp(i int) {
+	r.t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := http.Get("http://" + r.replicas[i].metrics + "/readyz")
+		if err == nil {
+			_ = resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			out, _ := os.ReadFile(filepath.Join(r.dir, r.replicas[i].id+".log"))
+			r.t.Fatalf("replica %s not ready in 30 s: %v\n%s", r.replicas[i].id, err, out)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// connect opens a controller connection through the load balancer.
+func (r *lbRig) connect(ctx context.Context) (*jsonrpc.Client, error) {
+	d := websocket.Dialer{HandshakeTimeout: 5 * time.Second}
+	ws, _, err := d.DialContext(ctx, "ws://"+r.lb+"/control", http.Header{"Authorization": {"Bearer " + credential}})
+	if err != nil {
+		return nil, err
+	}
+	c := jsonrpc.NewClient(ws)
+	if err := c.Call(ctx, "initialize", controller.InitializeParams{ProtocolVersion: 4,
+		ClientInfo: controller.BuildInfo{Name: "lb-test"}}, nil); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// call runs one method on a fresh connection through the balancer, retrying
+// what a client retries (unavailable, a connection that broke) for up to
+// most.
+func (r *lbRig) call(method string, params any, most time.Duration) (controller.Observation, error) {
+	deadline := time.Now().Add(most)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		c, err := r.connect(ctx)
+		var o controller.Observation
+		if err == nil {
+			o, err = callOn(c, method, params)
+			_ = c.Close()
+		}
+		cancel()
+		if err == nil || !(isUnavailable(err) || !isRPCError(err)) || time.Now().After(deadline) {
+			return o, err
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func isRPCError(err error) bool {
+	var e *jsonrpc.Error
+	return errors.As(err, &e)
+}
+
+func (r *lbRig) until(owner controller.Owner, what string, most time.Duration, cond func(controller.Observation) bool) {
+	r.t.Helper()
+	deadline := time.Now().Add(most)
+	for {
+		o, err := r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: owner}}, 5*time.Second)
+		if err == nil && cond(o) {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("target never %s within %s through the balancer: %+v, %v", what, most, o, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func (r *lbRig) routeURL(route routes.Route) string {
+	return "ws://" + r.lb + routes.Path("/routes", route)
+}
+
+// relayHolder says which replica's lease is on the instance (-1: none).
+func (r *lbRig) relayHolder(name string) int {
+	r.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	inst, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	for i, rep := range r.replicas {
+		if inst.Config["user.lightspeed.relays."+rep.id] != "" {
+			return i
+		}
+	}
+	return -1
+}
+
+// TestClusterReplicasBehindHAProxy drives two provider binaries behind
+// HAProxy from outside: concurrent creates for each owner over separate
+// connections (one instance each); a relay whose replica is SIGKILLed (the
+// client's redial through the balancer succeeds, through the other); a
+// wake whose replica is SIGKILLed at once (the redial succeeds and the
+// target ends running, finished by the replica left).
+func TestClusterReplicasBehindHAProxy(t *testing.T) {
+	r := newLBRig(t)
+	const owners = 6
+	var wg sync.WaitGroup
+	errs := make(chan error, owners*2)
+	for i := range owners {
+		owner := controller.Owner{UniverseID: "u-lb", EnvironmentID: fmt.Sprintf("env-%d", i)}
+		tmpl := []string{"on-lsm1", "on-lsm2", "on-lsm3"}[i%3]
+		for range 2 {
+			wg.Go(func() {
+				if _, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: tmpl}, 30*time.Second); err != nil {
+					errs <- err
+				}
+			})
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("create through the balancer: %v", err)
+	}
+	for i := range owners {
+		owner := controller.Owner{UniverseID: "u-lb", EnvironmentID: fmt.Sprintf("env-%d", i)}
+		r.until(owner, "active", 90*time.Second, func(o controller.Observation) bool {
+			return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
+		})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	list, err := r.client.ListInstances(ctx)
+	cancel()
+	if err != nil || len(list) != owners {
+		t.Fatalf("%d instances for %d owners (%v)", len(list), owners, err)
+	}
+
+	// A replica killed mid-relay.
+	owner := controller.Owner{UniverseID: "u-lb", EnvironmentID: "env-1"}
+	o, err := r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: owner}}, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	route := routeOf(owner, o.TargetID)
+	d, err := conformance.DialRoute(context.Background(), r.routeURL(route), credential)
+	if err != nil || d.Conn == nil {
+		t.Fatalf("dial through the balancer: %+v, %v", d.Refusal, err)
+	}
+	initialize(t, d.Conn)
+	holder := -1
+	for deadline := time.Now().Add(5 * time.Second); holder < 0 && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		holder = r.relayHolder(route.TargetID)
+	}
+	if holder < 0 {
+		t.Fatal("no replica's relay lease on the instance 5 s after the relay opened")
+	}
+	r.stop(holder, syscall.SIGKILL)
+	_ = d.Conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, _, err := d.Conn.ReadMessage(); err == nil {
+		t.Fatal("the relay of a killed replica still delivered a message")
+	}
+	_ = d.Conn.Close()
+	start := time.Now()
+	redialed := false
+	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		d, err := conformance.DialRoute(context.Background(), r.routeURL(route), credential)
+		if err == nil && d.Conn != nil {
+			initialize(t, d.Conn)
+			_ = d.Conn.Close()
+			redialed = true
+			break
+		}
+	}
+	if !redialed {
+		t.Fatal("no redial through the balancer succeeded within 15 s of the relaying replica's death")
+	}
+	t.Logf("replica %s killed mid-relay: a redial through the balancer relayed again after %s", r.replicas[holder].id, time.Since(start))
+	r.start(holder)
+	r.awaitUp(holder)
+
+	// A replica killed mid-wake: the dial's request for running is on the
+	// instance, and the replica left carries it out.
+	if _, err := r.call("target/setPower", controller.SetPowerParams{Target: controller.TargetRef{Owner: owner}, Power: controller.PowerPaused}, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	r.until(owner, "paused", 30*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
+	})
+	// The waking dial goes to replica 0 itself, so that the replica killed
+	// is the one waking the target.
+	victim := 0
+	dialed := make(chan struct{})
+	go func() {
+		defer close(dialed)
+		d, err := conformance.DialRoute(context.Background(), "ws://"+r.replicas[victim].addr+routes.Path("/routes", route), credential)
+		if err == nil && d.Conn != nil {
+			_ = d.Conn.Close()
+		}
+	}()
+	// Killed the moment its dial's request for running is on the instance,
+	// before (most likely) it carried it out.
+	var inst *incus.Instance
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		kctx, kcancel := context.WithTimeout(context.Background(), 5*time.Second)
+		inst, _, err = r.client.GetInstance(kctx, route.TargetID)
+		kcancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inst.Config["user.lightspeed.power"] == "running" && inst.Config["user.lightspeed.power_by"] == "use" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the waking dial's request for running never reached the instance: %v", inst.Config)
+		}
+	}
+	r.stop(victim, syscall.SIGKILL)
+	<-dialed
+	t.Logf("replica %s killed mid-wake, with the instance %s and running requested by use", r.replicas[victim].id, inst.Status)
+	// Without any new dial: the replica left carries the request out.
+	start = time.Now()
+	r.until(owner, "running again", 30*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning
+	})
+	t.Logf("the replica left carried the dead one's wake out %s after its death", time.Since(start))
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		d, err := conformance.DialRoute(context.Background(), r.routeURL(route), credential)
+		if err == nil && d.Conn != nil {
+			initialize(t, d.Conn)
+			_ = d.Conn.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no dial through the balancer relayed within 20 s of a replica's death mid-wake: %+v, %v", d.Refusal, err)
+		}
+	}
+	r.start(victim)
+	r.awaitUp(victim)
+}
