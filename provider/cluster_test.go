@@ -2,11 +2,14 @@ package provider_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -421,6 +424,7 @@ func TestClusterTwoReplicas(t *testing.T) {
 	}
 	route := routeOf(owner, o.TargetID)
 	a.power(route, controller.PowerPaused)
+	events := watchLifecycle(t, cl, a.client.Project(), route.TargetID)
 	const dials = 8
 	results := make([]conformance.RouteDial, dials)
 	for i := range dials {
@@ -441,7 +445,11 @@ func TestClusterTwoReplicas(t *testing.T) {
 		initialize(t, d.Conn)
 		_ = d.Conn.Close()
 	}
-	t.Logf("%d dials of a paused target through two replicas: all upgraded; wakes finished: replica A %d, B %d", dials, a.wakes(), b.wakes())
+	ev := events()
+	t.Logf("%d dials of a paused target through two replicas: all upgraded; Incus resumed it %d times; wakes finished: replica A %d, B %d", dials, ev["instance-resumed"], a.wakes(), b.wakes())
+	if ev["instance-resumed"] != 1 {
+		t.Fatalf("concurrent dials through two replicas resumed the target %d times, want one wake (events %v)", ev["instance-resumed"], ev)
+	}
 
 	// Closes and creates for one owner through both replicas at once, in a
 	// seeded order: the owner ends with at most one instance, closed or
@@ -535,8 +543,10 @@ func TestClusterReplicaPowerDown(t *testing.T) {
 	cl := incustest.Cluster(t)
 	a := newRig(t, rigOptions{cluster: cl})
 	b := newRig(t, rigOptions{cluster: cl, after: a, member: "lsm2"})
+	t0 := time.Now()
 
 	route := a.create("replica-drain", "on-lsm2")
+	t.Logf("created; %s into the test", time.Since(t0))
 	ws := a.mustUpgrade(route)
 	// A's lease is on the instance within leaseWatch of the relay.
 	for deadline := time.Now().Add(5 * time.Second); ; {
@@ -581,7 +591,9 @@ func TestClusterReplicaPowerDown(t *testing.T) {
 
 	// Idle: a target paused after 1.5 s idle stays running for as long as
 	// A relays to it, though B's idle loop finds its daemon idle.
+	t.Logf("lease gone; %s into the test", time.Since(t0))
 	idleRoute := b.create("replica-idle", "idle-lsm3")
+	t.Logf("idle target created; %s into the test", time.Since(t0))
 	ws = a.mustUpgrade(idleRoute)
 	time.Sleep(6 * time.Second)
 	if o, err := b.get(idleRoute.Owner); err != nil || o.Power != controller.PowerRunning {
@@ -591,6 +603,7 @@ func TestClusterReplicaPowerDown(t *testing.T) {
 	b.until(idleRoute.Owner, "paused by idle once A's relay closed", 40*time.Second, func(o controller.Observation) bool {
 		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused
 	})
+	t.Logf("paused by idle; %s into the test", time.Since(t0))
 }
 
 func countPrefix(m map[string]string, prefix string) int {
@@ -601,4 +614,48 @@ func countPrefix(m map[string]string, prefix string) int {
 		}
 	}
 	return n
+}
+
+// watchLifecycle records the cluster's lifecycle events of the project
+// (incus monitor through member 0) until the returned function is called,
+// which answers how often each action happened to the instance.
+func watchLifecycle(t *testing.T, cl *incustest.ClusterRig, project, instance string) func() map[string]int {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, "incus", "monitor", "--type=lifecycle", "--project", project, "--format=json")
+	cmd.Env = append(os.Environ(), "INCUS_DIR="+filepath.Dir(cl.Sockets[0]), "INCUS_CONF="+filepath.Join(filepath.Dir(cl.Config.ClientCert), "client"))
+	var out strings.Builder
+	cmd.Stdout = &out
+	if err := cmd.Start(); err != nil {
+		cancel()
+		t.Fatalf("incus monitor: %v", err)
+	}
+	time.Sleep(300 * time.Millisecond) // connected before anything happens
+	var once sync.Once
+	var counts map[string]int
+	stop := func() map[string]int {
+		once.Do(func() {
+			time.Sleep(500 * time.Millisecond) // the last events arrive
+			cancel()
+			_ = cmd.Wait()
+			counts = map[string]int{}
+			for _, line := range strings.Split(out.String(), "\n") {
+				var ev struct {
+					Metadata struct {
+						Action string `json:"action"`
+						Source string `json:"source"`
+					} `json:"metadata"`
+				}
+				if json.Unmarshal([]byte(line), &ev) != nil {
+					continue
+				}
+				if path, _, _ := strings.Cut(ev.Metadata.Source, "?"); path == "/1.0/instances/"+instance {
+					counts[ev.Metadata.Action]++
+				}
+			}
+		})
+		return counts
+	}
+	t.Cleanup(func() { stop() })
+	return stop
 }

@@ -208,6 +208,11 @@ func (h *killHarness) work(ctx context.Context, rng *rand.Rand, l *ownerLog) {
 			// A create racing a close that an earlier process answered
 			// closing: the owner's target is on its way out.
 			l.accepted, l.inFlight, l.unknown = "close", "", nil
+		case err == nil && op == "create" && l.accepted != "":
+			// A create for an owner that has a target answers it as it is
+			// and changes nothing: what was asked before still stands.
+			l.inFlight = ""
+			l.counts[op]++
 		case err == nil:
 			l.accepted, l.inFlight, l.unknown = op, "", nil
 			l.counts[op]++

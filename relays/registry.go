@@ -67,14 +67,15 @@ func New(closeWait time.Duration) *Registry {
 // opens.
 func (g *Registry) Opened() <-chan struct{} { return g.opened }
 
-// Instances lists the instances with a relay open or a dial in progress,
-// in no order.
+// Instances lists the instances with a relay open, in no order. A dial
+// still in progress does not count: until it relays, its own wake speaks
+// for it (it records its request for running).
 func (g *Registry) Instances() []string {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	out := make([]string, 0, len(g.entries))
 	for name, e := range g.entries {
-		if len(e.conns)+e.pending > 0 {
+		if len(e.conns) > 0 {
 			out = append(out, name)
 		}
 	}

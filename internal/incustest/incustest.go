@@ -193,6 +193,12 @@ func settle(ctx context.Context, c *incus.Client) {
 		return
 	}
 	for i := range ops {
+		if ops[i].Class == "websocket" {
+			// An exec (the exec dialer's bridge) ends with its instance,
+			// and never while the instance is frozen: the force stop that
+			// follows ends it.
+			continue
+		}
 		wctx, cancel := context.WithTimeout(ctx, time.Minute)
 		_, _ = c.Wait(wctx, &ops[i])
 		cancel()
