@@ -23,7 +23,8 @@ import (
 // power-down by any replica waits (explicit) or yields (idle) while another
 // replica's lease is live, and a replica that relays to a target whose
 // recorded power is an explicit power-down closes its relays first, with
-// going-away frames, which ends its lease. A replica that dies leaves a
+// going-away frames (its own reconciler drives the request at once), which
+// ends its lease. A replica that dies leaves a
 // lease that expires by itself.
 const (
 	keyRelayPrefix = "user.lightspeed.relays."
@@ -68,25 +69,24 @@ func foreignLeases(config map[string]string, self string, now time.Time) int {
 
 // leaseTable is what this replica last wrote of its own leases.
 type leaseTable struct {
-	mu       sync.Mutex
-	expires  map[string]time.Time
-	draining map[string]bool // closeForeign under way
-	wg       sync.WaitGroup  // the closeForeign goroutines; runLeases waits for them
-	ctx      context.Context // runLeases's, which bounds them
+	mu      sync.Mutex
+	expires map[string]time.Time
+	// kicked is the power-down request last handed to the reconciler, by
+	// instance.
+	kicked map[string]time.Time
 }
 
-// runLeases keeps this replica's leases true and closes its relays to a
-// target another replica powers down. It ends with ctx, and then removes
+// runLeases keeps this replica's leases true and hands a target another
+// replica powers down to this replica's reconciler, which closes its relays
+// first. It ends with ctx, and then removes
 // the leases it holds (best effort, bounded).
 func (s *Service) runLeases(ctx context.Context) {
-	s.leases.ctx = ctx
 	t := time.NewTicker(leaseWatch)
 	defer t.Stop()
 	for {
 		s.leaseRound(ctx)
 		select {
 		case <-ctx.Done():
-			s.leases.wg.Wait()
 			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
 			s.dropLeases(dctx, nil)
 			cancel()
@@ -112,9 +112,9 @@ func (s *Service) leaseRound(ctx context.Context) {
 	s.dropLeases(ctx, held)
 }
 
-// leaseOne renews the lease on one relayed target, and starts closing this
-// replica's relays to it when its recorded power is an explicit power-down
-// (by another replica: this one drains before it records such a request).
+// leaseOne renews the lease on one relayed target, or, when its recorded
+// power is an explicit power-down, has this replica carry that out (which
+// closes its relays) instead.
 func (s *Service) leaseOne(ctx context.Context, name string) {
 	inst, err := s.lookup(ctx, name)
 	if err != nil || inst == nil {
@@ -122,17 +122,17 @@ func (s *Service) leaseOne(ctx context.Context, name string) {
 	}
 	st := StateOf(inst)
 	if st.Phase == controller.PhaseActive && st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.By != ByIdle {
+		// An explicit power-down, most likely through another replica:
+		// this replica's own reconciler carries it out now rather than at
+		// its next pass, and that first closes this replica's relays (then
+		// the lease goes). Once per request, so its retries keep their
+		// backoff.
 		s.leases.mu.Lock()
-		busy := s.leases.draining[name]
-		s.leases.draining[name] = true
+		seen := s.leases.kicked[name].Equal(st.Intent.At)
+		s.leases.kicked[name] = st.Intent.At
 		s.leases.mu.Unlock()
-		if !busy {
-			s.leases.wg.Go(func() {
-				s.closeForeign(s.leases.ctx, name, st.Intent.Power)
-				s.leases.mu.Lock()
-				delete(s.leases.draining, name)
-				s.leases.mu.Unlock()
-			})
+		if !seen {
+			s.work.kick(name)
 		}
 		return
 	}
@@ -153,18 +153,6 @@ func (s *Service) leaseOne(ctx context.Context, name string) {
 	s.leases.mu.Unlock()
 }
 
-// closeForeign closes this replica's relays to a target another replica
-// powers down; the next round then drops the lease. Draining holds new
-// dials only for as long as it takes.
-func (s *Service) closeForeign(ctx context.Context, name string, to controller.Power) {
-	ctx, cancel := context.WithTimeout(ctx, drainWait)
-	defer cancel()
-	release, left := s.relays.Drain(ctx, name, "the target is powering down", nil)
-	release()
-	s.log.Info("closed this replica's data connections to a target another replica powers down",
-		zap.String("instance", name), zap.String("to", string(to)), zap.Int("left", left))
-}
-
 // dropLeases removes this replica's leases on targets it no longer relays
 // to (every lease when held is nil).
 func (s *Service) dropLeases(ctx context.Context, held map[string]bool) {
@@ -173,6 +161,11 @@ func (s *Service) dropLeases(ctx context.Context, held map[string]bool) {
 	for name := range s.leases.expires {
 		if !held[name] {
 			drop = append(drop, name)
+		}
+	}
+	for name := range s.leases.kicked {
+		if !held[name] {
+			delete(s.leases.kicked, name)
 		}
 	}
 	s.leases.mu.Unlock()

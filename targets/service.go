@@ -108,7 +108,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	}
 	s := &Service{incus: client, catalog: catalog, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
 		startFailures: map[string]int{}}
-	s.leases.expires, s.leases.draining = map[string]time.Time{}, map[string]bool{}
+	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
 	s.work = newWorker(s.converge)
 	return s, nil
 }
