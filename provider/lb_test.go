@@ -23,6 +23,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
 // lbRig is two provider binaries on the cluster rig, as replicas on
@@ -364,3 +365,46 @@ func TestClusterReplicasBehindHAProxy(t *testing.T) {
 	r.start(victim)
 	r.awaitUp(victim)
 }
+
+// TestClusterIdleActionOnceAcrossReplicas: an idle target served by two
+// replica binaries is paused once (one Incus pause, whichever replica
+// decides), and when the replica whose idle request is on the instance is
+// SIGKILLed right then, the other carries it out.
+func TestClusterIdleActionOnceAcrossReplicas(t *testing.T) {
+	r := newLBRig(t)
+	owner := controller.Owner{UniverseID: "u-lb", EnvironmentID: "env-idle"}
+	events := watchLifecycle(t, r.cl, r.client.Project(), targetsName(owner))
+	if _, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "idle-lsm3"}, 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	// The moment an idle request is on the instance, kill its replica.
+	var by string
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		inst, _, err := r.client.GetInstance(ctx, targetsName(owner))
+		cancel()
+		if err == nil && inst.Config["user.lightspeed.power_by"] == "idle" {
+			by = string(inst.Status)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no idle request within 60 s: %v", err)
+		}
+	}
+	// Which replica asked is not recorded; kill one, at random by seed.
+	victim := int(testSeed(t) % 2)
+	r.stop(victim, syscall.SIGKILL)
+	r.until(owner, "paused by idle", 30*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
+	})
+	time.Sleep(3 * time.Second) // long enough for a second pause, were there one
+	ev := events()
+	t.Logf("idle request on the instance (then %s); replica %s SIGKILLed; Incus events %v", by, r.replicas[victim].id, ev)
+	if ev["instance-paused"] != 1 {
+		t.Fatalf("the idle pause happened %d times in Incus, want once", ev["instance-paused"])
+	}
+	r.start(victim)
+	r.awaitUp(victim)
+}
+
+func targetsName(o controller.Owner) string { return targets.Name(o) }
