@@ -48,10 +48,18 @@ func runChild() error {
 	// Ctrl-C reaches the whole process group: the parent cleans up through
 	// this process, which ends when the parent closes its stdin.
 	signal.Ignore(os.Interrupt)
-	socket := os.Getenv("ROUTEBENCH_INCUS_SOCKET")
 	project := os.Getenv("ROUTEBENCH_PROJECT")
 	credential := os.Getenv("ROUTEBENCH_CREDENTIAL")
-	client, err := incus.New(incus.Config{Socket: socket, Project: project})
+	// On a cluster, as cmd/incus-provider is deployed there: every member's
+	// URL, the cluster certificate pinned, and the member dialer of the
+	// member this provider is taken to run on.
+	icfg := incus.Config{Socket: os.Getenv("ROUTEBENCH_INCUS_SOCKET"), Project: project}
+	member := os.Getenv("ROUTEBENCH_MEMBER")
+	if urls := os.Getenv("ROUTEBENCH_INCUS_URLS"); urls != "" {
+		icfg = incus.Config{URLs: strings.Split(urls, ","), ClientCert: os.Getenv("ROUTEBENCH_INCUS_CLIENT_CERT"),
+			ClientKey: os.Getenv("ROUTEBENCH_INCUS_CLIENT_KEY"), ServerCert: os.Getenv("ROUTEBENCH_INCUS_SERVER_CERT"), Project: project}
+	}
+	client, err := incus.New(icfg)
 	if err != nil {
 		return err
 	}
@@ -68,7 +76,17 @@ func runChild() error {
 	if err := catalog.Resolve(rctx, client); err != nil {
 		return err
 	}
-	dialer, err := guest.New(guest.KindNetns, guest.Options{Lookup: client.InitPID})
+	kind := guest.KindNetns
+	if member != "" {
+		kind = guest.KindMember
+		if err := catalog.CheckPlacement(rctx, true, client); err != nil {
+			return err
+		}
+	}
+	dialer, err := guest.New(kind, guest.Options{Lookup: client.InitPID, Member: member,
+		Exec: func(ctx context.Context, instance string, argv []string) (net.Conn, error) {
+			return client.ExecStream(ctx, instance, argv)
+		}})
 	if err != nil {
 		return err
 	}
@@ -104,7 +122,7 @@ func runChild() error {
 	// it is what reading frame headers costs; what it adds over a direct
 	// connection is mostly the extra hop itself.
 	mux.Handle("/bench/pipe", cred.Require(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		t := guest.Target{Instance: r.URL.Query().Get("instance"), Port: guest.DefaultPort}
+		t := guest.Target{Instance: r.URL.Query().Get("instance"), Port: guest.DefaultPort, Location: r.URL.Query().Get("location")}
 		var lc net.ListenConfig
 		pl, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
 		if err != nil {
