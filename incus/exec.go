@@ -47,47 +47,77 @@ const stderrKeep = 512
 // the stream's life; Close ends the command (Incus kills it when the
 // control websocket closes).
 func (c *Client) ExecStream(ctx context.Context, instance string, argv []string) (*ExecConn, error) {
+	op, secrets, err := c.startExec(ctx, instance, argv)
+	if err != nil {
+		return nil, err
+	}
+	ws, err := c.dialExecStreams(ctx, op, secrets)
+	if err != nil {
+		return nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
+	}
+	return newExecConn(instance, ws), nil
+}
+
+// execFDs are the exec operation's websockets, in the order execStreams
+// holds them.
+var execFDs = [4]string{"control", "0", "1", "2"}
+
+// execStreams are an exec's websockets: control, stdin, stdout, stderr.
+type execStreams [4]*websocket.Conn
+
+func (s execStreams) close() {
+	for _, ws := range s {
+		if ws != nil {
+			_ = ws.Close()
+		}
+	}
+}
+
+// startExec asks Incus to run argv once its websockets are connected and
+// returns the operation and the websockets' secrets.
+func (c *Client) startExec(ctx context.Context, instance string, argv []string) (*Operation, map[string]string, error) {
 	if len(argv) == 0 {
-		return nil, fmt.Errorf("incus: exec in %q: empty command", instance)
+		return nil, nil, fmt.Errorf("incus: exec in %q: empty command", instance)
 	}
 	body := ExecPost{Command: argv, WaitForWS: true}
 	resp, err := c.do(ctx, request{op: "instance.exec", method: http.MethodPost, scoped: true, path: instancePath(instance) + "/exec", body: body})
 	if err != nil {
-		return nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
+		return nil, nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
 	}
 	op, err := operationOf("instance.exec", resp)
 	if err != nil {
-		return nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
+		return nil, nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
 	}
 	secrets, err := execSecrets(op)
 	if err != nil {
-		return nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
+		return nil, nil, fmt.Errorf("incus: exec in %q: %w", instance, err)
 	}
+	return op, secrets, nil
+}
 
-	x := &ExecConn{instance: instance}
-	// Incus waits (up to 10 s) for stdin, stdout and stderr before it starts
-	// the command; control is what lets Close end it. A failed dial closes
-	// what was opened, and Incus then abandons the operation.
-	for _, fd := range []string{"control", "0", "1", "2"} {
-		ws, err := c.dialOperationWebsocket(ctx, op, secrets[fd])
+// dialExecStreams connects the exec's four websockets. Incus waits (up to
+// 10 s) for stdin, stdout and stderr before it starts the command; control
+// is what lets Close end it. A failed dial closes what was opened, and
+// Incus then abandons the operation.
+func (c *Client) dialExecStreams(ctx context.Context, op *Operation, secrets map[string]string) (execStreams, error) {
+	var ws execStreams
+	for i, fd := range execFDs {
+		conn, err := c.dialOperationWebsocket(ctx, op, secrets[fd])
 		if err != nil {
-			x.closeAll()
-			return nil, fmt.Errorf("incus: exec in %q: websocket %s: %w", instance, fd, err)
+			ws.close()
+			return execStreams{}, fmt.Errorf("websocket %s: %w", fd, err)
 		}
-		switch fd {
-		case "control":
-			x.control = ws
-		case "0":
-			x.stdin = ws
-		case "1":
-			x.stdout = ws
-		case "2":
-			x.stderr = ws
-		}
+		ws[i] = conn
 	}
-	x.stderrDone = make(chan struct{})
+	return ws, nil
+}
+
+// newExecConn joins connected streams into a conn and starts reading the
+// command's stderr.
+func newExecConn(instance string, ws execStreams) *ExecConn {
+	x := &ExecConn{instance: instance, control: ws[0], stdin: ws[1], stdout: ws[2], stderr: ws[3], stderrDone: make(chan struct{})}
 	go x.drainStderr()
-	return x, nil
+	return x
 }
 
 // execSecrets reads the websocket secrets of an exec operation.
@@ -96,8 +126,8 @@ func execSecrets(op *Operation) (map[string]string, error) {
 	if !ok {
 		return nil, fmt.Errorf("%w: exec operation %s carries no websocket secrets", ErrMalformedResponse, op.ID)
 	}
-	out := make(map[string]string, 4)
-	for _, fd := range []string{"control", "0", "1", "2"} {
+	out := make(map[string]string, len(execFDs))
+	for _, fd := range execFDs {
 		s, ok := fds[fd].(string)
 		if !ok || s == "" {
 			return nil, fmt.Errorf("%w: exec operation %s has no secret for websocket %q", ErrMalformedResponse, op.ID, fd)
