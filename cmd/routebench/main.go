@@ -68,6 +68,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 )
 
 func main() {
@@ -261,27 +262,40 @@ func startChild(ctx context.Context, env []string) (*childProc, string, error) {
 	}
 }
 
-// removeProject deletes every instance of the project, then the project.
+// removeProject deletes every instance of the project, then the project,
+// going round again for up to three minutes: on the cluster rig other
+// tests kill and restart members, and a member that is down holds its
+// instances until it is back.
 func removeProject(root *incus.Client, project string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	c := root.WithProject(project)
-	insts, _ := c.ListInstances(ctx)
-	for _, inst := range insts {
-		if inst.StatusCode != incus.StatusStopped {
-			if op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true}); err == nil {
+	var err error
+	for ctx.Err() == nil {
+		insts, lerr := c.ListInstances(ctx)
+		for _, inst := range insts {
+			if inst.StatusCode != incus.StatusStopped {
+				if op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true}); err == nil {
+					_, _ = c.Wait(ctx, op)
+				}
+			}
+			if op, err := c.DeleteInstance(ctx, inst.Name); err == nil {
 				_, _ = c.Wait(ctx, op)
 			}
 		}
-		if op, err := c.DeleteInstance(ctx, inst.Name); err == nil {
-			_, _ = c.Wait(ctx, op)
+		if err = root.DeleteProject(ctx, project); err == nil || errors.Is(err, incus.ErrNotFound) {
+			return
 		}
-	}
-	if err := root.DeleteProject(ctx, project); err != nil && !errors.Is(err, incus.ErrNotFound) {
-		if ferr := root.ForceDeleteProject(ctx, project); ferr != nil {
-			fmt.Fprintf(os.Stderr, "routebench: could not delete the project %s: %v\n", project, ferr)
+		if lerr == nil && len(insts) == 0 {
+			// Nothing listed, yet not empty: let the server clear it out.
+			if err = root.ForceDeleteProject(ctx, project); err == nil {
+				return
+			}
 		}
+		fmt.Fprintf(os.Stderr, "routebench: the project %s is not deleted yet, again in 2 s: %v\n", project, errors.Join(lerr, err))
+		clock.Sleep(ctx, 2*time.Second)
 	}
+	fmt.Fprintf(os.Stderr, "routebench: could not delete the project %s: %v\n", project, err)
 }
 
 // loadAverage is the one-minute load average: numbers measured on a busy
