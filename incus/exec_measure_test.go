@@ -118,7 +118,7 @@ func TestMeasureExec(t *testing.T) {
 			t2 := time.Now()
 			for j, fd := range execFDs {
 				tj := time.Now()
-				conn, err := k.c.dialOperationWebsocket(ctx, op, secrets[fd])
+				conn, err := k.c.dialOperationWebsocket(ctx, op, secrets[fd], execBufferSizes[j].read, execBufferSizes[j].write)
 				if err != nil {
 					t.Fatal(err)
 				}
