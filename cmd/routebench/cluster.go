@@ -325,7 +325,9 @@ type createResult struct {
 	byMember  map[string][]time.Duration
 	toClosed  []time.Duration
 	// wall is from the first create sent to the last owner active.
-	wall     time.Duration
+	wall time.Duration
+	// retried counts creates answered unavailable or busy and asked again.
+	retried  int
 	failures []string
 }
 
@@ -361,16 +363,36 @@ func (s *session) measureCreates(ctx context.Context, members []string) (res cre
 	toActive := make([]time.Duration, n)
 	ids := make([]string, n)
 	errs := make([]error, n)
+	retries := make([]int, n)
 	var wg sync.WaitGroup
 	start := time.Now()
 	for i := range owners {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			var r controller.TargetResult
-			if err := s.ctrl.Call(cctx, "target/create", controller.CreateParams{Owner: owners[i], TemplateID: res.templates[i%len(members)]}, &r); err != nil {
-				errs[i] = fmt.Errorf("target/create: %w", err)
-				return
+			// An unavailable or busy answer is asked again after its
+			// retryAfterMs, as the runtime would; the clock runs from the
+			// first ask.
+			for {
+				var r controller.TargetResult
+				err := s.ctrl.Call(cctx, "target/create", controller.CreateParams{Owner: owners[i], TemplateID: res.templates[i%len(members)]}, &r)
+				if err == nil {
+					break
+				}
+				var rpcErr *jsonrpc.Error
+				if !errors.As(err, &rpcErr) || (rpcErr.Kind != jsonrpc.KindUnavailable && rpcErr.Kind != jsonrpc.KindBusy) {
+					errs[i] = fmt.Errorf("target/create: %w", err)
+					return
+				}
+				retries[i]++
+				wait := 500 * time.Millisecond
+				if rpcErr.RetryAfterMs != nil {
+					wait = time.Duration(*rpcErr.RetryAfterMs) * time.Millisecond
+				}
+				if !clock.Sleep(cctx, wait) {
+					errs[i] = fmt.Errorf("target/create: %w", err)
+					return
+				}
 			}
 			for {
 				o, err := s.getOwner(cctx, owners[i])
@@ -393,6 +415,9 @@ func (s *session) measureCreates(ctx context.Context, members []string) (res cre
 		}()
 	}
 	wg.Wait()
+	for _, r := range retries {
+		res.retried += r
+	}
 	for i, e := range errs {
 		if e != nil {
 			res.failures = append(res.failures, fmt.Sprintf("owner %d (%s): %v", i, res.templates[i%len(members)], e))

@@ -182,6 +182,8 @@ func (r *clusterReport) print(w io.Writer) {
 		cl := summarize(c.toClosed)
 		_, _ = fmt.Fprintf(tw, "target/close → closed, all at once\t%d\t%s\t%s\t%s\n", cl.n, ms(cl.p50), ms(cl.p95), ms(maxOf(c.toClosed)))
 		_ = tw.Flush()
+		_, _ = fmt.Fprintf(w, "creates answered unavailable or busy and asked again after retryAfterMs: %d; the last of %d active %s after the first create\n",
+			c.retried, len(c.toActive), c.wall.Round(time.Millisecond))
 		if len(c.failures) > 0 {
 			_, _ = fmt.Fprintf(w, "create failures:\n  %s\n", strings.Join(c.failures, "\n  "))
 		}
