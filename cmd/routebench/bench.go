@@ -324,6 +324,9 @@ type wakeResult struct {
 	latencies []time.Duration
 	firstOK   int
 	refusals  []string
+	// dials is how the provider dialled in each upgraded first dial (on a
+	// cluster only).
+	dials []wakeDials
 }
 
 type throughput struct {
@@ -404,9 +407,17 @@ func (b *bench) measureWakes(ctx context.Context, from controller.Power) (wakeRe
 		if !clock.Sleep(ctx, 150*time.Millisecond) {
 			return w, ctx.Err()
 		}
+		t0 := time.Now()
 		ws, took, why, err := b.dialRoute(ctx, 64<<10)
 		if err != nil {
 			return w, err
+		}
+		if ws != nil && b.location != "" {
+			d, err := b.dialsSince(ctx, t0, took)
+			if err != nil {
+				return w, err
+			}
+			w.dials = append(w.dials, d)
 		}
 		if ws == nil {
 			w.refusals = append(w.refusals, fmt.Sprintf("after %s: %s", took.Round(time.Millisecond), why))

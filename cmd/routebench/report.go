@@ -128,6 +128,7 @@ func (r *clusterReport) print(w io.Writer) {
 	row("round trip, 64-byte messages, direct", l.rtt[pathDirect], rm.rtt[pathDirect], us, "", "")
 	row("round trip, 64-byte messages, plain pipe (floor)", l.rtt[pathPipe], rm.rtt[pathPipe], us, "", "")
 	_ = tw.Flush()
+	r.printWakeDials(w)
 	_, _ = fmt.Fprintf(w, "relayed/direct round trip (p50): local %s, remote %s\n", ratio(float64(lr.p50), float64(l.rtt[pathDirect].p50)),
 		ratio(float64(rr.p50), float64(rm.rtt[pathDirect].p50)))
 
@@ -213,4 +214,41 @@ func maxOf(d []time.Duration) time.Duration {
 		m = max(m, v)
 	}
 	return m
+}
+
+// printWakeDials says how the provider dialled the guest in each wake:
+// the failed dials, then the readiness probe (the first successful dial)
+// and the relay (the last), timed from the route dial's start.
+func (r *clusterReport) printWakeDials(w io.Writer) {
+	_, _ = fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	_, _ = fmt.Fprintln(tw, "wake anatomy, p50 (p95) from the route dial\tn\tfailed dials\tprobe dial at\tprobe dial took\trelay dial at\trelay dial took\trelay dialled → upgraded\tupgraded")
+	for _, x := range []struct {
+		label string
+		r     *report
+	}{{r.localLabel, r.local}, {r.remoteLabel, r.remote}} {
+		for _, wk := range x.r.wakes {
+			var failed, probeAt, probeTook, relayAt, relayTook, tail, up []time.Duration
+			for _, d := range wk.dials {
+				if len(d.okAt) == 0 {
+					continue
+				}
+				last := len(d.okAt) - 1
+				failed = append(failed, time.Duration(d.failed))
+				probeAt, probeTook = append(probeAt, d.okAt[0]), append(probeTook, d.okTook[0])
+				relayAt, relayTook = append(relayAt, d.okAt[last]), append(relayTook, d.okTook[last])
+				tail = append(tail, d.upgraded-d.okAt[last]-d.okTook[last])
+				up = append(up, d.upgraded)
+			}
+			f := summarize(failed)
+			pp := func(d []time.Duration) string {
+				s := summarize(d)
+				return fmt.Sprintf("%s (%s)", ms(s.p50), ms(s.p95))
+			}
+			_, _ = fmt.Fprintf(tw, "%s, from %s\t%d\t%d (%d)\t%s\t%s\t%s\t%s\t%s\t%s\n", x.label, wk.from, len(up), int64(f.p50), int64(f.p95),
+				pp(probeAt), pp(probeTook), pp(relayAt), pp(relayTook), pp(tail), pp(up))
+		}
+	}
+	_ = tw.Flush()
+	_, _ = fmt.Fprintln(w, "(the GuestDialer's dials only: for exec, ExecStream; the probe's and the relay's handshakes over them follow each)")
 }
