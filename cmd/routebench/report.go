@@ -128,9 +128,9 @@ func (r *clusterReport) print(w io.Writer) {
 	row("round trip, 64-byte messages, direct", l.rtt[pathDirect], rm.rtt[pathDirect], us, "", "")
 	row("round trip, 64-byte messages, plain pipe (floor)", l.rtt[pathPipe], rm.rtt[pathPipe], us, "", "")
 	_ = tw.Flush()
-	r.printWakeDials(w)
 	_, _ = fmt.Fprintf(w, "relayed/direct round trip (p50): local %s, remote %s\n", ratio(float64(lr.p50), float64(l.rtt[pathDirect].p50)),
 		ratio(float64(rr.p50), float64(rm.rtt[pathDirect].p50)))
+	r.printWakeDials(w)
 
 	_, _ = fmt.Fprintln(w)
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
