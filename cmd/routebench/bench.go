@@ -11,6 +11,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"runtime"
 	"slices"
@@ -32,58 +33,95 @@ import (
 
 func numCPU() int { return runtime.NumCPU() }
 
-type bench struct {
+// session is what every target of a run shares: the provider child, its
+// controller connection and the benchmark's own way to the guests.
+type session struct {
 	cfg        benchConfig
 	addr       string
 	credential string
 	incus      *incus.Client
+	// dialer is the provider's kind of GuestDialer, for the direct path.
+	dialer guest.Dialer
 
-	ctrl     *jsonrpc.Client
-	owner    controller.Owner
-	targetID string
-	routeURL string
-	pipeAddr string
-	dialer   guest.Dialer
+	ctrl *jsonrpc.Client
 }
 
-func (b *bench) header() http.Header {
-	return http.Header{"Authorization": {"Bearer " + b.credential}}
+// bench measures one target of the session.
+type bench struct {
+	*session
+	// label names the target in progress lines and the cluster report.
+	label    string
+	template string
+
+	owner    controller.Owner
+	targetID string
+	location string // the member holding the instance; empty off a cluster
+	routeURL string
+	pipeAddr string
+}
+
+func (s *session) header() http.Header {
+	return http.Header{"Authorization": {"Bearer " + s.credential}}
 }
 
 func logf(format string, args ...any) { fmt.Fprintf(os.Stderr, "routebench: "+format+"\n", args...) }
 
-// setUp connects to the provider's controller and creates the target.
-func (b *bench) setUp(ctx context.Context) error {
+// logf is logf naming the target when the run has several.
+func (b *bench) logf(format string, args ...any) {
+	if b.label != "" {
+		format = b.label + ": " + format
+	}
+	logf(format, args...)
+}
+
+// connect opens the provider's controller plane.
+func (s *session) connect(ctx context.Context) error {
 	d := websocket.Dialer{HandshakeTimeout: 10 * time.Second}
-	ws, resp, err := d.DialContext(ctx, "ws://"+b.addr+"/control", b.header())
+	ws, resp, err := d.DialContext(ctx, "ws://"+s.addr+"/control", s.header())
 	if resp != nil {
 		_ = resp.Body.Close()
 	}
 	if err != nil {
 		return fmt.Errorf("controller: %w", err)
 	}
-	b.ctrl = jsonrpc.NewClient(ws)
+	s.ctrl = jsonrpc.NewClient(ws)
 	var init controller.InitializeResult
-	if err := b.ctrl.Call(ctx, "initialize", controller.InitializeParams{ProtocolVersion: controller.ProtocolVersion,
+	if err := s.ctrl.Call(ctx, "initialize", controller.InitializeParams{ProtocolVersion: controller.ProtocolVersion,
 		ClientInfo: controller.BuildInfo{Name: "routebench"}}, &init); err != nil {
 		return fmt.Errorf("controller initialize: %w", err)
 	}
+	return nil
+}
+
+func (s *session) close() {
+	if s.ctrl != nil {
+		_ = s.ctrl.Close()
+	}
+}
+
+// create creates the target from b.template, waits until it runs, and
+// asks the provider for a plain pipe to its daemon.
+func (b *bench) create(ctx context.Context) error {
 	b.owner = controller.Owner{UniverseID: "u-routebench", EnvironmentID: "env-" + randomHex(4)}
 	var res controller.TargetResult
-	if err := b.ctrl.Call(ctx, "target/create", controller.CreateParams{Owner: b.owner, TemplateID: "bench"}, &res); err != nil {
-		return fmt.Errorf("target/create: %w", err)
+	if err := b.ctrl.Call(ctx, "target/create", controller.CreateParams{Owner: b.owner, TemplateID: b.template}, &res); err != nil {
+		return fmt.Errorf("target/create %s: %w", b.template, err)
 	}
 	o, err := b.await(ctx, controller.PowerRunning, 2*time.Minute)
 	if err != nil {
 		return err
 	}
 	b.targetID = o.TargetID
-	b.routeURL = "ws://" + b.addr + routes.Path(routes.DefaultPrefix, routes.Route{Owner: b.owner, TargetID: b.targetID})
-	b.dialer, err = guest.New(guest.KindNetns, guest.Options{Lookup: b.incus.InitPID})
+	inst, _, err := b.incus.GetInstance(ctx, b.targetID)
 	if err != nil {
-		return err
+		return fmt.Errorf("target %s: %w", b.targetID, err)
 	}
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+b.addr+"/bench/pipe?instance="+b.targetID, nil)
+	if inst.Location != "none" {
+		b.location = inst.Location
+	}
+	b.routeURL = "ws://" + b.addr + routes.Path(routes.DefaultPrefix, routes.Route{Owner: b.owner, TargetID: b.targetID})
+	q := url.Values{"instance": {b.targetID}, "location": {b.location}}
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+b.addr+"/bench/pipe?"+q.Encode(), nil)
 	req.Header = b.header()
 	pipe, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -92,12 +130,17 @@ func (b *bench) setUp(ctx context.Context) error {
 	addr, _ := io.ReadAll(pipe.Body)
 	_ = pipe.Body.Close()
 	b.pipeAddr = string(addr)
-	logf("target %s is running", b.targetID)
+	if b.location != "" {
+		logf("target %s (%s) is running on %s", b.targetID, b.label, b.location)
+	} else {
+		logf("target %s is running", b.targetID)
+	}
 	return nil
 }
 
+// tearDown closes the target and waits until it is closed.
 func (b *bench) tearDown() {
-	if b.ctrl == nil {
+	if b.ctrl == nil || b.targetID == "" {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -113,7 +156,6 @@ func (b *bench) tearDown() {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	_ = b.ctrl.Close()
 }
 
 func (b *bench) get(ctx context.Context) (controller.Observation, error) {
@@ -175,7 +217,7 @@ func (b *bench) dialRoute(ctx context.Context, bufSize int) (*websocket.Conn, ti
 // dialDirect opens the provider's own kind of connection to the daemon:
 // the GuestDialer, then a WebSocket.
 func (b *bench) dialDirect(ctx context.Context) (*websocket.Conn, error) {
-	conn, err := b.dialer.DialContext(ctx, guest.Target{Instance: b.targetID, Port: guest.DefaultPort})
+	conn, err := b.dialer.DialContext(ctx, guest.Target{Instance: b.targetID, Port: guest.DefaultPort, Location: b.location})
 	if err != nil {
 		return nil, err
 	}
@@ -282,6 +324,9 @@ type wakeResult struct {
 	latencies []time.Duration
 	firstOK   int
 	refusals  []string
+	// dials is how the provider dialled in each upgraded first dial (on a
+	// cluster only).
+	dials []wakeDials
 }
 
 type throughput struct {
@@ -353,7 +398,7 @@ func (b *bench) measure(ctx context.Context) (*report, error) {
 
 func (b *bench) measureWakes(ctx context.Context, from controller.Power) (wakeResult, error) {
 	w := wakeResult{from: from}
-	logf("measuring %d wakes from %s", b.cfg.wakes, from)
+	b.logf("measuring %d wakes from %s", b.cfg.wakes, from)
 	for i := 0; i < b.cfg.wakes; i++ {
 		if err := b.setPower(ctx, from); err != nil {
 			return w, err
@@ -362,9 +407,17 @@ func (b *bench) measureWakes(ctx context.Context, from controller.Power) (wakeRe
 		if !clock.Sleep(ctx, 150*time.Millisecond) {
 			return w, ctx.Err()
 		}
+		t0 := time.Now()
 		ws, took, why, err := b.dialRoute(ctx, 64<<10)
 		if err != nil {
 			return w, err
+		}
+		if ws != nil && b.location != "" {
+			d, err := b.dialsSince(ctx, t0, took)
+			if err != nil {
+				return w, err
+			}
+			w.dials = append(w.dials, d)
 		}
 		if ws == nil {
 			w.refusals = append(w.refusals, fmt.Sprintf("after %s: %s", took.Round(time.Millisecond), why))
@@ -402,7 +455,7 @@ type cycleResult struct {
 
 func (b *bench) measureCycles(ctx context.Context) (cycleResult, error) {
 	c := cycleResult{asked: b.cfg.wakes}
-	logf("measuring %d pause → wake → pause cycles", c.asked)
+	b.logf("measuring %d pause → wake → pause cycles", c.asked)
 	if err := b.setPower(ctx, controller.PowerPaused); err != nil {
 		return c, err
 	}
@@ -466,14 +519,25 @@ const (
 
 var pathNames = []string{pathDirect, pathRelayed, pathPipe}
 
-// rotated is the paths' order in round i: each path goes first, second and
-// last equally often, so that whatever one path leaves behind (the
-// daemon's garbage collection, say) does not always fall on the same next one.
-func rotated(i int) []string {
-	n := len(pathNames)
-	out := make([]string, n)
+// lane is one path to one target's daemon; a measurement interleaves
+// every lane of every target it compares.
+type lane struct {
+	idx  int // in the list of lanes
+	b    *bench
+	rep  *report
+	path string
+	ws   *websocket.Conn
+}
+
+// rotated is the lanes' order in round i: each lane goes first, second and
+// last equally often, so that whatever one lane leaves behind (the
+// daemon's garbage collection, say) does not always fall on the same next
+// one. With one target the lanes are its paths in pathNames order.
+func rotated(lanes []lane, i int) []lane {
+	n := len(lanes)
+	out := make([]lane, n)
 	for j := range out {
-		out[j] = pathNames[(i+j)%n]
+		out[j] = lanes[(i+j)%n]
 	}
 	return out
 }
@@ -515,91 +579,146 @@ func (b *bench) openPaths(ctx context.Context) (map[string]*websocket.Conn, func
 	return conns, closeAll, nil
 }
 
+// openLanes opens every path of every target, bs[i]'s results going to
+// reps[i].
+func openLanes(ctx context.Context, bs []*bench, reps []*report) ([]lane, func(), error) {
+	var lanes []lane
+	var closers []func()
+	closeAll := func() {
+		for _, c := range closers {
+			c()
+		}
+	}
+	for i, b := range bs {
+		conns, c, err := b.openPaths(ctx)
+		if err != nil {
+			closeAll()
+			return nil, nil, fmt.Errorf("%s: %w", b.label, err)
+		}
+		closers = append(closers, c)
+		for _, p := range pathNames {
+			lanes = append(lanes, lane{idx: len(lanes), b: b, rep: reps[i], path: p, ws: conns[p]})
+		}
+	}
+	return lanes, closeAll, nil
+}
+
 func (b *bench) measureRTT(ctx context.Context, rep *report) error {
-	logf("measuring %d round trips on each path", b.cfg.rtt)
-	conns, closeAll, err := b.openPaths(ctx)
+	return measureRTT(ctx, []*bench{b}, []*report{rep})
+}
+
+// measureRTT measures round trips on every path of every target, in
+// interleaved blocks.
+func measureRTT(ctx context.Context, bs []*bench, reps []*report) error {
+	cfg := bs[0].cfg
+	logf("measuring %d round trips on each path of %d target(s)", cfg.rtt, len(bs))
+	lanes, closeAll, err := openLanes(ctx, bs, reps)
 	if err != nil {
 		return err
 	}
 	defer closeAll()
-	for _, ws := range conns {
+	for _, l := range lanes {
 		var warm []time.Duration
-		if err := roundTrips(ws, 200, 0, &warm); err != nil {
+		if err := roundTrips(l.ws, 200, 0, &warm); err != nil {
 			return err
 		}
 	}
-	// Interleaved blocks, so that drift affects every path alike.
-	samples := map[string][]time.Duration{}
-	const blocks = 12 // a multiple of the paths: each goes first equally often
-	per := max(1, (b.cfg.rtt+blocks-1)/blocks)
+	// Interleaved blocks, so that drift affects every lane alike; a
+	// multiple of the lanes, so that each goes first equally often.
+	samples := make([][]time.Duration, len(lanes))
+	blocks := 4 * len(lanes)
+	per := max(1, (cfg.rtt+blocks-1)/blocks)
 	for i := 0; i < blocks; i++ {
-		for _, p := range rotated(i) {
-			d := samples[p]
-			if err := roundTrips(conns[p], per, i*per, &d); err != nil {
-				return err
+		for _, l := range rotated(lanes, i) {
+			if err := roundTrips(l.ws, per, i*per, &samples[l.idx]); err != nil {
+				return fmt.Errorf("%s, %s: %w", l.b.label, l.path, err)
 			}
-			samples[p] = d
 		}
 	}
-	rep.rtt = map[string]stats{}
-	for p, d := range samples {
-		rep.rtt[p] = summarize(d)
+	for _, rep := range reps {
+		rep.rtt = map[string]stats{}
+	}
+	for _, l := range lanes {
+		l.rep.rtt[l.path] = summarize(samples[l.idx])
 	}
 	return nil
 }
 
-// measureThroughput measures downloads and uploads of 64 KiB and 1 MiB
-// messages on every path, in interleaved slices.
 func (b *bench) measureThroughput(ctx context.Context, rep *report) error {
-	conns, closeAll, err := b.openPaths(ctx)
+	return measureThroughput(ctx, []*bench{b}, []*report{rep})
+}
+
+// measureThroughput measures downloads and uploads of 64 KiB and 1 MiB
+// messages on every path of every target, in interleaved slices.
+func measureThroughput(ctx context.Context, bs []*bench, reps []*report) error {
+	cfg := bs[0].cfg
+	lanes, closeAll, err := openLanes(ctx, bs, reps)
 	if err != nil {
 		return err
 	}
 	defer closeAll()
-	direct := conns[pathDirect]
-	// Calibrate the answer's overhead with a small file.
+	// Calibrate the answer's overhead with a small file, on each guest.
 	probe := "/tmp/routebench-probe"
-	if _, err := call(direct, "w0", "fs/writeFile", map[string]any{"path": probe, "data": base64.StdEncoding.EncodeToString(make([]byte, 3000))}); err != nil {
-		return fmt.Errorf("fs/writeFile: %w", err)
+	overhead := 0
+	for _, l := range lanes {
+		if l.path != pathDirect {
+			continue
+		}
+		if _, err := call(l.ws, "w0", "fs/writeFile", map[string]any{"path": probe, "data": base64.StdEncoding.EncodeToString(make([]byte, 3000))}); err != nil {
+			return fmt.Errorf("%s: fs/writeFile: %w", l.b.label, err)
+		}
+		ans, err := rawCall(l.ws, "r0", "fs/readFile", map[string]any{"path": probe, "maxBytes": 3000})
+		if err != nil {
+			return err
+		}
+		overhead = len(ans) - 4000 // base64 of 3000 bytes is 4000; the same daemon everywhere
 	}
-	ans, err := rawCall(direct, "r0", "fs/readFile", map[string]any{"path": probe, "maxBytes": 3000})
-	if err != nil {
-		return err
-	}
-	overhead := len(ans) - 4000 // base64 of 3000 bytes is 4000
 	for _, size := range []int{64 << 10, 1 << 20} {
 		label := sizeLabel(size)
 		raw := (size - overhead) / 4 * 3 // base64 length = 4/3 raw
 		path := fmt.Sprintf("/tmp/routebench-%d", size)
 		data := make([]byte, raw)
 		_, _ = rand.Read(data)
-		if _, err := call(direct, "w"+label, "fs/writeFile", map[string]any{"path": path, "data": base64.StdEncoding.EncodeToString(data)}); err != nil {
-			return fmt.Errorf("fs/writeFile %s: %w", label, err)
-		}
-		logf("measuring %s downloads and uploads, %s per path", label, b.cfg.seconds)
-		down := throughput{label: label, direction: "download", bps: map[string]float64{}, msgs: map[string]int{}}
-		up := throughput{label: label, direction: "upload", messageBytes: size, bps: map[string]float64{}, msgs: map[string]int{}}
-		const rounds = 9 // a multiple of the paths: each goes first equally often
-		slice := b.cfg.seconds / rounds
-		for i := 0; i < rounds; i++ {
-			for _, p := range rotated(i) {
-				ws := conns[p]
-				n, msgBytes, bps, err := download(ws, path, raw, slice)
-				if err != nil {
-					return err
-				}
-				down.messageBytes = msgBytes
-				down.bps[p] += bps / rounds
-				down.msgs[p] += n
-				un, ubps, err := upload(ws, size, slice)
-				if err != nil {
-					return err
-				}
-				up.bps[p] += ubps / rounds
-				up.msgs[p] += un
+		for _, l := range lanes {
+			if l.path != pathDirect {
+				continue
+			}
+			if _, err := call(l.ws, "w"+label, "fs/writeFile", map[string]any{"path": path, "data": base64.StdEncoding.EncodeToString(data)}); err != nil {
+				return fmt.Errorf("%s: fs/writeFile %s: %w", l.b.label, label, err)
 			}
 		}
-		rep.throughput = append(rep.throughput, down, up)
+		logf("measuring %s downloads and uploads, %s per path of %d target(s)", label, cfg.seconds, len(bs))
+		down := make(map[*report]*throughput, len(reps))
+		up := make(map[*report]*throughput, len(reps))
+		for _, rep := range reps {
+			down[rep] = &throughput{label: label, direction: "download", bps: map[string]float64{}, msgs: map[string]int{}}
+			up[rep] = &throughput{label: label, direction: "upload", messageBytes: size, bps: map[string]float64{}, msgs: map[string]int{}}
+		}
+		// A multiple of the lanes: each goes first equally often.
+		rounds := 3 * len(lanes)
+		slice := cfg.seconds / time.Duration(rounds)
+		for i := 0; i < rounds; i++ {
+			for _, l := range rotated(lanes, i) {
+				n, msgBytes, bps, err := download(l.ws, path, raw, slice)
+				if err != nil {
+					return fmt.Errorf("%s, %s: %w", l.b.label, l.path, err)
+				}
+				d := down[l.rep]
+				d.messageBytes = msgBytes
+				d.bps[l.path] += bps / float64(rounds)
+				d.msgs[l.path] += n
+				un, ubps, err := upload(l.ws, size, slice)
+				if err != nil {
+					return fmt.Errorf("%s, %s: %w", l.b.label, l.path, err)
+				}
+				u := up[l.rep]
+				u.bps[l.path] += ubps / float64(rounds)
+				u.msgs[l.path] += un
+			}
+		}
+		for _, rep := range reps {
+			rep.throughput = append(rep.throughput, *down[rep], *up[rep])
+		}
 	}
 	return nil
 }
@@ -701,7 +820,7 @@ func (b *bench) mem(ctx context.Context) (memReport, error) {
 
 func (b *bench) measureMemory(ctx context.Context, rep *report) error {
 	n := b.cfg.idleRelays
-	logf("opening %d idle relays", n)
+	b.logf("opening %d idle relays", n)
 	// Let the relays of the measurements above end.
 	for i := 0; i < 50; i++ {
 		m, err := b.mem(ctx)

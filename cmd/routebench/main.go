@@ -32,6 +32,22 @@
 // first dial upgraded; relayed round trip ≤ 1.5× direct; relayed 1 MiB
 // throughput ≥ 0.9× direct; ≤ 64 KiB per idle relay. Each is reported as
 // met or MISSED; the command fails only when it cannot measure.
+//
+// Cluster mode (issue 8) runs the same measurements on the cluster rig of
+// deploy/dev/incus-cluster-up.sh, for two targets in one run:
+//
+//	sudo bin/routebench -cluster /run/incus-provider-dev/cluster/cluster.env -member lsm1 [-remote lsm3] [-owners 20]
+//
+// The provider child talks to the cluster over HTTPS (every member's URL,
+// the rig's client certificate, the cluster certificate pinned) as a
+// provider on -member would: guests on that member through netns, the
+// others through exec. One target is placed on -member (the local
+// baseline), one on -remote (default: the last other member), and each
+// figure is reported for both with the remote/local ratio. Then -owners
+// owners are created at once through the controller plane, their templates
+// placed round-robin over every member, and closed again. The project is
+// lsc-<random> (the rig's teardown sweeps that prefix: LXC names cgroups
+// host-wide) and is removed at the end, also on an error or Ctrl-C.
 package main
 
 import (
@@ -50,7 +66,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 )
 
 func main() {
@@ -68,10 +86,18 @@ func main() {
 	flag.IntVar(&cfg.idleRelays, "idle-relays", 1000, "idle relays opened for the memory measurement")
 	flag.StringVar(&cfg.socket, "incus-socket", "/var/lib/incus/unix.socket", "Incus unix socket")
 	flag.StringVar(&cfg.image, "image", "lightspeed-dev-guest", "image alias of the development guest")
+	flag.StringVar(&cfg.cluster, "cluster", "", "settings file of the cluster rig (deploy/dev/incus-cluster-up.sh): measure on the cluster instead of -incus-socket")
+	flag.StringVar(&cfg.member, "member", "", "with -cluster: the member the provider runs on (its guests through netns, the others through exec)")
+	flag.StringVar(&cfg.remote, "remote", "", "with -cluster: the member of the remote target (default: the last member that is not -member)")
+	flag.IntVar(&cfg.owners, "owners", 20, "with -cluster: owners created at once for create → active, spread round-robin over the members")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cfg); err != nil {
+	runMode := run
+	if cfg.cluster != "" {
+		runMode = runCluster
+	}
+	if err := runMode(ctx, cfg); err != nil {
 		fmt.Fprintln(os.Stderr, "routebench:", err)
 		os.Exit(1)
 	}
@@ -81,6 +107,9 @@ type benchConfig struct {
 	wakes, rtt, idleRelays int
 	seconds                time.Duration
 	socket, image          string
+
+	cluster, member, remote string
+	owners                  int
 }
 
 func randomHex(n int) string {
@@ -132,17 +161,27 @@ func run(ctx context.Context, cfg benchConfig) error {
 	}
 	credential := randomHex(16)
 
-	child, addr, err := startChild(ctx, cfg.socket, project, tmplPath, credential)
+	child, addr, err := startChild(ctx, []string{"ROUTEBENCH_INCUS_SOCKET=" + cfg.socket, "ROUTEBENCH_PROJECT=" + project,
+		"ROUTEBENCH_TEMPLATES=" + tmplPath, "ROUTEBENCH_CREDENTIAL=" + credential})
 	if err != nil {
 		return err
 	}
 	defer child.stop()
 
 	loadBefore := loadAverage()
-	b := &bench{cfg: cfg, addr: addr, credential: credential, incus: client}
+	dialer, err := guest.New(guest.KindNetns, guest.Options{Lookup: client.InitPID})
+	if err != nil {
+		return err
+	}
+	s := &session{cfg: cfg, addr: addr, credential: credential, incus: client, dialer: dialer}
 	fmt.Fprintf(os.Stderr, "routebench: Incus %s, image %s (%.12s), project %s, provider at %s\n",
 		srv.Environment.ServerVersion, cfg.image, fp, project, addr)
-	if err := b.setUp(ctx); err != nil {
+	if err := s.connect(ctx); err != nil {
+		return err
+	}
+	defer s.close()
+	b := &bench{session: s, template: "bench"}
+	if err := b.create(ctx); err != nil {
 		return err
 	}
 	defer b.tearDown()
@@ -173,7 +212,9 @@ func (c *childProc) stop() {
 	}
 }
 
-func startChild(ctx context.Context, socket, project, tmpl, credential string) (*childProc, string, error) {
+// startChild starts the provider child with env (its ROUTEBENCH_*
+// settings) added to this process's environment.
+func startChild(ctx context.Context, env []string) (*childProc, string, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, "", err
@@ -181,8 +222,7 @@ func startChild(ctx context.Context, socket, project, tmpl, credential string) (
 	// Not bound to ctx: on Ctrl-C the child must outlive the measurement
 	// long enough to close the target; stop ends it.
 	cmd := exec.CommandContext(context.WithoutCancel(ctx), self)
-	cmd.Env = append(os.Environ(), childEnv+"=1", "ROUTEBENCH_INCUS_SOCKET="+socket, "ROUTEBENCH_PROJECT="+project,
-		"ROUTEBENCH_TEMPLATES="+tmpl, "ROUTEBENCH_CREDENTIAL="+credential)
+	cmd.Env = append(append(os.Environ(), childEnv+"=1"), env...)
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -222,27 +262,40 @@ func startChild(ctx context.Context, socket, project, tmpl, credential string) (
 	}
 }
 
-// removeProject deletes every instance of the project, then the project.
+// removeProject deletes every instance of the project, then the project,
+// going round again for up to three minutes: on the cluster rig other
+// tests kill and restart members, and a member that is down holds its
+// instances until it is back.
 func removeProject(root *incus.Client, project string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	c := root.WithProject(project)
-	insts, _ := c.ListInstances(ctx)
-	for _, inst := range insts {
-		if inst.StatusCode != incus.StatusStopped {
-			if op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true}); err == nil {
+	var err error
+	for ctx.Err() == nil {
+		insts, lerr := c.ListInstances(ctx)
+		for _, inst := range insts {
+			if inst.StatusCode != incus.StatusStopped {
+				if op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true}); err == nil {
+					_, _ = c.Wait(ctx, op)
+				}
+			}
+			if op, err := c.DeleteInstance(ctx, inst.Name); err == nil {
 				_, _ = c.Wait(ctx, op)
 			}
 		}
-		if op, err := c.DeleteInstance(ctx, inst.Name); err == nil {
-			_, _ = c.Wait(ctx, op)
+		if err = root.DeleteProject(ctx, project); err == nil || errors.Is(err, incus.ErrNotFound) {
+			return
 		}
-	}
-	if err := root.DeleteProject(ctx, project); err != nil && !errors.Is(err, incus.ErrNotFound) {
-		if ferr := root.ForceDeleteProject(ctx, project); ferr != nil {
-			fmt.Fprintf(os.Stderr, "routebench: could not delete the project %s: %v\n", project, ferr)
+		if lerr == nil && len(insts) == 0 {
+			// Nothing listed, yet not empty: let the server clear it out.
+			if err = root.ForceDeleteProject(ctx, project); err == nil {
+				return
+			}
 		}
+		fmt.Fprintf(os.Stderr, "routebench: the project %s is not deleted yet, again in 2 s: %v\n", project, errors.Join(lerr, err))
+		clock.Sleep(ctx, 2*time.Second)
 	}
+	fmt.Fprintf(os.Stderr, "routebench: could not delete the project %s: %v\n", project, err)
 }
 
 // loadAverage is the one-minute load average: numbers measured on a busy

@@ -1,0 +1,117 @@
+package incus
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gorilla/websocket"
+)
+
+// execFake answers an exec POST with an operation whose websocket secrets
+// are "s-control", "s-0", "s-1" and "s-2", and upgrades each websocket
+// whose secret is not refuse. It keeps the server side of every websocket.
+type execFake struct {
+	refuse string
+	// hold delays each upgrade, so that dials one after the other would
+	// take four times as long as dials at once.
+	hold time.Duration
+
+	mu    sync.Mutex
+	conns map[string]*websocket.Conn
+}
+
+func (e *execFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	switch {
+	case r.Method == http.MethodPost && r.URL.Path == "/1.0/instances/i1/exec":
+		op := opJSON("op1", "Running", 103, "")
+		op["class"] = "websocket"
+		op["metadata"] = map[string]any{"fds": map[string]any{"control": "s-control", "0": "s-0", "1": "s-1", "2": "s-2"}}
+		writeAsync(w, op)
+	case r.URL.Path == "/1.0/operations/op1/websocket":
+		secret := r.URL.Query().Get("secret")
+		time.Sleep(e.hold)
+		if secret == e.refuse {
+			writeError(w, http.StatusForbidden, 403, "not authorized")
+			return
+		}
+		u := websocket.Upgrader{}
+		ws, err := u.Upgrade(w, r, nil)
+		if err != nil {
+			return
+		}
+		e.mu.Lock()
+		e.conns[secret] = ws
+		e.mu.Unlock()
+	default:
+		writeError(w, http.StatusNotFound, 404, "not found")
+	}
+}
+
+func (e *execFake) conn(secret string) *websocket.Conn {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.conns[secret]
+}
+
+func TestExecStreamDialsTheWebsocketsAtOnce(t *testing.T) {
+	e := &execFake{hold: 100 * time.Millisecond, conns: map[string]*websocket.Conn{}}
+	f := newFake(t, e)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	x, err := f.client.ExecStream(ctx, "i1", []string{"nc", "127.0.0.1", "1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	if took := time.Since(start); took > 350*time.Millisecond {
+		t.Fatalf("four websockets held 100 ms each took %s: dialled one after the other", took)
+	}
+	// Each stream is where it belongs: stdin written reaches "0", "1"
+	// written reaches Read.
+	if _, err := x.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	_ = e.conn("s-0").SetReadDeadline(time.Now().Add(2 * time.Second))
+	if _, msg, err := e.conn("s-0").ReadMessage(); err != nil || string(msg) != "ping" {
+		t.Fatalf("stdin got %q, %v", msg, err)
+	}
+	if err := e.conn("s-1").WriteMessage(websocket.BinaryMessage, []byte("pong")); err != nil {
+		t.Fatal(err)
+	}
+	_ = x.SetReadDeadline(time.Now().Add(2 * time.Second))
+	buf := make([]byte, 4)
+	if _, err := io.ReadFull(x, buf); err != nil || string(buf) != "pong" {
+		t.Fatalf("stdout read %q, %v", buf, err)
+	}
+}
+
+func TestExecStreamClosesWhatItOpenedWhenAWebsocketIsRefused(t *testing.T) {
+	e := &execFake{refuse: "s-1", conns: map[string]*websocket.Conn{}}
+	f := newFake(t, e)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err := f.client.ExecStream(ctx, "i1", []string{"nc", "127.0.0.1", "1"})
+	var ie *Error
+	if err == nil || !errors.As(err, &ie) || ie.Status != http.StatusForbidden || !strings.Contains(err.Error(), "websocket 1") || !strings.Contains(err.Error(), `"i1"`) {
+		t.Fatalf("err = %v, want the refused websocket 1 of i1 with its status", err)
+	}
+	// Every websocket that did connect is closed: Incus then abandons the
+	// operation instead of waiting for the rest.
+	for _, s := range []string{"s-control", "s-0", "s-2"} {
+		ws := e.conn(s)
+		if ws == nil {
+			continue // cancelled before it connected
+		}
+		_ = ws.SetReadDeadline(time.Now().Add(2 * time.Second))
+		if _, _, err := ws.ReadMessage(); err == nil || errors.Is(err, context.DeadlineExceeded) || strings.Contains(err.Error(), "timeout") {
+			t.Fatalf("websocket %s still open after the failed exec: %v", s, err)
+		}
+	}
+}
