@@ -53,10 +53,18 @@ func (e *execFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// conn is the server's end of one websocket. The client's dial returns as
+// soon as the 101 is written, a moment before the handler stores its end,
+// so it waits (at most 2 s) for it.
 func (e *execFake) conn(secret string) *websocket.Conn {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.conns[secret]
+	for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(time.Millisecond) {
+		e.mu.Lock()
+		c := e.conns[secret]
+		e.mu.Unlock()
+		if c != nil || time.Now().After(deadline) {
+			return c
+		}
+	}
 }
 
 func TestExecStreamDialsTheWebsocketsAtOnce(t *testing.T) {
