@@ -175,7 +175,9 @@ func (r *lbRig) call(method string, params any, most time.Duration) (controller.
 			_ = c.Close()
 		}
 		cancel()
-		if err == nil || !(isUnavailable(err) || !isRPCError(err)) || time.Now().After(deadline) {
+		// Retried: unavailable, and a connection that broke (no answer).
+		retryable := isUnavailable(err) || !isRPCError(err)
+		if err == nil || !retryable || time.Now().After(deadline) {
 			return o, err
 		}
 		time.Sleep(200 * time.Millisecond)
