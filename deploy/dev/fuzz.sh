@@ -25,7 +25,7 @@ command -v go >/dev/null 2>&1 || export PATH=$PATH:/usr/local/go/bin
 
 # package target, in the order they run (cheapest first).
 TARGETS=(
-  "./routes/ FuzzParsePath"
+  "./internal/routepath/ FuzzParsePath"
   "./internal/wsframe/ FuzzParseHeader"
   "./internal/wire/ FuzzNesting"
   "./internal/wire/ FuzzDecode"
