@@ -30,6 +30,7 @@ TARGETS=(
   "./internal/wire/ FuzzNesting"
   "./internal/wire/ FuzzDecode"
   "./routes/ FuzzRelayForwardsAPrefix"
+  "./internal/jsonrpc/ FuzzDecodeFrame"
   "./internal/jsonrpc/ FuzzServeFrame"
 )
 
