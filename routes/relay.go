@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/lightspeed-dev/incus-provider/internal/wsframe"
 )
 
 // MinIdleTimeout is the floor of a relay's idle timeout: intermediaries
@@ -255,7 +257,7 @@ func (r *Relay) sendClose(e *endpoint, code int, reason string) bool {
 	}
 	e.closeSent = true
 	_ = e.conn.SetWriteDeadline(time.Now().Add(r.cfg.lockWait))
-	_, err := e.conn.Write(closeFrame(code, reason, !e.fromClient))
+	_, err := e.conn.Write(wsframe.CloseFrame(code, reason, !e.fromClient))
 	_ = e.conn.SetWriteDeadline(time.Time{})
 	return err == nil
 }
@@ -332,11 +334,11 @@ func (r *Relay) pump(src, dst *endpoint, side int) {
 	if finished {
 		return
 	}
-	var v *violation
+	var v *wsframe.Violation
 	switch {
 	case errors.As(err, &v):
 		why := "protocol_error"
-		if v.code == CloseTooBig {
+		if v.Code == CloseTooBig {
 			why = "too_big"
 		}
 		r.setReason(why)
@@ -344,8 +346,8 @@ func (r *Relay) pump(src, dst *endpoint, side int) {
 		r.mu.Lock()
 		r.closeFrom[side] = true
 		r.mu.Unlock()
-		okS := r.sendClose(src, v.code, v.reason)
-		okD := r.sendClose(dst, v.code, v.reason)
+		okS := r.sendClose(src, v.Code, v.Reason)
+		okD := r.sendClose(dst, v.Code, v.Reason)
 		if !okS || !okD {
 			r.finish(why)
 			return
@@ -370,10 +372,10 @@ func (r *Relay) pump(src, dst *endpoint, side int) {
 }
 
 // forward is the frame loop of one direction. It returns src's read error,
-// or a *violation.
+// or a *wsframe.Violation.
 func (r *Relay) forward(src, dst *endpoint, side int) error {
 	var (
-		msg       messageState
+		msg       wsframe.MessageState
 		pendStart = -1 // src.buf[pendStart:src.r] holds whole frames not yet written
 		pendMsgs  uint64
 		dropping  bool // src sent its close frame: nothing more from it is forwarded
@@ -400,7 +402,7 @@ func (r *Relay) forward(src, dst *endpoint, side int) error {
 		return err
 	}
 	for {
-		h, need, v := parseHeader(src.buf[src.r:src.w])
+		h, need, v := wsframe.ParseHeader(src.buf[src.r:src.w])
 		if v == nil && need > 0 {
 			if err := flush(); err != nil {
 				return err
@@ -412,21 +414,21 @@ func (r *Relay) forward(src, dst *endpoint, side int) error {
 		}
 		var endsMessage bool
 		if v == nil {
-			endsMessage, v = msg.check(h, src.fromClient, r.cfg.maxMessage)
+			endsMessage, v = msg.Check(h, src.fromClient, r.cfg.maxMessage)
 		}
 		if v != nil {
 			_ = flush()
 			return v
 		}
 		r.activity.Add(1)
-		total := uint64(h.size) + h.length
+		total := uint64(h.Size) + h.Length
 		avail := uint64(src.w - src.r)
 
-		if h.op == opClose || dropping {
+		if h.Op == wsframe.OpClose || dropping {
 			if err := flush(); err != nil {
 				return err
 			}
-			if h.op == opClose && !dropping {
+			if h.Op == wsframe.OpClose && !dropping {
 				if avail < total {
 					if err := src.fill(int(total)); err != nil {
 						return err

@@ -5,6 +5,9 @@ import (
 	"net"
 	"testing"
 	"time"
+
+	"github.com/lightspeed-dev/incus-provider/internal/wsframe"
+	"github.com/lightspeed-dev/incus-provider/internal/wsframe/wsframetest"
 )
 
 // echo serves one connection: every masked frame comes back unmasked.
@@ -12,29 +15,29 @@ func echo(t testing.TB, c net.Conn) {
 	go func() {
 		buf := make([]byte, 0, 1<<20)
 		for {
-			hdr := make([]byte, 2, maxHeaderBytes)
+			hdr := make([]byte, 2, wsframe.MaxHeaderBytes)
 			if _, err := io.ReadFull(c, hdr); err != nil {
 				return
 			}
-			h, need, _ := parseHeader(hdr)
+			h, need, _ := wsframe.ParseHeader(hdr)
 			if need > 0 {
 				hdr = hdr[:need]
 				if _, err := io.ReadFull(c, hdr[2:]); err != nil {
 					return
 				}
-				h, _, _ = parseHeader(hdr)
+				h, _, _ = wsframe.ParseHeader(hdr)
 			}
-			buf = buf[:h.length]
+			buf = buf[:h.Length]
 			if _, err := io.ReadFull(c, buf); err != nil {
 				return
 			}
-			if h.masked {
-				key := hdr[h.size-4 : h.size]
+			if h.Masked {
+				key := hdr[h.Size-4 : h.Size]
 				for i := range buf {
 					buf[i] ^= key[i%4]
 				}
 			}
-			if _, err := c.Write(mkFrame(true, h.op, buf, false)); err != nil {
+			if _, err := c.Write(wsframetest.Frame(true, h.Op, buf, false)); err != nil {
 				return
 			}
 		}
@@ -42,7 +45,7 @@ func echo(t testing.TB, c net.Conn) {
 }
 
 func roundTrip(b *testing.B, c net.Conn, size int) {
-	msg := mkFrame(true, opText, make([]byte, size), true)
+	msg := wsframetest.Frame(true, wsframe.OpText, make([]byte, size), true)
 	reply := make([]byte, len(msg)-4)
 	b.SetBytes(int64(size))
 	b.ResetTimer()
@@ -104,7 +107,7 @@ func BenchmarkStream(b *testing.B) {
 		name  string
 		frame int
 	}{{"64KiB-frames", 64 << 10}, {"1MiB-frames", 1 << 20}} {
-		frame := mkFrame(false, opContinuation, make([]byte, c.frame), false)
+		frame := wsframetest.Frame(false, wsframe.OpContinuation, make([]byte, c.frame), false)
 		run := func(b *testing.B, reader, writer net.Conn) {
 			b.SetBytes(int64(len(frame)))
 			go func() {
@@ -133,7 +136,7 @@ func BenchmarkStream(b *testing.B) {
 			client, rt := tcpPair(b)
 			g, server := tcpPair(b)
 			// A first text frame opens the message the continuations extend.
-			if _, err := server.Write(mkFrame(false, opText, nil, false)); err != nil {
+			if _, err := server.Write(wsframetest.Frame(false, wsframe.OpText, nil, false)); err != nil {
 				b.Fatal(err)
 			}
 			r := newRelay("bench", rt, g, nil, nil, relayConfig{maxMessage: 1 << 62, idle: time.Minute, closeWait: time.Second, lockWait: time.Second}, nil, nil)

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/lightspeed-dev/incus-provider/internal/wsframe"
+	"github.com/lightspeed-dev/incus-provider/internal/wsframe/wsframetest"
 	"github.com/lightspeed-dev/incus-provider/relays"
 )
 
@@ -43,54 +45,17 @@ func tcpPair(t testing.TB) (net.Conn, net.Conn) {
 	return a, b
 }
 
-// mkFrame builds one frame; masked frames get a random key.
-func mkFrame(fin bool, op byte, payload []byte, masked bool) []byte {
-	b0 := op
-	if fin {
-		b0 |= 0x80
-	}
-	out := []byte{b0}
-	var mbit byte
-	if masked {
-		mbit = 0x80
-	}
-	n := len(payload)
-	switch {
-	case n < 126:
-		out = append(out, mbit|byte(n))
-	case n < 1<<16:
-		out = append(out, mbit|126, byte(n>>8), byte(n))
-	default:
-		var l [8]byte
-		binary.BigEndian.PutUint64(l[:], uint64(n))
-		out = append(out, mbit|127)
-		out = append(out, l[:]...)
-	}
-	if !masked {
-		return append(out, payload...)
-	}
-	var key [4]byte
-	_, _ = rand.Read(key[:])
-	out = append(out, key[:]...)
-	start := len(out)
-	out = append(out, payload...)
-	for i := range payload {
-		out[start+i] ^= key[i%4]
-	}
-	return out
-}
-
 // readFrame reads one frame from c and returns its header, its unmasked
 // payload and its raw bytes.
-func readFrame(t testing.TB, c net.Conn) (header, []byte, []byte) {
+func readFrame(t testing.TB, c net.Conn) (wsframe.Header, []byte, []byte) {
 	t.Helper()
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	defer c.SetReadDeadline(time.Time{})
-	raw := make([]byte, 2, maxHeaderBytes)
+	raw := make([]byte, 2, wsframe.MaxHeaderBytes)
 	if _, err := io.ReadFull(c, raw); err != nil {
 		t.Fatalf("read frame header: %v", err)
 	}
-	h, need, err := parseHeader(raw)
+	h, need, err := wsframe.ParseHeader(raw)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,17 +64,17 @@ func readFrame(t testing.TB, c net.Conn) (header, []byte, []byte) {
 		if _, err := io.ReadFull(c, raw[2:]); err != nil {
 			t.Fatalf("read frame header: %v", err)
 		}
-		if h, _, err = parseHeader(raw); err != nil {
+		if h, _, err = wsframe.ParseHeader(raw); err != nil {
 			t.Fatal(err)
 		}
 	}
-	payload := make([]byte, h.length)
+	payload := make([]byte, h.Length)
 	if _, err := io.ReadFull(c, payload); err != nil {
 		t.Fatalf("read frame payload: %v", err)
 	}
 	raw = append(raw, payload...)
-	if h.masked {
-		key := raw[h.size-4 : h.size]
+	if h.Masked {
+		key := raw[h.Size-4 : h.Size]
 		for i := range payload {
 			payload[i] ^= key[i%4]
 		}
@@ -117,10 +82,10 @@ func readFrame(t testing.TB, c net.Conn) (header, []byte, []byte) {
 	return h, payload, raw
 }
 
-func closeCode(t testing.TB, h header, payload []byte) (int, string) {
+func closeCode(t testing.TB, h wsframe.Header, payload []byte) (int, string) {
 	t.Helper()
-	if h.op != opClose {
-		t.Fatalf("got opcode %#x, want a close frame", h.op)
+	if h.Op != wsframe.OpClose {
+		t.Fatalf("got opcode %#x, want a close frame", h.Op)
 	}
 	if len(payload) < 2 {
 		return 0, ""
@@ -196,20 +161,20 @@ func TestRelayForwardsFramesByteExact(t *testing.T) {
 			src, dst = rig.guest, rig.runtime
 		}
 		frames := [][]byte{
-			mkFrame(true, opText, []byte(`{"jsonrpc":"2.0","id":1,"method":"initialize"}`), masked),
-			mkFrame(true, opText, nil, masked),
-			mkFrame(true, opText, bytes.Repeat([]byte("x"), 125), masked),
-			mkFrame(true, opText, bytes.Repeat([]byte("y"), 126), masked),
-			mkFrame(true, opText, bytes.Repeat([]byte("z"), 3000), masked), // over the inline buffer
-			mkFrame(true, opBinary, mid, masked),
-			mkFrame(true, opPing, []byte("are you there"), masked),
-			mkFrame(true, opPong, []byte("here"), masked),
+			wsframetest.Frame(true, wsframe.OpText, []byte(`{"jsonrpc":"2.0","id":1,"method":"initialize"}`), masked),
+			wsframetest.Frame(true, wsframe.OpText, nil, masked),
+			wsframetest.Frame(true, wsframe.OpText, bytes.Repeat([]byte("x"), 125), masked),
+			wsframetest.Frame(true, wsframe.OpText, bytes.Repeat([]byte("y"), 126), masked),
+			wsframetest.Frame(true, wsframe.OpText, bytes.Repeat([]byte("z"), 3000), masked), // over the inline buffer
+			wsframetest.Frame(true, wsframe.OpBinary, mid, masked),
+			wsframetest.Frame(true, wsframe.OpPing, []byte("are you there"), masked),
+			wsframetest.Frame(true, wsframe.OpPong, []byte("here"), masked),
 			// A fragmented message with a ping between its fragments.
-			mkFrame(false, opText, []byte("frag-1 "), masked),
-			mkFrame(true, opPing, nil, masked),
-			mkFrame(false, opContinuation, big[:1<<20], masked),
-			mkFrame(true, opContinuation, big[1<<20:], masked),
-			mkFrame(true, opText, big[:64], masked),
+			wsframetest.Frame(false, wsframe.OpText, []byte("frag-1 "), masked),
+			wsframetest.Frame(true, wsframe.OpPing, nil, masked),
+			wsframetest.Frame(false, wsframe.OpContinuation, big[:1<<20], masked),
+			wsframetest.Frame(true, wsframe.OpContinuation, big[1<<20:], masked),
+			wsframetest.Frame(true, wsframe.OpText, big[:64], masked),
 		}
 		var all []byte
 		for _, f := range frames {
@@ -252,10 +217,10 @@ func TestRelayForwardsEarlyBytes(t *testing.T) {
 	// Bytes each side sent right after its handshake, read along with it,
 	// are forwarded before anything else: small and larger than the inline
 	// buffer.
-	runtimeEarly := append(mkFrame(true, opText, []byte("early from runtime"), true), mkFrame(false, opText, bytes.Repeat([]byte("r"), 5000), true)...)
-	guestEarly := mkFrame(true, opText, []byte("early from guest"), false)
+	runtimeEarly := append(wsframetest.Frame(true, wsframe.OpText, []byte("early from runtime"), true), wsframetest.Frame(false, wsframe.OpText, bytes.Repeat([]byte("r"), 5000), true)...)
+	guestEarly := wsframetest.Frame(true, wsframe.OpText, []byte("early from guest"), false)
 	rig := newRig(t, testRelayConfig(), runtimeEarly, guestEarly)
-	write(t, rig.runtime, mkFrame(true, opContinuation, []byte("end"), true))
+	write(t, rig.runtime, wsframetest.Frame(true, wsframe.OpContinuation, []byte("end"), true))
 	_, p, _ := readFrame(t, rig.guest)
 	if string(p) != "early from runtime" {
 		t.Fatalf("guest got %q", p)
@@ -277,14 +242,14 @@ func TestRelayForwardsEarlyBytes(t *testing.T) {
 func TestRelayClosePropagation(t *testing.T) {
 	t.Run("runtime closes", func(t *testing.T) {
 		rig := newRig(t, testRelayConfig(), nil, nil)
-		closing := mkFrame(true, opClose, append([]byte{0x03, 0xe8}, "bye"...), true)
+		closing := wsframetest.Frame(true, wsframe.OpClose, append([]byte{0x03, 0xe8}, "bye"...), true)
 		write(t, rig.runtime, closing)
 		_, _, raw := readFrame(t, rig.guest)
 		if !bytes.Equal(raw, closing) {
 			t.Fatal("the runtime's close frame did not reach the daemon unchanged")
 		}
 		// The daemon answers; the relay forwards and closes both.
-		answer := mkFrame(true, opClose, []byte{0x03, 0xe8}, false)
+		answer := wsframetest.Frame(true, wsframe.OpClose, []byte{0x03, 0xe8}, false)
 		write(t, rig.guest, answer)
 		_, _, raw = readFrame(t, rig.runtime)
 		if !bytes.Equal(raw, answer) {
@@ -298,7 +263,7 @@ func TestRelayClosePropagation(t *testing.T) {
 	})
 	t.Run("daemon closes", func(t *testing.T) {
 		rig := newRig(t, testRelayConfig(), nil, nil)
-		closing := mkFrame(true, opClose, append([]byte{0x03, 0xe9}, "going"...), false)
+		closing := wsframetest.Frame(true, wsframe.OpClose, append([]byte{0x03, 0xe9}, "going"...), false)
 		write(t, rig.guest, closing)
 		h, p, raw := readFrame(t, rig.runtime)
 		if !bytes.Equal(raw, closing) {
@@ -307,7 +272,7 @@ func TestRelayClosePropagation(t *testing.T) {
 		if code, _ := closeCode(t, h, p); code != CloseGoingAway {
 			t.Fatalf("code %d", code)
 		}
-		write(t, rig.runtime, mkFrame(true, opClose, []byte{0x03, 0xe9}, true))
+		write(t, rig.runtime, wsframetest.Frame(true, wsframe.OpClose, []byte{0x03, 0xe9}, true))
 		readFrame(t, rig.guest)
 		expectEOF(t, rig.runtime)
 		expectEOF(t, rig.guest)
@@ -316,13 +281,13 @@ func TestRelayClosePropagation(t *testing.T) {
 		rig := newRig(t, testRelayConfig(), nil, nil)
 		rig.runtime.Close()
 		h, p, _ := readFrame(t, rig.guest)
-		if !h.masked {
+		if !h.Masked {
 			t.Fatal("a close frame to the daemon must be masked")
 		}
 		if code, _ := closeCode(t, h, p); code != CloseGoingAway {
 			t.Fatalf("code %d, want 1001", code)
 		}
-		write(t, rig.guest, mkFrame(true, opClose, []byte{0x03, 0xe9}, false))
+		write(t, rig.guest, wsframetest.Frame(true, wsframe.OpClose, []byte{0x03, 0xe9}, false))
 		expectEOF(t, rig.guest)
 		if why := rig.waitEnd(t); why != "peer_gone" {
 			t.Fatalf("ended %q", why)
@@ -332,7 +297,7 @@ func TestRelayClosePropagation(t *testing.T) {
 		rig := newRig(t, testRelayConfig(), nil, nil)
 		rig.guest.Close()
 		h, p, _ := readFrame(t, rig.runtime)
-		if h.masked {
+		if h.Masked {
 			t.Fatal("a close frame to the runtime must not be masked")
 		}
 		if code, _ := closeCode(t, h, p); code != CloseGoingAway {
@@ -353,11 +318,11 @@ func TestRelayClosePropagation(t *testing.T) {
 			t.Fatalf("runtime got %d %q", code, reason)
 		}
 		h, p, _ = readFrame(t, rig.guest)
-		if code, _ := closeCode(t, h, p); code != CloseGoingAway || !h.masked {
-			t.Fatalf("daemon got %d (masked %v)", code, h.masked)
+		if code, _ := closeCode(t, h, p); code != CloseGoingAway || !h.Masked {
+			t.Fatalf("daemon got %d (masked %v)", code, h.Masked)
 		}
-		write(t, rig.runtime, mkFrame(true, opClose, []byte{0x03, 0xe9}, true))
-		write(t, rig.guest, mkFrame(true, opClose, []byte{0x03, 0xe9}, false))
+		write(t, rig.runtime, wsframetest.Frame(true, wsframe.OpClose, []byte{0x03, 0xe9}, true))
+		write(t, rig.guest, wsframetest.Frame(true, wsframe.OpClose, []byte{0x03, 0xe9}, false))
 		expectEOF(t, rig.runtime)
 		expectEOF(t, rig.guest)
 		if why := rig.waitEnd(t); why != "power_down" {
@@ -382,9 +347,9 @@ func TestRelayMessageLimit(t *testing.T) {
 			payload := make([]byte, limit)
 			// One message of exactly 16 MiB in three fragments.
 			write(t, src, bytes.Join([][]byte{
-				mkFrame(false, opBinary, payload[:1<<20], fromRuntime),
-				mkFrame(false, opContinuation, payload[1<<20:10<<20], fromRuntime),
-				mkFrame(true, opContinuation, payload[10<<20:], fromRuntime),
+				wsframetest.Frame(false, wsframe.OpBinary, payload[:1<<20], fromRuntime),
+				wsframetest.Frame(false, wsframe.OpContinuation, payload[1<<20:10<<20], fromRuntime),
+				wsframetest.Frame(true, wsframe.OpContinuation, payload[10<<20:], fromRuntime),
 			}, nil))
 			total := 0
 			for total < limit {
@@ -408,15 +373,15 @@ func TestRelayMessageLimit(t *testing.T) {
 				}
 				if fragmented {
 					first := make([]byte, 10<<20)
-					write(t, src, append(mkFrame(false, opText, first, fromRuntime),
-						mkFrame(true, opContinuation, make([]byte, limit-len(first)+1), fromRuntime)...))
+					write(t, src, append(wsframetest.Frame(false, wsframe.OpText, first, fromRuntime),
+						wsframetest.Frame(true, wsframe.OpContinuation, make([]byte, limit-len(first)+1), fromRuntime)...))
 					// The first fragment was within the limit and went through.
 					if _, p, _ := readFrame(t, dst); len(p) != len(first) {
 						t.Fatalf("first fragment: %d bytes", len(p))
 					}
 				} else {
 					// Only the header: the relay must refuse on the length alone.
-					hdr := mkFrame(true, opBinary, nil, fromRuntime)
+					hdr := wsframetest.Frame(true, wsframe.OpBinary, nil, fromRuntime)
 					hdr[1] = hdr[1]&0x80 | 127
 					var l [8]byte
 					binary.BigEndian.PutUint64(l[:], limit+1)
@@ -429,8 +394,8 @@ func TestRelayMessageLimit(t *testing.T) {
 					if code, _ := closeCode(t, h, p); code != CloseTooBig {
 						t.Fatalf("close code %d, want 1009", code)
 					}
-					if h.masked != (c == rig.guest) {
-						t.Fatalf("close frame masking wrong (masked=%v)", h.masked)
+					if h.Masked != (c == rig.guest) {
+						t.Fatalf("close frame masking wrong (masked=%v)", h.Masked)
 					}
 				}
 				if why := rig.waitEnd(t); why != "too_big" {
@@ -447,13 +412,13 @@ func TestRelayProtocolErrors(t *testing.T) {
 		fromRuntime bool
 		frame       []byte
 	}{
-		{"unmasked client frame", true, mkFrame(true, opText, []byte("x"), false)},
-		{"masked server frame", false, mkFrame(true, opText, []byte("x"), true)},
-		{"reserved bit (compression was not negotiated)", true, func() []byte { f := mkFrame(true, opText, []byte("x"), true); f[0] |= 0x40; return f }()},
-		{"unknown opcode", false, mkFrame(true, 0x3, nil, false)},
-		{"long control frame", true, mkFrame(true, opPing, make([]byte, 126), true)},
-		{"fragmented control frame", false, mkFrame(false, opPing, nil, false)},
-		{"stray continuation", true, mkFrame(true, opContinuation, []byte("x"), true)},
+		{"unmasked client frame", true, wsframetest.Frame(true, wsframe.OpText, []byte("x"), false)},
+		{"masked server frame", false, wsframetest.Frame(true, wsframe.OpText, []byte("x"), true)},
+		{"reserved bit (compression was not negotiated)", true, func() []byte { f := wsframetest.Frame(true, wsframe.OpText, []byte("x"), true); f[0] |= 0x40; return f }()},
+		{"unknown opcode", false, wsframetest.Frame(true, 0x3, nil, false)},
+		{"long control frame", true, wsframetest.Frame(true, wsframe.OpPing, make([]byte, 126), true)},
+		{"fragmented control frame", false, wsframetest.Frame(false, wsframe.OpPing, nil, false)},
+		{"stray continuation", true, wsframetest.Frame(true, wsframe.OpContinuation, []byte("x"), true)},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -506,7 +471,7 @@ func TestRelayIdle(t *testing.T) {
 					return
 				case <-time.After(100 * time.Millisecond):
 				}
-				if _, err := rig.runtime.Write(mkFrame(true, opPing, nil, true)); err != nil {
+				if _, err := rig.runtime.Write(wsframetest.Frame(true, wsframe.OpPing, nil, true)); err != nil {
 					return
 				}
 			}
@@ -514,8 +479,8 @@ func TestRelayIdle(t *testing.T) {
 		deadline := time.Now().Add(3 * cfg.idle)
 		for time.Now().Before(deadline) {
 			h, _, _ := readFrame(t, rig.guest)
-			if h.op != opPing {
-				t.Fatalf("daemon got opcode %#x, want only pings", h.op)
+			if h.Op != wsframe.OpPing {
+				t.Fatalf("daemon got opcode %#x, want only pings", h.Op)
 			}
 		}
 		close(stop)

@@ -25,11 +25,12 @@ command -v go >/dev/null 2>&1 || export PATH=$PATH:/usr/local/go/bin
 
 # package target, in the order they run (cheapest first).
 TARGETS=(
-  "./routes/ FuzzParsePath"
-  "./routes/ FuzzParseHeader"
+  "./internal/routepath/ FuzzParsePath"
+  "./internal/wsframe/ FuzzParseHeader"
   "./internal/wire/ FuzzNesting"
   "./internal/wire/ FuzzDecode"
   "./routes/ FuzzRelayForwardsAPrefix"
+  "./internal/jsonrpc/ FuzzDecodeFrame"
   "./internal/jsonrpc/ FuzzServeFrame"
 )
 

@@ -1,38 +1,37 @@
-package routes_test
+package routepath_test
 
 import (
 	"errors"
-	"net/http"
 	"strings"
 	"testing"
 	"unicode"
 	"unicode/utf8"
 
-	"github.com/lightspeed-dev/incus-provider/controller"
-	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/internal/routepath"
 )
 
-// fuzzPrefixes are the data route prefixes FuzzParsePath tries: the default,
-// none at all, a deeper one, and one that ends with "/" (which a configured
-// base never does, but the parser must still be consistent about).
-var fuzzPrefixes = []string{routes.DefaultPrefix, "", "/a/b", "/routes/"}
+// fuzzPrefixes are the data route prefixes FuzzParsePath tries: the default
+// (routes.DefaultPrefix), none at all, a deeper one, and one that ends with
+// "/" (which a configured base never does, but the parser must still be
+// consistent about).
+var fuzzPrefixes = []string{"/routes", "", "/a/b", "/routes/"}
 
 var segmentNames = [3]string{"universeId", "environmentId", "targetId"}
 
-// FuzzParsePath checks ParsePath against the contract ("Data routes"), with
-// an oracle of its own for every rule, from two directions:
+// FuzzParsePath checks Parse against the contract ("Data routes"), with an
+// oracle of its own for every rule, from two directions:
 //
 //   - an arbitrary escaped path: it parses exactly when the oracle says it is
 //     prefix/{universeId}/{environmentId}/{targetId} with each segment
 //     percent-decoding (RFC 3986: "%" and two hex digits is that octet, any
-//     other byte itself) to a valid id, and then to the oracle's ids; a
-//     parsed route round-trips through Path, and every other encoding of the
-//     same ids parses to the same route; a refusal is a *PathError, 404 for
-//     the wrong shape and 400 naming the first bad segment otherwise, with a
-//     one-sentence message.
-//   - an arbitrary route: Path encodes it with nothing but RFC 3986
-//     unreserved characters and %XX, and ParsePath gives back the same
-//     route, or refuses the first segment that is not a valid id.
+//     other byte itself) to a valid id, and then to the oracle's ids; parsed
+//     ids round-trip through Format, and every other encoding of the same ids
+//     parses to the same ids; a refusal is an *Error, 404 for the wrong shape
+//     and 400 naming the first bad segment otherwise, with a one-sentence
+//     message.
+//   - arbitrary ids: Format encodes them with nothing but RFC 3986
+//     unreserved characters and %XX, and Parse gives back the same ids, or
+//     refuses the first segment that is not a valid id.
 func FuzzParsePath(f *testing.F) {
 	for _, seed := range []struct {
 		prefix  uint8
@@ -61,26 +60,26 @@ func FuzzParsePath(f *testing.F) {
 		prefix := fuzzPrefixes[int(which)%len(fuzzPrefixes)]
 		checkPath(t, prefix, path)
 
-		r := routes.Route{Owner: controller.Owner{UniverseID: universe, EnvironmentID: environment}, TargetID: target}
-		escaped := routes.Path(prefix, r)
+		r := routepath.IDs{UniverseID: universe, EnvironmentID: environment, TargetID: target}
+		escaped := routepath.Format(prefix, r)
 		if !strings.HasPrefix(escaped, prefix+"/") {
-			t.Fatalf("Path(%q, %+v) = %q does not start with the prefix", prefix, r, escaped)
+			t.Fatalf("Format(%q, %+v) = %q does not start with the prefix", prefix, r, escaped)
 		}
 		segs := strings.Split(escaped[len(prefix)+1:], "/")
 		if len(segs) != 3 {
-			t.Fatalf("Path(%q, %+v) = %q has %d segments", prefix, r, escaped, len(segs))
+			t.Fatalf("Format(%q, %+v) = %q has %d segments", prefix, r, escaped, len(segs))
 		}
 		for i, want := range []string{universe, environment, target} {
 			if !canonical(segs[i]) {
-				t.Fatalf("Path(%q, %+v): segment %q is not RFC 3986 unreserved characters and %%XX", prefix, r, segs[i])
+				t.Fatalf("Format(%q, %+v): segment %q is not RFC 3986 unreserved characters and %%XX", prefix, r, segs[i])
 			}
 			if got, ok := refUnescape(segs[i]); !ok || got != want {
-				t.Fatalf("Path(%q, %+v): segment %q decodes to %q, want %q", prefix, r, segs[i], got, want)
+				t.Fatalf("Format(%q, %+v): segment %q decodes to %q, want %q", prefix, r, segs[i], got, want)
 			}
 		}
-		// Path only ever makes the right shape, so a refusal is about the
+		// Format only ever makes the right shape, so a refusal is about the
 		// first id that is not valid; an empty one is a missing segment.
-		got, err := routes.ParsePath(prefix, escaped)
+		got, err := routepath.Parse(prefix, escaped)
 		bad := -1
 		for i, id := range []string{universe, environment, target} {
 			if !refValidID(i, id) {
@@ -92,12 +91,12 @@ func FuzzParsePath(f *testing.F) {
 		switch {
 		case bad < 0:
 			if err != nil || got != r {
-				t.Fatalf("Path(%q, %+v) = %q parses to %+v, %v", prefix, r, escaped, got, err)
+				t.Fatalf("Format(%q, %+v) = %q parses to %+v, %v", prefix, r, escaped, got, err)
 			}
 		case empty:
-			checkRefusal(t, prefix, escaped, err, http.StatusNotFound, "")
+			checkRefusal(t, prefix, escaped, err, routepath.StatusNotFound, "")
 		default:
-			checkRefusal(t, prefix, escaped, err, http.StatusBadRequest, segmentNames[bad])
+			checkRefusal(t, prefix, escaped, err, routepath.StatusBadRequest, segmentNames[bad])
 		}
 	})
 }
@@ -106,61 +105,61 @@ func FuzzParsePath(f *testing.F) {
 // oracle.
 func checkPath(t *testing.T, prefix, path string) {
 	t.Helper()
-	got, err := routes.ParsePath(prefix, path)
+	got, err := routepath.Parse(prefix, path)
 	rest, shaped := strings.CutPrefix(path, prefix+"/")
 	segs := strings.Split(rest, "/")
 	if !shaped || len(segs) != 3 || segs[0] == "" || segs[1] == "" || segs[2] == "" {
-		checkRefusal(t, prefix, path, err, http.StatusNotFound, "")
+		checkRefusal(t, prefix, path, err, routepath.StatusNotFound, "")
 		return
 	}
 	var ids [3]string
 	for i, s := range segs {
 		id, ok := refUnescape(s)
 		if !ok || !refValidID(i, id) {
-			checkRefusal(t, prefix, path, err, http.StatusBadRequest, segmentNames[i])
+			checkRefusal(t, prefix, path, err, routepath.StatusBadRequest, segmentNames[i])
 			return
 		}
 		ids[i] = id
 	}
-	want := routes.Route{Owner: controller.Owner{UniverseID: ids[0], EnvironmentID: ids[1]}, TargetID: ids[2]}
+	want := routepath.IDs{UniverseID: ids[0], EnvironmentID: ids[1], TargetID: ids[2]}
 	if err != nil || got != want {
-		t.Fatalf("ParsePath(%q, %q) = %+v, %v; want %+v", prefix, path, got, err, want)
+		t.Fatalf("Parse(%q, %q) = %+v, %v; want %+v", prefix, path, got, err, want)
 	}
 	// The canonical encoding and an encoding of every byte (in lower-case
 	// hex) name the same route.
 	for _, again := range []string{
-		routes.Path(prefix, got),
+		routepath.Format(prefix, got),
 		prefix + "/" + encodeAll(ids[0]) + "/" + encodeAll(ids[1]) + "/" + encodeAll(ids[2]),
 	} {
-		if r, err := routes.ParsePath(prefix, again); err != nil || r != got {
-			t.Fatalf("ParsePath(%q, %q) = %+v; %q, the same route encoded otherwise, parses to %+v, %v", prefix, path, got, again, r, err)
+		if r, err := routepath.Parse(prefix, again); err != nil || r != got {
+			t.Fatalf("Parse(%q, %q) = %+v; %q, the same route encoded otherwise, parses to %+v, %v", prefix, path, got, again, r, err)
 		}
 	}
 }
 
-// checkRefusal holds a refusal to the contract: a *PathError with the
+// checkRefusal holds a refusal to the contract: an *Error with the
 // status, whose message is one sentence naming the segment at fault (or,
 // for a 404, the data route shape under prefix).
 func checkRefusal(t *testing.T, prefix, path string, err error, status int, segment string) {
 	t.Helper()
-	var pe *routes.PathError
+	var pe *routepath.Error
 	if !errors.As(err, &pe) {
-		t.Fatalf("ParsePath(%q, %q): got %T %v, want a *PathError %d", prefix, path, err, err, status)
+		t.Fatalf("Parse(%q, %q): got %T %v, want an *Error %d", prefix, path, err, err, status)
 	}
 	if pe.Status != status {
-		t.Fatalf("ParsePath(%q, %q): status %d (%s), want %d", prefix, path, pe.Status, pe.Message, status)
+		t.Fatalf("Parse(%q, %q): status %d (%s), want %d", prefix, path, pe.Status, pe.Message, status)
 	}
 	if pe.Error() != pe.Message {
-		t.Fatalf("ParsePath(%q, %q): Error() %q is not the message %q", prefix, path, pe.Error(), pe.Message)
+		t.Fatalf("Parse(%q, %q): Error() %q is not the message %q", prefix, path, pe.Error(), pe.Message)
 	}
 	if !oneSentence(pe.Message) {
-		t.Fatalf("ParsePath(%q, %q): message %q is not one sentence", prefix, path, pe.Message)
+		t.Fatalf("Parse(%q, %q): message %q is not one sentence", prefix, path, pe.Message)
 	}
 	if segment != "" && !strings.Contains(pe.Message, "The "+segment+" segment") {
-		t.Fatalf("ParsePath(%q, %q): message %q does not name the %s segment", prefix, path, pe.Message, segment)
+		t.Fatalf("Parse(%q, %q): message %q does not name the %s segment", prefix, path, pe.Message, segment)
 	}
 	if segment == "" && !strings.Contains(pe.Message, prefix+"/{universeId}/{environmentId}/{targetId}") {
-		t.Fatalf("ParsePath(%q, %q): message %q does not show the shape of a data route", prefix, path, pe.Message)
+		t.Fatalf("Parse(%q, %q): message %q does not show the shape of a data route", prefix, path, pe.Message)
 	}
 }
 

@@ -9,185 +9,14 @@ import (
 	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/lightspeed-dev/incus-provider/internal/wsframe"
+	"github.com/lightspeed-dev/incus-provider/internal/wsframe/wsframetest"
 )
 
-// The oracle of this file reads frames its own way, byte by byte from RFC
-// 6455 (section 5.2) and the relay's rules (doc.go), so that the fuzz
-// targets hold parseHeader, messageState and the relay's forwarding loop to
-// something other than themselves.
-
-// refHeader is the oracle's reading of a frame header. whole is false when
-// the bytes end inside the header.
-type refHeader struct {
-	fin      bool
-	rsv      byte // the three reserved bits, as a number 0..7
-	op       byte
-	masked   bool
-	lenField byte // the 7-bit length field: a length, or 126 or 127
-	length   uint64
-	size     int
-	whole    bool
-}
-
-func refParse(b []byte) refHeader {
-	var h refHeader
-	if len(b) < 2 {
-		return h
-	}
-	h.fin = b[0] >= 0x80
-	h.rsv = b[0] >> 4 & 7
-	h.op = b[0] % 16
-	h.masked = b[1] >= 0x80
-	h.lenField = b[1] % 128
-	ext := 0
-	switch h.lenField {
-	case 126:
-		ext = 2
-	case 127:
-		ext = 8
-	}
-	h.size = 2 + ext
-	if h.masked {
-		h.size += 4
-	}
-	if len(b) < h.size {
-		return h
-	}
-	h.whole = true
-	if ext == 0 {
-		h.length = uint64(h.lenField)
-	}
-	for _, c := range b[2 : 2+ext] {
-		h.length = h.length<<8 | uint64(c)
-	}
-	return h
-}
-
-// refRules is the oracle's framing state of one direction.
-type refRules struct {
-	inMessage bool
-	size      uint64
-}
-
-// step returns the close code a header must be answered with (0 when the
-// frame is allowed) and whether the frame ends a data message.
-func (s *refRules) step(h refHeader, fromClient bool, limit uint64) (code int, ends bool) {
-	control := h.op == 8 || h.op == 9 || h.op == 10
-	data := h.op == 1 || h.op == 2
-	switch {
-	case h.length >= 1<<63, // only a 64-bit length can be this long
-		h.rsv != 0,             // no extension is negotiated
-		h.masked != fromClient, // clients mask, servers do not
-		!control && !data && h.op != 0,
-		control && (!h.fin || h.length > 125),
-		data && s.inMessage,
-		h.op == 0 && !s.inMessage:
-		return CloseProtocolError, false
-	case control:
-		return 0, false
-	}
-	if data {
-		s.size = 0
-	}
-	s.size += h.length
-	if s.size > limit {
-		return CloseTooBig, false
-	}
-	s.inMessage = !h.fin
-	return 0, h.fin
-}
-
-// FuzzParseHeader holds parseHeader to the oracle's reading (every field,
-// the bytes it asks for when the header is cut short, and that nothing past
-// the header matters), then runs the bytes as a stream of headers through
-// messageState.check and the oracle's rules, which must agree frame by
-// frame on every refusal's close code and on where messages end. Every
-// refusal's reason fits in a close frame.
-func FuzzParseHeader(f *testing.F) {
-	f.Add(mkFrame(true, opText, []byte("hello"), true), true, uint16(100))
-	f.Add(mkFrame(false, opContinuation, make([]byte, 300), false), false, uint16(1000))
-	f.Add(mkFrame(true, opBinary, make([]byte, 70000), true)[:14], true, uint16(0xffff))
-	f.Add([]byte{0x81}, true, uint16(1))
-	f.Add([]byte{0x82, 127, 0xff, 0, 0, 0, 0, 0, 0, 0}, false, uint16(5))
-	f.Add([]byte{0x01, 0x85, 0, 0, 0, 0, 0x89, 0x80, 0, 0, 0, 0, 0x80, 0xfe, 0, 1, 0, 0, 0, 0}, true, uint16(300))
-	f.Fuzz(func(t *testing.T, b []byte, fromClient bool, limit uint16) {
-		h, need, v := parseHeader(b)
-		want := refParse(b)
-		if !want.whole {
-			wantNeed := want.size
-			if len(b) < 2 {
-				wantNeed = 2
-			}
-			if v != nil || need != wantNeed {
-				t.Fatalf("parseHeader(%x) = need %d, %v; want need %d", b, need, v, wantNeed)
-			}
-			return
-		}
-		if want.length >= 1<<63 {
-			if v == nil || v.code != CloseProtocolError || need != 0 {
-				t.Fatalf("parseHeader(%x) = need %d, %v; want a protocol error", b, need, v)
-			}
-			checkReason(t, v)
-			return
-		}
-		if v != nil || need != 0 || h.fin != want.fin || h.rsv != want.rsv<<4 || h.op != want.op ||
-			h.masked != want.masked || h.length != want.length || h.size != want.size {
-			t.Fatalf("parseHeader(%x) = %+v, need %d, %v; want %+v", b, h, need, v, want)
-		}
-		if again, need, v := parseHeader(b[:h.size]); again != h || need != 0 || v != nil {
-			t.Fatalf("parseHeader(%x) depends on what follows the header: %+v", b, again)
-		}
-		for i := range h.size {
-			wantNeed := h.size
-			if i < 2 {
-				wantNeed = 2
-			}
-			if _, need, v := parseHeader(b[:i]); need != wantNeed || v != nil {
-				t.Fatalf("parseHeader(%x) with %d bytes: need %d, %v; want %d", b[:h.size], i, need, v, wantNeed)
-			}
-		}
-
-		// The bytes as headers back to back, payloads left out (check sees
-		// only headers).
-		var m messageState
-		var rules refRules
-		for off := 0; off < len(b); {
-			h, need, v := parseHeader(b[off:])
-			hr := refParse(b[off:])
-			if need > 0 {
-				return
-			}
-			var ends bool
-			if v == nil {
-				ends, v = m.check(h, fromClient, uint64(limit))
-			}
-			wantCode, wantEnds := rules.step(hr, fromClient, uint64(limit))
-			switch {
-			case v == nil && wantCode != 0:
-				t.Fatalf("%x: header at %d accepted; want close code %d", b, off, wantCode)
-			case v != nil && v.code != wantCode:
-				t.Fatalf("%x: header at %d refused with %d (%s); want %d", b, off, v.code, v.reason, wantCode)
-			case v != nil:
-				checkReason(t, v)
-				return
-			case ends != wantEnds:
-				t.Fatalf("%x: header at %d ends a message: %v; want %v", b, off, ends, wantEnds)
-			}
-			if m.inMessage != rules.inMessage {
-				t.Fatalf("%x: after the header at %d in a message: %v; want %v", b, off, m.inMessage, rules.inMessage)
-			}
-			off += h.size
-		}
-	})
-}
-
-// checkReason: a violation's reason goes into close frames whole.
-func checkReason(t *testing.T, v *violation) {
-	t.Helper()
-	if v.reason == "" || len(v.reason) > 123 || !utf8.ValidString(v.reason) {
-		t.Fatalf("violation reason %q does not fit a close frame", v.reason)
-	}
-}
+// The relay is held to wsframetest's oracle, which reads frames its own way,
+// byte by byte from RFC 6455 and the relay's rules, rather than through
+// internal/wsframe, which the relay itself uses.
 
 // relayOutcome is what the oracle expects of one direction of a relay fed
 // some bytes and then the end of their source.
@@ -214,43 +43,43 @@ const fuzzMessageLimit = 6000
 func expectRelay(in []byte, fromClient bool, limit uint64) relayOutcome {
 	var (
 		o      relayOutcome
-		rules  refRules
+		rules  wsframetest.Rules
 		closed bool
 	)
 	for off := 0; ; {
-		h := refParse(in[off:])
-		if !h.whole {
+		h := wsframetest.Parse(in[off:])
+		if !h.Whole {
 			break
 		}
-		code, ends := rules.step(h, fromClient, limit)
+		code, ends := rules.Step(h, fromClient, limit)
 		if code != 0 {
 			o.toSrc = code
 			if !closed {
 				o.toDst = code
 			}
 			o.reason = "protocol_error"
-			if code == CloseTooBig {
+			if code == wsframetest.CloseTooBig {
 				o.reason = "too_big"
 			}
 			return o
 		}
-		if uint64(len(in)-off-h.size) < h.length {
+		if uint64(len(in)-off-h.Size) < h.Length {
 			if closed {
 				return o
 			}
-			if h.op != opClose {
-				o.cutHeader = h.size
+			if h.Op != wsframe.OpClose {
+				o.cutHeader = h.Size
 				o.reason = "peer_gone"
 				return o
 			}
 			break // a close frame is forwarded only whole
 		}
-		off += h.size + int(h.length)
+		off += h.Size + int(h.Length)
 		if closed {
 			continue
 		}
 		o.forwarded = off
-		closed = h.op == opClose
+		closed = h.Op == wsframe.OpClose
 		if ends {
 			o.messages++
 		}
@@ -266,13 +95,13 @@ func expectRelay(in []byte, fromClient bool, limit uint64) relayOutcome {
 // code, masked as frames to a daemon are.
 func checkRelayClose(t *testing.T, what string, b []byte, code int, masked bool) {
 	t.Helper()
-	h := refParse(b)
-	if !h.whole || !h.fin || h.rsv != 0 || h.op != opClose || h.masked != masked || uint64(len(b)-h.size) != h.length || h.length < 2 || h.length > 125 {
+	h := wsframetest.Parse(b)
+	if !h.Whole || !h.Fin || h.RSV != 0 || h.Op != wsframe.OpClose || h.Masked != masked || uint64(len(b)-h.Size) != h.Length || h.Length < 2 || h.Length > 125 {
 		t.Fatalf("%s: %x is not one close frame (masked %v)", what, b, masked)
 	}
-	p := bytes.Clone(b[h.size:])
+	p := bytes.Clone(b[h.Size:])
 	if masked {
-		key := b[h.size-4 : h.size]
+		key := b[h.Size-4 : h.Size]
 		for i := range p {
 			p[i] ^= key[i%4]
 		}
@@ -374,19 +203,19 @@ func relaySeeds() []relaySeed {
 		big[i] = byte(i)
 	}
 	return []relaySeed{
-		{mkFrame(true, opText, []byte("hello"), true), 0, 0, false},
-		{cat(mkFrame(false, opText, []byte("a"), true), mkFrame(true, opPing, nil, true), mkFrame(true, opContinuation, []byte("b"), true)), 0, 3, false},
-		{cat(mkFrame(true, opPing, nil, true), mkFrame(true, opText, []byte("x"), false)), 0, 0, false},
-		{append(mkFrame(true, opText, make([]byte, 3000), true), 0x81, 0xfe), 0, 0, false},
-		{mkFrame(true, opClose, []byte{3, 232}, true), 0, 0, false},
-		{cat(mkFrame(true, opClose, []byte{3, 232}, true), mkFrame(true, opText, []byte("dropped"), true), []byte{0x83, 0x80, 1, 2, 3, 4}), 0, 1, false},
-		{mkFrame(true, opBinary, big, true), 0, 100, false},
-		{cat(mkFrame(false, opBinary, big[:4000], true), mkFrame(true, opContinuation, big[:3000], true)), 0, 0, false},
-		{mkFrame(true, opBinary, big, true)[:2500], 0, 0, false},
-		{mkFrame(true, opText, big[:40], true)[:30], 0, 7, false},
-		{cat(mkFrame(true, opBinary, big[:3000], true), mkFrame(true, opText, []byte("after"), true)), 2500, 0, false},
-		{cat(mkFrame(true, opText, []byte("hi"), false), mkFrame(true, opClose, []byte{3, 232}, false)), 0, 0, true},
-		{cat(mkFrame(true, opText, []byte("hi"), false), mkFrame(true, opText, []byte("masked"), true)), 3, 0, true},
+		{wsframetest.Frame(true, wsframe.OpText, []byte("hello"), true), 0, 0, false},
+		{cat(wsframetest.Frame(false, wsframe.OpText, []byte("a"), true), wsframetest.Frame(true, wsframe.OpPing, nil, true), wsframetest.Frame(true, wsframe.OpContinuation, []byte("b"), true)), 0, 3, false},
+		{cat(wsframetest.Frame(true, wsframe.OpPing, nil, true), wsframetest.Frame(true, wsframe.OpText, []byte("x"), false)), 0, 0, false},
+		{append(wsframetest.Frame(true, wsframe.OpText, make([]byte, 3000), true), 0x81, 0xfe), 0, 0, false},
+		{wsframetest.Frame(true, wsframe.OpClose, []byte{3, 232}, true), 0, 0, false},
+		{cat(wsframetest.Frame(true, wsframe.OpClose, []byte{3, 232}, true), wsframetest.Frame(true, wsframe.OpText, []byte("dropped"), true), []byte{0x83, 0x80, 1, 2, 3, 4}), 0, 1, false},
+		{wsframetest.Frame(true, wsframe.OpBinary, big, true), 0, 100, false},
+		{cat(wsframetest.Frame(false, wsframe.OpBinary, big[:4000], true), wsframetest.Frame(true, wsframe.OpContinuation, big[:3000], true)), 0, 0, false},
+		{wsframetest.Frame(true, wsframe.OpBinary, big, true)[:2500], 0, 0, false},
+		{wsframetest.Frame(true, wsframe.OpText, big[:40], true)[:30], 0, 7, false},
+		{cat(wsframetest.Frame(true, wsframe.OpBinary, big[:3000], true), wsframetest.Frame(true, wsframe.OpText, []byte("after"), true)), 2500, 0, false},
+		{cat(wsframetest.Frame(true, wsframe.OpText, []byte("hi"), false), wsframetest.Frame(true, wsframe.OpClose, []byte{3, 232}, false)), 0, 0, true},
+		{cat(wsframetest.Frame(true, wsframe.OpText, []byte("hi"), false), wsframetest.Frame(true, wsframe.OpText, []byte("masked"), true)), 3, 0, true},
 		{[]byte("\x88"), 0, 0, false},
 	}
 }

@@ -1,0 +1,21 @@
+package jsonrpc
+
+import (
+	"encoding/json"
+
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
+)
+
+// DecodedFrame is decodeFrame's reading of a frame, for FuzzDecodeFrame.
+type DecodedFrame struct {
+	Notification bool
+	ID           json.RawMessage // nil: answered with a null id
+	Method       string
+	Params       *wire.Member
+	Refusal      *Error
+}
+
+func DecodeFrame(data []byte) DecodedFrame {
+	f := decodeFrame(data)
+	return DecodedFrame{Notification: f.notification, ID: f.id, Method: f.method, Params: f.params, Refusal: f.refusal}
+}
