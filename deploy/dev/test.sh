@@ -51,7 +51,7 @@ if ! command -v haproxy >/dev/null 2>&1; then
     { apt-get update >>"$STATE_DIR/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y haproxy >>"$STATE_DIR/apt.log" 2>&1; } ||
     { echo "apt-get install haproxy failed; see $STATE_DIR/apt.log" >&2; exit 1; }
 fi
-haproxy -v | head -1
+haproxy -v | sed -n 1p # sed reads it all: head would end the pipe early (SIGPIPE under pipefail)
 
 step "three-member Incus cluster (deploy/dev/incus-cluster-up.sh)"
 # Removed at the end only if this run made it.
