@@ -38,7 +38,7 @@ bench:
 	@deploy/dev/bench.sh
 
 # Every fuzz target, one at a time, for FUZZ_COUNT executions each (default
-# 10^7, about an hour here); not part of `make test`.
+# 10^7, about three and a half hours here); not part of `make test`.
 fuzz:
 	@deploy/dev/fuzz.sh $(if $(FUZZ_COUNT),-n $(FUZZ_COUNT))
 

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # Runs every fuzz target for a number of executions (default 10^7), one at a
 # time, with one fuzzing worker, niced, and prints a table of what each run
-# did. Not part of `make test`: at 10^7 executions a run takes about an hour
-# on this project's 2-core machine. BENCHMARKS.md ("Fuzzing") records the
+# did. Not part of `make test`: at 10^7 executions a run takes about three
+# and a half hours on this project's 2-core machine, most of it
+# FuzzServeFrame's and the relay's. BENCHMARKS.md ("Fuzzing") records the
 # latest table.
 #
 #   deploy/dev/fuzz.sh                      # every target, 10^7 each
 #   deploy/dev/fuzz.sh -n 100000            # every target, 10^5 each
 #   deploy/dev/fuzz.sh FuzzParsePath ...    # only these targets
 #   deploy/dev/fuzz.sh -t 15m FuzzServeFrame # a time budget instead of a count
+#   deploy/dev/fuzz.sh -k FuzzDecode        # keep the new corpus entries
 #
 # Environment: FUZZ_PARALLEL (workers, default 1), FUZZ_NICE (default 10),
 # FUZZ_LOGS (a directory to keep each target's output in; default a
 # temporary one, removed afterwards).
 #
-# New corpus entries go to the fuzz cache ($GOCACHE/fuzz), not to the repo.
+# New corpus entries go to the fuzz cache ($GOCACHE/fuzz); with -k, those a
+# run wrote are copied to the package's testdata/fuzz/<target>, to be
+# committed, so that the corpus outlives the cache and every `go test` runs
+# it. Only a run's own entries are copied: the cache may hold entries of a
+# target's older signature, which go test would refuse as seeds.
 # A failing input is written by the fuzzer to the package's testdata/fuzz;
 # commit it with the fix and its regression test. Exits non-zero when any
 # target found a failure.
@@ -25,22 +31,24 @@ command -v go >/dev/null 2>&1 || export PATH=$PATH:/usr/local/go/bin
 
 # package target, in the order they run (cheapest first).
 TARGETS=(
-  "./internal/routepath/ FuzzParsePath"
   "./internal/wsframe/ FuzzParseHeader"
-  "./internal/wire/ FuzzNesting"
+  "./internal/routepath/ FuzzParsePath"
   "./internal/wire/ FuzzDecode"
-  "./routes/ FuzzRelayForwardsAPrefix"
+  "./internal/wire/ FuzzNesting"
   "./internal/jsonrpc/ FuzzDecodeFrame"
+  "./routes/ FuzzRelayForwardsAPrefix"
   "./internal/jsonrpc/ FuzzServeFrame"
 )
 
 count=10000000
 budget=""
-while getopts n:t:h opt; do
+keep=""
+while getopts n:t:kh opt; do
   case $opt in
     n) count=$OPTARG ;;
     t) budget=$OPTARG ;;
-    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    k) keep=1 ;;
+    *) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
@@ -88,6 +96,9 @@ for t in "${selected[@]}"; do
   name=${t#* }
   log="$logs/$name.log"
   echo "fuzz: $name in $pkg, -fuzztime $fuzztime ..." >&2
+  cache="$(go env GOCACHE)/fuzz/$(go list -f '{{.ImportPath}}' "$pkg")/$name"
+  before="$logs/$name.cache-before"
+  { ls "$cache" 2>/dev/null || true; } | sort >"$before"
   status=0
   # -timeout 0: go test's default 10-minute timeout applies to fuzzing too.
   nice -n "${FUZZ_NICE:-10}" go test -run '^$' -fuzz "^$name\$" -fuzztime "$fuzztime" -timeout 0 \
@@ -106,8 +117,18 @@ for t in "${selected[@]}"; do
     finding="FAILED${input:+: $pkg${input}}"
     grep -E -m 3 -- '--- FAIL|^ +[a-z_]+_test\.go:[0-9]+:' "$log" >&2 || tail -n 20 "$log" >&2
   fi
+  kept=""
+  if [ -n "$keep" ]; then
+    dir="${pkg%/}/testdata/fuzz/$name"
+    mkdir -p "$dir"
+    n=0
+    while IFS= read -r f; do
+      cp -n "$cache/$f" "$dir/" && n=$((n + 1))
+    done < <({ ls "$cache" 2>/dev/null || true; } | sort | comm -13 "$before" -)
+    kept=", $n kept in $dir"
+  fi
   rows+=("$(printf '| %s | %s | %s | %s | %s | %s |' "$name" "${execs:-0}" "${elapsed:-?}" "$rate" "${fresh:-0}" "$finding")")
-  echo "fuzz: $name: ${execs:-0} executions in ${elapsed:-?} ($rate/s), ${fresh:-0} new corpus entries, finding: $finding" >&2
+  echo "fuzz: $name: ${execs:-0} executions in ${elapsed:-?} ($rate/s), ${fresh:-0} new corpus entries$kept, finding: $finding" >&2
 done
 
 echo

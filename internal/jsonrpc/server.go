@@ -153,7 +153,7 @@ type nested struct{}
 // frame is what one text frame says under the envelope rules alone. None of
 // it depends on the connection, so that the rules can be fuzzed without one
 // (FuzzDecodeFrame): a frame sent over a live connection costs a round trip
-// and both answers' decoding, which kept FuzzServeFrame at some 4,000
+// and both answers' decoding, which keeps FuzzServeFrame to a few thousand
 // executions a second.
 type frame struct {
 	// refusal, when set, answers the frame at once: with id when it has
