@@ -1,6 +1,8 @@
 package main
 
 import (
+	"github.com/lightspeed-dev/incus-provider/internal/clusterenv"
+
 	"context"
 	"errors"
 	"fmt"
@@ -32,34 +34,13 @@ type clusterRig struct {
 	clientCert, clientKey, srvCert string
 }
 
-// readClusterRig parses the KEY=VALUE file deploy/dev/incus-cluster-up.sh
-// writes (the format internal/incustest.Cluster reads).
+// readClusterRig reads the rig's settings (internal/clusterenv).
 func readClusterRig(path string) (*clusterRig, error) {
-	raw, err := os.ReadFile(path)
+	st, err := clusterenv.Read(path)
 	if err != nil {
-		return nil, fmt.Errorf("cluster settings (deploy/dev/incus-cluster-up.sh writes them): %w", err)
+		return nil, err
 	}
-	vars := map[string]string{}
-	for _, line := range strings.Split(string(raw), "\n") {
-		if k, v, ok := strings.Cut(strings.TrimSpace(line), "="); ok {
-			vars[k] = v
-		}
-	}
-	list := func(k string) []string {
-		if vars[k] == "" {
-			return nil
-		}
-		return strings.Split(vars[k], ",")
-	}
-	r := &clusterRig{urls: list("INCUS_URL"), members: list("INCUS_CLUSTER_MEMBERS"),
-		clientCert: vars["INCUS_CLIENT_CERT"], clientKey: vars["INCUS_CLIENT_KEY"], srvCert: vars["INCUS_SERVER_CERT"]}
-	if len(r.urls) == 0 || len(r.members) != len(r.urls) {
-		return nil, fmt.Errorf("%s does not list every member's URL and name (INCUS_URL, INCUS_CLUSTER_MEMBERS)", path)
-	}
-	if r.clientCert == "" || r.clientKey == "" || r.srvCert == "" {
-		return nil, fmt.Errorf("%s lacks INCUS_CLIENT_CERT, INCUS_CLIENT_KEY or INCUS_SERVER_CERT", path)
-	}
-	return r, nil
+	return &clusterRig{urls: st.URLs, members: st.Members, clientCert: st.ClientCert, clientKey: st.ClientKey, srvCert: st.ServerCert}, nil
 }
 
 // pickMembers checks -member and -remote against the rig.

@@ -17,12 +17,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clusterenv"
 )
 
 const (
@@ -219,7 +218,7 @@ func randomHex(n int) string {
 const (
 	EnvClusterFile     = "INCUS_PROVIDER_TEST_CLUSTER_ENV"
 	EnvRequireCluster  = "INCUS_PROVIDER_REQUIRE_CLUSTER"
-	DefaultClusterFile = "/run/incus-provider-dev/cluster/cluster.env"
+	DefaultClusterFile = clusterenv.DefaultPath
 
 	// ClusterProjectPrefix starts the projects ClusterClient makes: LXC
 	// names a container's cgroup after its project and name on the whole
@@ -256,35 +255,13 @@ func Cluster(t testing.TB) *ClusterRig {
 		}
 		t.Skipf("incustest: skipping: no cluster rig: %s; run deploy/dev/incus-cluster-up.sh, and set %s=1 to fail instead", why, EnvRequireCluster)
 	}
-	raw, err := os.ReadFile(path)
+	st, err := clusterenv.Read(path)
 	if err != nil {
 		missing(err.Error())
 	}
-	vars := map[string]string{}
-	for _, line := range strings.Split(string(raw), "\n") {
-		if k, v, ok := strings.Cut(strings.TrimSpace(line), "="); ok {
-			vars[k] = v
-		}
-	}
-	list := func(k string) []string {
-		if vars[k] == "" {
-			return nil
-		}
-		return strings.Split(vars[k], ",")
-	}
-	r := &ClusterRig{URLs: list("INCUS_URL"), Members: list("INCUS_CLUSTER_MEMBERS"), Sockets: list("INCUS_CLUSTER_SOCKETS")}
-	for _, p := range list("INCUS_CLUSTER_PIDS") {
-		n, err := strconv.Atoi(p)
-		if err != nil {
-			t.Fatalf("incustest: %s: bad PID %q", path, p)
-		}
-		r.PIDs = append(r.PIDs, n)
-	}
-	if len(r.URLs) == 0 || len(r.Members) != len(r.URLs) || len(r.Sockets) != len(r.URLs) || len(r.PIDs) != len(r.URLs) {
-		t.Fatalf("incustest: %s does not list every member's URL, name, socket and PID", path)
-	}
-	r.Config = incus.Config{URLs: r.URLs, ClientCert: vars["INCUS_CLIENT_CERT"],
-		ClientKey: vars["INCUS_CLIENT_KEY"], ServerCert: vars["INCUS_SERVER_CERT"], CallTimeout: 30 * time.Second}
+	r := &ClusterRig{URLs: st.URLs, Members: st.Members, Sockets: st.Sockets, PIDs: st.PIDs}
+	r.Config = incus.Config{URLs: r.URLs, ClientCert: st.ClientCert, ClientKey: st.ClientKey,
+		ServerCert: st.ServerCert, CallTimeout: 30 * time.Second}
 	for i, s := range r.Sockets {
 		c, err := incus.New(incus.Config{Socket: s, CallTimeout: 5 * time.Second})
 		if err != nil {
