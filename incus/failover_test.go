@@ -20,6 +20,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/lightspeed-dev/incus-provider/internal/loopback"
 )
 
 // rig is a cluster's certificates: one server certificate all members
@@ -112,18 +114,6 @@ func hang(done <-chan struct{}) http.HandlerFunc {
 		case <-done:
 		}
 	}
-}
-
-// closedURL is an https URL on a loopback port nothing listens on.
-func closedURL(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	return "https://" + addr
 }
 
 // silent is a TCP listener that accepts connections and never says a
@@ -289,7 +279,7 @@ func TestCheckURL(t *testing.T) {
 func TestFailoverRefusedThenGood(t *testing.T) {
 	rg := newRig(t)
 	good := rg.member(t, serverOK)
-	dead := closedURL(t)
+	dead := "https://" + loopback.FreeAddr(t)
 	c := rg.client(t, []string{dead, good.url()}, nil)
 
 	start := time.Now()
@@ -576,7 +566,7 @@ func TestFailoverNotReady(t *testing.T) {
 func TestFailoverAllDown(t *testing.T) {
 	rg := newRig(t)
 	mute := newSilent(t, false)
-	c := rg.client(t, []string{closedURL(t), mute.url(), closedURL(t)}, nil)
+	c := rg.client(t, []string{"https://" + loopback.FreeAddr(t), mute.url(), "https://" + loopback.FreeAddr(t)}, nil)
 	for _, write := range []bool{false, true} {
 		start := time.Now()
 		var err error

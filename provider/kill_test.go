@@ -24,6 +24,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/loopback"
 	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
@@ -64,16 +65,6 @@ func buildProvider(t *testing.T) string {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
 	return bin
-}
-
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = ln.Close() }()
-	return ln.Addr().String()
 }
 
 func (h *killHarness) start(round int) {
@@ -263,7 +254,7 @@ func TestKillMatrix(t *testing.T) {
 `, "{{image}}", image)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	h := &killHarness{t: t, bin: buildProvider(t), dir: dir, addr: freeAddr(t), project: client.Project(),
+	h := &killHarness{t: t, bin: buildProvider(t), dir: dir, addr: loopback.FreeAddr(t), project: client.Project(),
 		client: client, templates: tmpl}
 	t.Cleanup(h.kill)
 

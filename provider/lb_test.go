@@ -22,6 +22,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/loopback"
 	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
@@ -53,7 +54,7 @@ func newLBRig(t *testing.T) *lbRig {
 		}
 		t.Skipf("haproxy is not installed: %v", err)
 	}
-	r := &lbRig{t: t, bin: buildProvider(t), dir: t.TempDir(), client: cl.Client(t), cl: cl, lb: freeAddr(t)}
+	r := &lbRig{t: t, bin: buildProvider(t), dir: t.TempDir(), client: cl.Client(t), cl: cl, lb: loopback.FreeAddr(t)}
 	if err := os.WriteFile(filepath.Join(r.dir, "credential"), []byte(credential), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +63,7 @@ func newLBRig(t *testing.T) *lbRig {
 		t.Fatal(err)
 	}
 	for i, m := range []string{"lsm1", "lsm2"} {
-		r.replicas[i] = &lbReplica{id: fmt.Sprintf("lbr%d", i+1), member: m, addr: freeAddr(t), metrics: freeAddr(t)}
+		r.replicas[i] = &lbReplica{id: fmt.Sprintf("lbr%d", i+1), member: m, addr: loopback.FreeAddr(t), metrics: loopback.FreeAddr(t)}
 		r.start(i)
 	}
 	_, p1, _ := net.SplitHostPort(r.replicas[0].metrics)

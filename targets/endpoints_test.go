@@ -29,6 +29,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/loopback"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -73,18 +74,6 @@ func member(t *testing.T, h http.HandlerFunc) *httptest.Server {
 	srv := httptest.NewTLSServer(h)
 	t.Cleanup(srv.Close)
 	return srv
-}
-
-// closedURL names a loopback port nothing listens on.
-func closedURL(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	return "https://" + addr
 }
 
 // mutedURL names a listener that never accepts: the kernel completes the
@@ -136,10 +125,10 @@ func TestWriteLandedAcrossEndpoints(t *testing.T) {
 		urls   []string
 		landed bool
 	}{
-		{"every member refuses", []string{closedURL(t), closedURL(t)}, false},
+		{"every member refuses", []string{"https://" + loopback.FreeAddr(t), "https://" + loopback.FreeAddr(t)}, false},
 		{"no member completes a handshake", []string{mutedURL(t), mutedURL(t)}, false},
-		{"no member can reach the instance's", []string{notReady.URL, closedURL(t)}, false},
-		{"a member took it and did not answer", []string{closedURL(t), hung.URL}, true},
+		{"no member can reach the instance's", []string{notReady.URL, "https://" + loopback.FreeAddr(t)}, false},
+		{"a member took it and did not answer", []string{"https://" + loopback.FreeAddr(t), hung.URL}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := clusterClient(t, pin, 1500*time.Millisecond, tc.urls...)
@@ -164,7 +153,7 @@ func TestWriteLandedAcrossEndpoints(t *testing.T) {
 // Every member down: targets answers unavailable, with retryAfterMs, soon.
 func TestClusterDownIsUnavailable(t *testing.T) {
 	pin := member(t, func(http.ResponseWriter, *http.Request) {}).Certificate()
-	client := clusterClient(t, pin, 0, closedURL(t), mutedURL(t), closedURL(t))
+	client := clusterClient(t, pin, 0, "https://"+loopback.FreeAddr(t), mutedURL(t), "https://"+loopback.FreeAddr(t))
 	dialer, err := guest.New(guest.KindProxy, guest.Options{Lookup: client.InitPID, SocketDir: t.TempDir()})
 	if err != nil {
 		t.Fatal(err)

@@ -8,7 +8,6 @@ import (
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"math/big"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -22,6 +21,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/loopback"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
 
@@ -55,22 +55,11 @@ func selfSigned(t *testing.T) (crt, key string) {
 	return crt, key
 }
 
-func closedAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	return addr
-}
-
 // With several Incus endpoints, /readyz says what this replica can reach,
 // and the metrics carry each endpoint.
 func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
 	crt, key := selfSigned(t)
-	a, b := closedAddr(t), closedAddr(t)
+	a, b := loopback.FreeAddr(t), loopback.FreeAddr(t)
 	reg := prometheus.NewRegistry()
 	m := newIncusMetrics(reg)
 	client, err := incus.New(incus.Config{URLs: []string{"https://" + a, "https://" + b},
