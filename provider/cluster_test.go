@@ -508,31 +508,11 @@ func isUnavailable(err error) bool {
 // want (-1 when there is none).
 func gaugeValue(t *testing.T, r *rig, name string, want map[string]string) float64 {
 	t.Helper()
-	mfs, err := r.metrics.Gather()
-	if err != nil {
-		t.Fatal(err)
+	ms := r.series(name, want)
+	if len(ms) == 0 {
+		return -1
 	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	next:
-		for _, m := range mf.GetMetric() {
-			for k, v := range want {
-				found := false
-				for _, l := range m.GetLabel() {
-					if l.GetName() == k && l.GetValue() == v {
-						found = true
-					}
-				}
-				if !found {
-					continue next
-				}
-			}
-			return m.GetGauge().GetValue()
-		}
-	}
-	return -1
+	return ms[0].GetGauge().GetValue()
 }
 
 // TestClusterReplicaPowerDown: replica A relays a data connection to a

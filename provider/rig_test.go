@@ -11,6 +11,7 @@ import (
 
 	"github.com/gorilla/websocket"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/lightspeed-dev/incus-provider/conformance"
@@ -310,21 +311,32 @@ func (r *rig) wakes() int {
 // counter sums a counter's series whose labels include all of want.
 func (r *rig) counter(name string, want map[string]string) float64 {
 	r.t.Helper()
+	var v float64
+	for _, m := range r.series(name, want) {
+		v += m.GetCounter().GetValue()
+	}
+	return v
+}
+
+// series are the provider's samples of the metric name whose labels
+// include all of want.
+func (r *rig) series(name string, want map[string]string) []*dto.Metric {
+	r.t.Helper()
 	mfs, err := r.metrics.Gather()
 	if err != nil {
 		r.t.Fatal(err)
 	}
-	var v float64
+	var out []*dto.Metric
 	for _, mf := range mfs {
 		if mf.GetName() != name {
 			continue
 		}
 	next:
 		for _, m := range mf.GetMetric() {
-			for k, want := range want {
+			for k, v := range want {
 				found := false
 				for _, l := range m.GetLabel() {
-					if l.GetName() == k && l.GetValue() == want {
+					if l.GetName() == k && l.GetValue() == v {
 						found = true
 					}
 				}
@@ -332,10 +344,10 @@ func (r *rig) counter(name string, want map[string]string) float64 {
 					continue next
 				}
 			}
-			v += m.GetCounter().GetValue()
+			out = append(out, m)
 		}
 	}
-	return v
+	return out
 }
 
 // initialize runs the data-plane handshake through the relay, leaving the
