@@ -351,3 +351,26 @@ func (c *Client) InitPID(ctx context.Context, name string) (int, error) {
 	}
 	return int(st.Pid), nil
 }
+
+// located is GET /1.0/instances/{name}?recursion=1: the instance with its
+// runtime state, in one call.
+type located struct {
+	Location string         `json:"location"`
+	State    *InstanceState `json:"state"`
+}
+
+// LocatedInitPID returns the instance's init PID (0 or -1 when stopped)
+// together with the cluster member that holds it, read in one call, so
+// that a caller about to enter the PID's namespaces on its own host can
+// first check the PID is one of its host's.
+func (c *Client) LocatedInitPID(ctx context.Context, name string) (pid int, location string, err error) {
+	l, _, err := get[located](ctx, c, request{op: "instance.located", scoped: true, path: instancePath(name),
+		query: url.Values{"recursion": {"1"}}}, fmt.Sprintf("get instance %q with its state", name))
+	if err != nil {
+		return 0, "", err
+	}
+	if l.State == nil {
+		return 0, l.Location, nil
+	}
+	return int(l.State.Pid), l.Location, nil
+}
