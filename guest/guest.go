@@ -100,8 +100,18 @@ type Options struct {
 	// DefaultBridge.
 	Bridge []string
 	// Member is the cluster member this provider runs on (member): its
-	// guests are dialled through netns, the others through exec.
+	// guests are dialled through netns, the others through their member's
+	// peer replica (Peers) or exec.
 	Member string
+	// Located finds an instance's init PID and member together (member):
+	// the member dialer's netns side enters only its own member's PIDs.
+	Located LocatedLookup
+	// Peers maps other members to their replicas' forwarding addresses
+	// (member; see NewForward), PeerSecret is the replicas' shared secret,
+	// and ObserveForward is told of each forwarded dial.
+	Peers          map[string]string
+	PeerSecret     []byte
+	ObserveForward func(member, outcome string, reason error)
 }
 
 // New returns the dialer of the given kind (one of Kinds). Unlike NewNetns,
@@ -134,6 +144,9 @@ func New(kind string, o Options) (Dialer, error) {
 		if o.Member == "" {
 			return nil, errors.New("guest: the member dialer needs the name of the cluster member the provider runs on")
 		}
+		if o.Located != nil {
+			o.Lookup = OnMember(o.Member, o.Located)
+		}
 		local, err := New(KindNetns, o)
 		if err != nil {
 			return nil, fmt.Errorf("guest: the member dialer dials its own member's guests through netns: %w", err)
@@ -141,6 +154,20 @@ func New(kind string, o Options) (Dialer, error) {
 		remote, err := New(KindExec, o)
 		if err != nil {
 			return nil, err
+		}
+		if len(o.Peers) > 0 {
+			// One list for every replica: this member's own entry is
+			// this process, and its guests are dialled directly.
+			others := make(map[string]string, len(o.Peers))
+			for m, a := range o.Peers {
+				if m != o.Member {
+					others[m] = a
+				}
+			}
+			remote, err = NewForward(ForwardOptions{Peers: others, Secret: o.PeerSecret, Fallback: remote, Observe: o.ObserveForward})
+			if err != nil {
+				return nil, err
+			}
 		}
 		return NewMember(o.Member, local, remote), nil
 	default:
