@@ -24,13 +24,14 @@ import (
 )
 
 const (
-	dashboardFile    = "grafana/incus-provider.json"
-	alertsFile       = "prometheus/alerts.yaml"
-	envExampleFile   = "provider.env.example"
-	unitFile         = "systemd/incus-provider.service"
-	readmeFile       = "../README.md"
-	configFile       = "../cmd/incus-provider/config.go"
-	incusMetricsFile = "../cmd/incus-provider/metrics.go"
+	dashboardFile  = "grafana/incus-provider.json"
+	alertsFile     = "prometheus/alerts.yaml"
+	envExampleFile = "provider.env.example"
+	unitFile       = "systemd/incus-provider.service"
+	readmeFile     = "../README.md"
+	configFile     = "../cmd/incus-provider/config.go"
+	// The files of cmd/incus-provider that declare metrics of their own.
+	incusMetricsFiles = "../cmd/incus-provider/metrics.go ../cmd/incus-provider/peers.go"
 )
 
 // metricName is how a reference to one of the provider's own metrics looks
@@ -134,6 +135,14 @@ func kindOf(t *testing.T, c prometheus.Collector) string {
 // (a counter) and incus_provider_incus_request_duration_seconds (a histogram).
 // Parsing the source keeps the set exact without touching that package.
 func incusMetrics(t *testing.T) []family {
+	var out []family
+	for _, file := range strings.Fields(incusMetricsFiles) {
+		out = append(out, metricsOf(t, file)...)
+	}
+	return out
+}
+
+func metricsOf(t *testing.T, incusMetricsFile string) []family {
 	fset := token.NewFileSet()
 	f, err := parser.ParseFile(fset, incusMetricsFile, nil, 0)
 	if err != nil {

@@ -38,6 +38,9 @@ type config struct {
 	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"auto"`
 	IncusMember       string        `env:"PROVIDER_INCUS_MEMBER"`
 	Replica           string        `env:"PROVIDER_REPLICA_ID"`
+	PeerListen        string        `env:"PROVIDER_PEER_LISTEN" envDefault:"off"`
+	Peers             string        `env:"PROVIDER_PEERS"`
+	PeerSecretFile    string        `env:"PROVIDER_PEER_SECRET_FILE"`
 	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests"`
 	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info"`
 	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s"`
@@ -57,6 +60,8 @@ type config struct {
 	incusURLs         []string
 	decodeBudgetBytes int64
 	memoryLimitBytes  int64 // 0: off
+	peers             map[string]string
+	peerSecret        []byte
 }
 
 // loadConfig reads and checks the environment. Every refusal is one
@@ -156,6 +161,9 @@ func (c *config) check() error {
 	if c.IncusMember != "" && !memberName.MatchString(c.IncusMember) {
 		return bad("PROVIDER_INCUS_MEMBER", c.IncusMember, "name the Incus cluster member this provider runs on, as `incus cluster list` shows it")
 	}
+	if err := c.checkPeers(); err != nil {
+		return err
+	}
 	switch c.LogLevel {
 	case "debug", "info", "warn", "error":
 	default:
@@ -234,4 +242,57 @@ func parseBytes(s string) (int64, bool) {
 		return n << u.shift, true
 	}
 	return 0, false
+}
+
+// checkPeers reads the replica-to-replica forwarding settings: where this
+// replica serves its member's guests to the others, where the others
+// serve theirs, and the secret they share.
+func (c *config) checkPeers() error {
+	bad := func(name, value, allowed string) error {
+		return fmt.Errorf("%s=%q is not valid: %s", name, value, allowed)
+	}
+	if c.PeerListen != "off" {
+		if err := checkListen(c.PeerListen); err != nil || strings.HasPrefix(c.PeerListen, "unix:") {
+			return bad("PROVIDER_PEER_LISTEN", c.PeerListen, "use host:port on an address the other replicas reach (such as the member's own address), or off")
+		}
+	}
+	if c.Peers != "" {
+		c.peers = map[string]string{}
+		for _, item := range strings.Split(c.Peers, ",") {
+			m, addr, ok := strings.Cut(strings.TrimSpace(item), "=")
+			_, _, err := net.SplitHostPort(addr)
+			if !ok || !memberName.MatchString(m) || err != nil {
+				return bad("PROVIDER_PEERS", c.Peers, "give member=host:port for each replica's PROVIDER_PEER_LISTEN, separated by commas, such as node1=10.0.0.1:8483,node2=10.0.0.2:8483")
+			}
+			if _, dup := c.peers[m]; dup {
+				return bad("PROVIDER_PEERS", c.Peers, "it names member "+m+" twice; one replica serves each member's guests to the others")
+			}
+			c.peers[m] = addr
+		}
+	}
+	if c.PeerListen == "off" && c.Peers == "" {
+		if c.PeerSecretFile != "" {
+			return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it is used only with PROVIDER_PEER_LISTEN or PROVIDER_PEERS; set one of them, or leave this empty")
+		}
+		return nil
+	}
+	if c.PeerSecretFile == "" {
+		return bad("PROVIDER_PEER_SECRET_FILE", "", "PROVIDER_PEER_LISTEN and PROVIDER_PEERS need the replicas' shared secret in a file")
+	}
+	fi, err := os.Stat(c.PeerSecretFile)
+	if err != nil {
+		return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it must name a readable file ("+err.Error()+")")
+	}
+	if fi.Mode().Perm()&0o077 != 0 {
+		return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, fmt.Sprintf("its mode is %04o: a secret that opens every guest must be readable by its owner only (chmod 600)", fi.Mode().Perm()))
+	}
+	raw, err := os.ReadFile(c.PeerSecretFile)
+	if err != nil {
+		return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it must name a readable file ("+err.Error()+")")
+	}
+	c.peerSecret = []byte(strings.TrimSpace(string(raw)))
+	if len(c.peerSecret) < guest.MinForwardSecret {
+		return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, fmt.Sprintf("it holds %d bytes; use at least %d, such as the output of `openssl rand -hex 32`", len(c.peerSecret), guest.MinForwardSecret))
+	}
+	return nil
 }

@@ -44,6 +44,11 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_MAX_CONNECTIONS", "8", "from 16"},
 		{"PROVIDER_MAX_CONNECTIONS", "many", "PROVIDER_MAX_CONNECTIONS"},
 		{"PROVIDER_MAX_CONTROL_CONNECTIONS", "0", "from 1"},
+		{"PROVIDER_PEER_LISTEN", "unix:/run/p.sock", "use host:port"},
+		{"PROVIDER_PEERS", "node1", "member=host:port"},
+		{"PROVIDER_PEERS", "node1=10.0.0.1", "member=host:port"},
+		{"PROVIDER_PEERS", "node1=10.0.0.1:8483,node1=10.0.0.2:8483", "twice"},
+		{"PROVIDER_PEER_SECRET_FILE", "/nonexistent", "only with PROVIDER_PEER_LISTEN or PROVIDER_PEERS"},
 	}
 	for _, c := range cases {
 		t.Run(c.name+"="+c.value, func(t *testing.T) {
@@ -128,5 +133,46 @@ func TestConfigIncusURLs(t *testing.T) {
 	t.Setenv("INCUS_SERVER_CERT", "")
 	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "INCUS_SERVER_CERT") {
 		t.Errorf("a list without the pinned certificate: %v", err)
+	}
+}
+
+func TestConfigPeers(t *testing.T) {
+	dir := t.TempDir()
+	templates := filepath.Join(dir, "t.yaml")
+	if err := os.WriteFile(templates, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PROVIDER_TEMPLATES", templates)
+	t.Setenv("PROVIDER_PEER_LISTEN", "127.0.0.2:8483")
+	t.Setenv("PROVIDER_PEERS", "node1=127.0.0.2:8483, node2=127.0.0.3:8483")
+	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "PROVIDER_PEER_SECRET_FILE") {
+		t.Fatalf("peers without a secret: %v", err)
+	}
+	secret := filepath.Join(dir, "peer.secret")
+	write := func(content string, mode os.FileMode) {
+		t.Helper()
+		if err := os.WriteFile(secret, []byte(content), mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(secret, mode); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Setenv("PROVIDER_PEER_SECRET_FILE", secret)
+	write(strings.Repeat("s", 40)+"\n", 0o644)
+	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "chmod 600") {
+		t.Fatalf("a readable secret: %v", err)
+	}
+	write("short\n", 0o600)
+	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "at least 32") {
+		t.Fatalf("a short secret: %v", err)
+	}
+	write(strings.Repeat("s", 40)+"\n", 0o600)
+	c, err := loadConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.peerSecret) != 40 || c.peers["node1"] != "127.0.0.2:8483" || c.peers["node2"] != "127.0.0.3:8483" || len(c.peers) != 2 {
+		t.Fatalf("read %d secret bytes and peers %v", len(c.peerSecret), c.peers)
 	}
 }

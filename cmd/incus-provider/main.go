@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"sort"
 	"strings"
 	"sync"
 	"syscall"
@@ -114,11 +115,18 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	cancel()
 
 	kind, member := guestDialerFor(cfg, server)
+	if len(cfg.peers) > 0 && kind != guest.KindMember {
+		return fmt.Errorf("PROVIDER_PEERS=%q: forwarding to other members' replicas needs the member dialer (a cluster, with PROVIDER_INCUS_MEMBER set), and this replica uses %s", cfg.Peers, kind)
+	}
+	peerMx := newPeerMetrics(reg, cfg.peers)
+	peerLog := &peerLog{log: log.Named("peers")}
 	dialer, err := guest.New(kind, guest.Options{
 		Lookup: client.InitPID, SocketDir: cfg.GuestSocketDir, Member: member,
+		Located: client.LocatedInitPID,
 		Exec: func(ctx context.Context, instance string, argv []string) (net.Conn, error) {
 			return client.ExecStream(ctx, instance, argv)
 		},
+		Peers: cfg.peers, PeerSecret: cfg.peerSecret, ObserveForward: peerLog.client(peerMx),
 	})
 	if err != nil {
 		return fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err)
@@ -154,7 +162,20 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	ln := serve.Listener(rawLn, serveOpts)
 
 	var wg sync.WaitGroup
-	errc := make(chan error, 3)
+	errc := make(chan error, 4)
+	if cfg.PeerListen != "off" {
+		servePeer, err := servePeers(srvCtx, cfg, member, client, peerMx, peerLog)
+		if err != nil {
+			return err
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := servePeer(); err != nil {
+				errc <- err
+			}
+		}()
+	}
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -180,7 +201,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		mmux := http.NewServeMux()
 		mmux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-		mmux.HandleFunc("/readyz", readyz(client, catalog, reachOf(kind, member), server.Environment.ServerClustered))
+		mmux.HandleFunc("/readyz", readyz(client, catalog, reachOf(kind, member, cfg.peers), server.Environment.ServerClustered, dialer))
 		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
 		var lc net.ListenConfig
 		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)
@@ -202,7 +223,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	}
 	url := controlURL(cfg, scheme)
 	log.Info("incus-provider is serving", zap.String("controller", url), zap.Strings("templates", ids),
-		zap.String("guestDialer", dialer.Name()), zap.String("incusProject", cfg.IncusProject), zap.String("replica", cfg.Replica),
+		zap.String("guestDialer", dialer.Name()), zap.String("peerListen", cfg.PeerListen), zap.Int("peers", len(cfg.peers)), zap.String("incusProject", cfg.IncusProject), zap.String("replica", cfg.Replica),
 		zap.Bool("credential", credential.Enabled()), zap.String("metrics", cfg.MetricsListen),
 		zap.String("memoryLimit", cfg.MemoryLimit), zap.String("decodeBudget", cfg.DecodeBudget),
 		zap.Int("maxConnections", cfg.MaxConnections), zap.Int("maxControlConnections", cfg.MaxControl))
@@ -286,10 +307,20 @@ func defaultReplica(listen string) string {
 }
 
 // reachOf says in a line how guests are reached, for /readyz.
-func reachOf(kind, member string) string {
+func reachOf(kind, member string, peers map[string]string) string {
 	switch kind {
 	case guest.KindMember:
-		return "netns on member " + member + ", exec on every other member"
+		var through []string
+		for m := range peers {
+			if m != member {
+				through = append(through, m)
+			}
+		}
+		if len(through) == 0 {
+			return "netns on member " + member + ", exec on every other member"
+		}
+		sort.Strings(through)
+		return "netns on member " + member + ", through the replicas of " + strings.Join(through, ", ") + " on theirs (exec while one is unreachable), exec on every other member"
 	case guest.KindExec:
 		return "exec through the Incus API, on every member"
 	default:
@@ -345,7 +376,7 @@ func controlURL(cfg config, scheme string) string {
 // there, 503 otherwise; with several Incus endpoints it then lists what
 // the client knows of each, so an operator sees which members this
 // replica can reach.
-func readyz(client *incus.Client, catalog *templates.Catalog, reach string, clustered bool) http.HandlerFunc {
+func readyz(client *incus.Client, catalog *templates.Catalog, reach string, clustered bool, dialer guest.Dialer) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 		defer cancel()
@@ -364,7 +395,7 @@ func readyz(client *incus.Client, catalog *templates.Catalog, reach string, clus
 		if eps := client.Endpoints(); len(eps) > 1 {
 			body += endpointLines(eps, time.Now())
 		}
-		body += "guests: " + reach + "\n"
+		body += "guests: " + reach + "\n" + peerLines(dialer)
 		if clustered && status == http.StatusOK {
 			// What Incus says of each member: a guest on one that is not
 			// online is observed unknown until it is back.

@@ -1,13 +1,16 @@
 package main
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"math/big"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -72,11 +75,25 @@ func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
 		t.Errorf("before any call endpoint_up = %v, want 1", got)
 	}
 
+	// A peer replica that does not answer: its member's guests go to exec,
+	// and /readyz says so.
+	dead := loopback.FreeAddr(t)
+	fwd, err := guest.NewForward(guest.ForwardOptions{Peers: map[string]string{"m2": dead}, Secret: []byte(strings.Repeat("s", 32)),
+		Fallback: guest.NewExec(func(context.Context, string, []string) (net.Conn, error) { return nil, errors.New("no exec here") }, nil)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fwd.DialContext(context.Background(), guest.Target{Instance: "ls-x", Port: 1, Location: "m2"}); err == nil {
+		t.Fatal("a dial through a dead peer and a failing fallback succeeded")
+	}
 	rec := httptest.NewRecorder()
-	readyz(client, &templates.Catalog{}, reachOf(guest.KindMember, "m1"), true)(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	readyz(client, &templates.Catalog{}, reachOf(guest.KindMember, "m1", map[string]string{"m1": "x:1", "m2": dead}), true, fwd)(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
 	body := rec.Body.String()
-	if !strings.Contains(body, "guests: netns on member m1, exec on every other member\n") {
+	if !strings.Contains(body, "guests: netns on member m1, through the replicas of m2 on theirs (exec while one is unreachable), exec on every other member\n") {
 		t.Errorf("readyz does not say how guests are reached: %q", body)
+	}
+	if !strings.Contains(body, "peer m2 at "+dead+": unreachable, its guests are dialled through exec: ") || !strings.Contains(body, "connection refused") {
+		t.Errorf("readyz does not report the dead peer: %q", body)
 	}
 	if rec.Code != http.StatusServiceUnavailable || !strings.HasPrefix(body, "incus: unreachable\n") {
 		t.Fatalf("got %d %q", rec.Code, body)
