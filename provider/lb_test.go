@@ -2,13 +2,17 @@ package provider_test
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -40,8 +44,10 @@ type lbRig struct {
 }
 
 type lbReplica struct {
-	id, member, addr, metrics string
-	cmd                       *exec.Cmd
+	// peer is where the replica serves its member's guests to the other
+	// (PROVIDER_PEER_LISTEN).
+	id, member, addr, metrics, peer string
+	cmd                             *exec.Cmd
 }
 
 func newLBRig(t *testing.T) *lbRig {
@@ -62,8 +68,14 @@ func newLBRig(t *testing.T) *lbRig {
 	if err := os.WriteFile(filepath.Join(r.dir, "templates.yaml"), []byte(tmpl), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	// The replicas' shared forwarding secret, as an operator would make it.
+	if err := os.WriteFile(filepath.Join(r.dir, "peer.secret"), []byte(peerSecret(t)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	for i, m := range []string{"lsm1", "lsm2"} {
-		r.replicas[i] = &lbReplica{id: fmt.Sprintf("lbr%d", i+1), member: m, addr: loopback.FreeAddr(t), metrics: loopback.FreeAddr(t)}
+		r.replicas[i] = &lbReplica{id: fmt.Sprintf("lbr%d", i+1), member: m, addr: loopback.FreeAddr(t), metrics: loopback.FreeAddr(t), peer: loopback.FreeAddr(t)}
+	}
+	for i := range r.replicas {
 		r.start(i)
 	}
 	_, p1, _ := net.SplitHostPort(r.replicas[0].metrics)
@@ -107,7 +119,10 @@ func (r *lbRig) start(i int) {
 		"INCUS_URL="+strings.Join(r.cl.URLs, ","), "INCUS_CLIENT_CERT="+r.cl.Config.ClientCert,
 		"INCUS_CLIENT_KEY="+r.cl.Config.ClientKey, "INCUS_SERVER_CERT="+r.cl.Config.ServerCert,
 		"INCUS_PROJECT="+r.client.Project(), "PROVIDER_INCUS_MEMBER="+rep.member,
-		"PROVIDER_GRACEFUL_STOP=2s", "PROVIDER_RECONCILE_INTERVAL=1s")
+		"PROVIDER_GRACEFUL_STOP=2s", "PROVIDER_RECONCILE_INTERVAL=1s",
+		// One peer list for both, as one environment file would give it.
+		"PROVIDER_PEER_LISTEN="+rep.peer, "PROVIDER_PEER_SECRET_FILE="+filepath.Join(r.dir, "peer.secret"),
+		"PROVIDER_PEERS="+r.replicas[0].member+"="+r.replicas[0].peer+","+r.replicas[1].member+"="+r.replicas[1].peer)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
 		r.t.Fatal(err)
@@ -411,3 +426,175 @@ func TestClusterIdleActionOnceAcrossReplicas(t *testing.T) {
 }
 
 func targetsName(o controller.Owner) string { return targets.Name(o) }
+
+func peerSecret(t *testing.T) string {
+	t.Helper()
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// scrape reads one sample from a replica's /metrics: the series called
+// name whose labels include every pair of want (-1 when there is none).
+func (r *lbRig) scrape(i int, name string, want map[string]string) float64 {
+	r.t.Helper()
+	resp, err := http.Get("http://" + r.replicas[i].metrics + "/metrics")
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+lines:
+	for _, line := range strings.Split(string(body), "\n") {
+		if !strings.HasPrefix(line, name+"{") && !strings.HasPrefix(line, name+" ") {
+			continue
+		}
+		for k, v := range want {
+			if !strings.Contains(line, k+"=\""+v+"\"") {
+				continue lines
+			}
+		}
+		f, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+		if err != nil {
+			r.t.Fatalf("metrics line %q: %v", line, err)
+		}
+		return f
+	}
+	return -1
+}
+
+// readyz is a replica's /readyz body.
+func (r *lbRig) readyz(i int) string {
+	r.t.Helper()
+	resp, err := http.Get("http://" + r.replicas[i].metrics + "/readyz")
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	body, _ := io.ReadAll(resp.Body)
+	return string(body)
+}
+
+// dialVia opens a data route through replica i itself (not the balancer)
+// and checks the daemon answers on it.
+func (r *lbRig) dialVia(i int, route routes.Route) error {
+	d, err := conformance.DialRoute(context.Background(), "ws://"+r.replicas[i].addr+routes.Path("/routes", route), credential)
+	if err != nil {
+		return err
+	}
+	if d.Conn == nil {
+		return fmt.Errorf("refused: %+v", d.Refusal)
+	}
+	defer func() { _ = d.Conn.Close() }()
+	initialize(r.t, d.Conn)
+	return nil
+}
+
+// TestClusterForwardedDials: a replica reaches a guest on another member
+// through the replica of that member (PROVIDER_PEERS), for a running
+// target and for a wake from paused; when that replica dies, its relays
+// end and a redial reaches the guest through exec; when it is back, dials
+// go through it again. A member without a replica is reached through exec.
+func TestClusterForwardedDials(t *testing.T) {
+	r := newLBRig(t)
+	onLsm2 := controller.Owner{UniverseID: "u-fwd", EnvironmentID: "on-lsm2"}
+	onLsm3 := controller.Owner{UniverseID: "u-fwd", EnvironmentID: "on-lsm3"}
+	for owner, tmpl := range map[controller.Owner]string{onLsm2: "on-lsm2", onLsm3: "on-lsm3"} {
+		if _, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: tmpl}, 30*time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	routeOfOwner := func(owner controller.Owner) routes.Route {
+		r.until(owner, "active", 90*time.Second, func(o controller.Observation) bool {
+			return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
+		})
+		o, err := r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: owner}}, 10*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return routeOf(owner, o.TargetID)
+	}
+	route2, route3 := routeOfOwner(onLsm2), routeOfOwner(onLsm3)
+	fwd := map[string]string{"member": "lsm2", "outcome": "forwarded"}
+	before := r.scrape(0, "incus_provider_peer_dials_total", fwd)
+	if before < 0 {
+		t.Fatal("replica 1 exports no forwarded-dial series for lsm2 before its first dial")
+	}
+	if err := r.dialVia(0, route2); err != nil {
+		t.Fatalf("a dial through replica 1 (lsm1) of a guest on lsm2: %v", err)
+	}
+	if got := r.scrape(0, "incus_provider_peer_dials_total", fwd); got <= before {
+		t.Fatalf("the dial of a guest on lsm2 was not forwarded to lsm2's replica (%v then %v):\n%s", before, got, r.readyz(0))
+	}
+	if got := r.scrape(1, "incus_provider_peer_served_total", map[string]string{"outcome": "forwarded"}); got < 1 {
+		t.Fatalf("lsm2's replica served %v forwarded dials", got)
+	}
+	if err := r.dialVia(0, route3); err != nil {
+		t.Fatalf("a dial through replica 1 of a guest on lsm3 (no replica there): %v", err)
+	}
+	if got := r.scrape(0, "incus_provider_peer_dials_total", map[string]string{"member": "lsm3", "outcome": "no_peer"}); got < 1 {
+		t.Fatalf("the dial of a guest on lsm3 was not counted as no_peer: %v", got)
+	}
+
+	// A wake from paused through replica 1, forwarded.
+	if _, err := r.call("target/setPower", controller.SetPowerParams{Target: controller.TargetRef{Owner: onLsm2}, Power: controller.PowerPaused}, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	r.until(onLsm2, "paused", 30*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
+	})
+	before = r.scrape(0, "incus_provider_peer_dials_total", fwd)
+	start := time.Now()
+	if err := r.dialVia(0, route2); err != nil {
+		t.Fatalf("a waking dial through replica 1 of a paused guest on lsm2: %v", err)
+	}
+	t.Logf("paused guest on lsm2 woken and relayed through replica 1 in %s", time.Since(start))
+	if got := r.scrape(0, "incus_provider_peer_dials_total", fwd); got <= before {
+		t.Fatalf("the waking dial was not forwarded (%v then %v)", before, got)
+	}
+
+	// lsm2's replica dies under a relay it carries.
+	d, err := conformance.DialRoute(context.Background(), "ws://"+r.replicas[0].addr+routes.Path("/routes", route2), credential)
+	if err != nil || d.Conn == nil {
+		t.Fatalf("dial: %+v, %v", d.Refusal, err)
+	}
+	initialize(t, d.Conn)
+	r.stop(1, syscall.SIGKILL)
+	_ = d.Conn.SetReadDeadline(time.Now().Add(15 * time.Second))
+	if _, _, err := d.Conn.ReadMessage(); err == nil {
+		t.Fatal("a relay through a killed peer replica still delivered a message")
+	}
+	_ = d.Conn.Close()
+	fb := map[string]string{"member": "lsm2", "outcome": "fallback"}
+	before = r.scrape(0, "incus_provider_peer_dials_total", fb)
+	if err := r.dialVia(0, route2); err != nil {
+		t.Fatalf("a redial with lsm2's replica dead: %v", err)
+	}
+	if got := r.scrape(0, "incus_provider_peer_dials_total", fb); got <= before {
+		t.Fatalf("the redial did not fall back to exec (%v then %v)", before, got)
+	}
+	if body := r.readyz(0); !strings.Contains(body, "peer lsm2 at "+r.replicas[1].peer+": unreachable") {
+		t.Fatalf("/readyz does not say lsm2's replica is unreachable:\n%s", body)
+	}
+
+	// Back: dials are forwarded again once the peer is tried again.
+	r.start(1)
+	r.awaitUp(1)
+	before = r.scrape(0, "incus_provider_peer_dials_total", fwd)
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(500 * time.Millisecond) {
+		if err := r.dialVia(0, route2); err != nil {
+			t.Fatal(err)
+		}
+		if r.scrape(0, "incus_provider_peer_dials_total", fwd) > before {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("dials not forwarded again within 20 s of lsm2's replica coming back:\n%s", r.readyz(0))
+		}
+	}
+}

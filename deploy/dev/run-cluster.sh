@@ -55,12 +55,21 @@ INCUS_DIR=/var/lib/incus-lsm1 incus project show "$INCUS_PROJECT" >/dev/null 2>&
   INCUS_DIR=/var/lib/incus-lsm1 incus project create "$INCUS_PROJECT" -c features.images=false -c features.profiles=false >/dev/null
 
 members=(lsm1 lsm2)
+# Each replica serves its member's guests to the other on its member's
+# address (PROVIDER_PEER_LISTEN); both read one peer list and one secret.
+# Guests on lsm3, which has no replica here, are reached through exec.
+if [ -z "${PROVIDER_PEER_SECRET_FILE:-}" ]; then
+  PROVIDER_PEER_SECRET_FILE=$work/peer.secret
+  (umask 077; od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$PROVIDER_PEER_SECRET_FILE")
+fi
+export PROVIDER_PEER_SECRET_FILE
+export PROVIDER_PEERS=${PROVIDER_PEERS:-lsm1=127.0.0.2:18500,lsm2=127.0.0.3:18500}
 for i in 0 1; do
   n=$((i + 1))
   (
     set -a; . "$STATE_DIR/cluster/cluster.env"; set +a
     PROVIDER_LISTEN=127.0.0.1:$((18490 + n)) PROVIDER_METRICS_LISTEN=127.0.0.1:$((19490 + n)) \
-      PROVIDER_INCUS_MEMBER=${members[$i]} PROVIDER_REPLICA_ID=replica$n \
+      PROVIDER_INCUS_MEMBER=${members[$i]} PROVIDER_REPLICA_ID=replica$n PROVIDER_PEER_LISTEN=127.0.0.$((n + 1)):18500 \
       exec bin/incus-provider >"$work/replica$n.out" 2>"$work/replica$n.log"
   ) &
   pids+=("$!")
@@ -76,7 +85,7 @@ lb=$!
 sleep 0.5
 kill -0 "$lb" 2>/dev/null || { cat "$work/haproxy.log" >&2; fail "HAProxy did not start"; }
 
-say "replicas on members ${members[*]} (logs: $work/replica1.log, $work/replica2.log), HAProxy on $LB_LISTEN"
+say "replicas on members ${members[*]} (logs: $work/replica1.log, $work/replica2.log), forwarding to each other ($PROVIDER_PEERS), HAProxy on $LB_LISTEN"
 echo "controller URL: ws://$LB_LISTEN/control"
 grep '^templates:' "$work/replica1.out"
 # In the foreground until Ctrl-C, SIGTERM, or a process ends.
