@@ -83,12 +83,38 @@ func runChild() error {
 			return err
 		}
 	}
-	inner, err := guest.New(kind, guest.Options{Lookup: client.InitPID, Member: member,
+	var peers map[string]string
+	var secret []byte
+	if path := os.Getenv("ROUTEBENCH_PEER_SECRET"); path != "" {
+		if secret, err = os.ReadFile(path); err != nil {
+			return err
+		}
+	}
+	if p := os.Getenv("ROUTEBENCH_PEERS"); p != "" {
+		m, a, _ := strings.Cut(p, "=")
+		peers = map[string]string{m: a}
+	}
+	inner, err := guest.New(kind, guest.Options{Lookup: client.InitPID, Member: member, Located: client.LocatedInitPID,
+		Peers: peers, PeerSecret: secret,
 		Exec: func(ctx context.Context, instance string, argv []string) (net.Conn, error) {
 			return client.ExecStream(ctx, instance, argv)
 		}})
 	if err != nil {
 		return err
+	}
+	if addr := os.Getenv("ROUTEBENCH_PEER_LISTEN"); addr != "" {
+		// The replica on the remote member: serves its guests to the other.
+		fs, err := guest.NewForwardServer(guest.ForwardServerOptions{Member: member, Secret: secret,
+			Local: guest.NewNetns(guest.OnMember(member, client.LocatedInitPID))})
+		if err != nil {
+			return err
+		}
+		var lc net.ListenConfig
+		pln, err := lc.Listen(ctx, "tcp", addr)
+		if err != nil {
+			return err
+		}
+		go func() { _ = fs.Serve(ctx, pln) }()
 	}
 	cred := bearer.New(credential)
 	mux := http.NewServeMux()

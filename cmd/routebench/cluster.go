@@ -125,10 +125,36 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 		return err
 	}
 	credential := randomHex(16)
-	child, addr, err := startChild(ctx, []string{"ROUTEBENCH_INCUS_URLS=" + strings.Join(rig.urls, ","),
+	childEnv := []string{"ROUTEBENCH_INCUS_URLS=" + strings.Join(rig.urls, ","),
 		"ROUTEBENCH_INCUS_CLIENT_CERT=" + rig.clientCert, "ROUTEBENCH_INCUS_CLIENT_KEY=" + rig.clientKey,
-		"ROUTEBENCH_INCUS_SERVER_CERT=" + rig.srvCert, "ROUTEBENCH_MEMBER=" + localMember,
-		"ROUTEBENCH_PROJECT=" + project, "ROUTEBENCH_TEMPLATES=" + tmplPath, "ROUTEBENCH_CREDENTIAL=" + credential})
+		"ROUTEBENCH_INCUS_SERVER_CERT=" + rig.srvCert,
+		"ROUTEBENCH_PROJECT=" + project, "ROUTEBENCH_TEMPLATES=" + tmplPath, "ROUTEBENCH_CREDENTIAL=" + credential}
+	var peers map[string]string
+	var secret []byte
+	remoteWay := "exec"
+	if cfg.forward {
+		// A second provider process stands for the replica on the remote
+		// member and serves its guests to the first.
+		secret = []byte(randomHex(32))
+		secretPath := filepath.Join(work, "peer.secret")
+		if err := os.WriteFile(secretPath, secret, 0o600); err != nil {
+			return err
+		}
+		peerAddr, err := freeLoopback(ctx)
+		if err != nil {
+			return err
+		}
+		peer, _, err := startChild(ctx, append(childEnv[:len(childEnv):len(childEnv)], "ROUTEBENCH_MEMBER="+remoteMember,
+			"ROUTEBENCH_PEER_LISTEN="+peerAddr, "ROUTEBENCH_PEER_SECRET="+secretPath))
+		if err != nil {
+			return fmt.Errorf("the peer replica on %s: %w", remoteMember, err)
+		}
+		defer peer.stop()
+		peers = map[string]string{remoteMember: peerAddr}
+		childEnv = append(childEnv, "ROUTEBENCH_PEERS="+remoteMember+"="+peerAddr, "ROUTEBENCH_PEER_SECRET="+secretPath)
+		remoteWay = "forwarded through " + remoteMember + "'s replica"
+	}
+	child, addr, err := startChild(ctx, append(childEnv, "ROUTEBENCH_MEMBER="+localMember))
 	if err != nil {
 		return err
 	}
@@ -138,6 +164,7 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 	// The benchmark's direct path is the provider's own kind of dialer,
 	// over its own HTTPS connections to the cluster.
 	dialer, err := guest.New(guest.KindMember, guest.Options{Lookup: client.InitPID, Member: localMember,
+		Located: client.LocatedInitPID, Peers: peers, PeerSecret: secret,
 		Exec: func(ctx context.Context, instance string, argv []string) (net.Conn, error) {
 			return client.ExecStream(ctx, instance, argv)
 		}})
@@ -152,7 +179,7 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 	}
 	defer s.close()
 	local := &bench{session: s, template: "bench-" + localMember, label: fmt.Sprintf("local (%s, netns)", localMember)}
-	remote := &bench{session: s, template: "bench-" + remoteMember, label: fmt.Sprintf("remote (%s, exec)", remoteMember)}
+	remote := &bench{session: s, template: "bench-" + remoteMember, label: fmt.Sprintf("remote (%s, %s)", remoteMember, remoteWay)}
 	for _, b := range []*bench{local, remote} {
 		err := b.create(ctx)
 		defer b.tearDown()
@@ -173,8 +200,8 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 	if err != nil {
 		return err
 	}
-	rep.header = fmt.Sprintf("Incus %s cluster of %d members (%s) on loopback, image %s (%.12s), provider on %s over HTTPS to every member, GuestDialer member (netns on %s, exec elsewhere), %d CPUs, load average %s at the start, %s at the end",
-		srv.Environment.ServerVersion, len(rig.members), strings.Join(rig.members, ", "), cfg.image, fp, localMember, localMember, numCPU(), loadBefore, loadAverage())
+	rep.header = fmt.Sprintf("Incus %s cluster of %d members (%s) on loopback, image %s (%.12s), provider on %s over HTTPS to every member, GuestDialer member (netns on %s, %s for %s), %d CPUs, load average %s at the start, %s at the end",
+		srv.Environment.ServerVersion, len(rig.members), strings.Join(rig.members, ", "), cfg.image, fp, localMember, localMember, remoteWay, remoteMember, numCPU(), loadBefore, loadAverage())
 	rep.print(os.Stdout)
 	return nil
 }
@@ -464,4 +491,15 @@ func (s *session) getOwner(ctx context.Context, o controller.Owner) (controller.
 	var res controller.TargetResult
 	err := s.ctrl.Call(ctx, "target/get", controller.TargetParams{Target: controller.TargetRef{Owner: o}}, &res)
 	return res.Target, err
+}
+
+// freeLoopback is a loopback address nothing listens on just now.
+func freeLoopback(ctx context.Context) (string, error) {
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer func() { _ = ln.Close() }()
+	return ln.Addr().String(), nil
 }

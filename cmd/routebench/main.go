@@ -89,6 +89,7 @@ func main() {
 	flag.StringVar(&cfg.cluster, "cluster", "", "settings file of the cluster rig (deploy/dev/incus-cluster-up.sh): measure on the cluster instead of -incus-socket")
 	flag.StringVar(&cfg.member, "member", "", "with -cluster: the member the provider runs on (its guests through netns, the others through exec)")
 	flag.StringVar(&cfg.remote, "remote", "", "with -cluster: the member of the remote target (default: the last member that is not -member)")
+	flag.BoolVar(&cfg.forward, "forward", false, "with -cluster: reach the remote target through a second provider process standing for the replica on -remote (replica-to-replica forwarding, PROVIDER_PEERS) instead of exec")
 	flag.IntVar(&cfg.owners, "owners", 20, "with -cluster: owners created at once for create → active, spread round-robin over the members")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -110,6 +111,7 @@ type benchConfig struct {
 
 	cluster, member, remote string
 	owners                  int
+	forward                 bool
 }
 
 func randomHex(n int) string {
