@@ -24,6 +24,7 @@ func (c *Client) ListClusterMembers(ctx context.Context) ([]ClusterMember, error
 	if err != nil {
 		return nil, err
 	}
+	c.eps.learnMembers(*list)
 	return *list, nil
 }
 

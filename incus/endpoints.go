@@ -82,6 +82,7 @@ type endpoint struct {
 // by a client and its WithProject copies.
 type endpointSet struct {
 	list    []*endpoint
+	aff     affinity
 	coolMin time.Duration
 	coolMax time.Duration
 	now     func() time.Time

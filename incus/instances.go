@@ -2,6 +2,7 @@ package incus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -159,8 +160,12 @@ func (c *Client) GetInstance(ctx context.Context, name string) (*Instance, strin
 	inst, resp, err := get[Instance](ctx, c, request{op: "instance.get", scoped: true, path: instancePath(name)},
 		fmt.Sprintf("get instance %q", name))
 	if err != nil {
+		if errors.Is(err, ErrNotFound) {
+			c.eps.learnLocation(c.project, name, "")
+		}
 		return nil, "", err
 	}
+	c.eps.learnLocation(c.project, name, inst.Location)
 	return inst, resp.etag, nil
 }
 
@@ -173,6 +178,7 @@ func (c *Client) ListInstances(ctx context.Context) ([]Instance, error) {
 	if err != nil {
 		return nil, err
 	}
+	c.eps.learnList(c.project, *out)
 	return *out, nil
 }
 
@@ -191,6 +197,7 @@ func (c *Client) FindInstance(ctx context.Context, name string) (*Instance, erro
 	for i := range *out {
 		// The filter is Incus's; the name is checked here all the same.
 		if (*out)[i].Name == name {
+			c.eps.learnLocation(c.project, name, (*out)[i].Location)
 			return &(*out)[i], nil
 		}
 	}
@@ -369,6 +376,7 @@ func (c *Client) LocatedInitPID(ctx context.Context, name string) (pid int, loca
 	if err != nil {
 		return 0, "", err
 	}
+	c.eps.learnLocation(c.project, name, l.Location)
 	if l.State == nil {
 		return 0, l.Location, nil
 	}

@@ -126,6 +126,9 @@ func (c *Client) call(ctx context.Context, r request) (*response, error) {
 		picks = pinned(r.via)
 	} else {
 		picks = c.eps.order(!write && !r.patient)
+		if r.scoped {
+			picks = preferAffine(picks, c.eps.affine(c.project, r.path))
+		}
 	}
 	// Every pick is settled once: by its attempt's result, as a suspect
 	// at the end, or unused.

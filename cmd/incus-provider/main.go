@@ -112,6 +112,13 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if err := catalog.CheckPlacement(startCtx, server.Environment.ServerClustered, client); err != nil {
 		return err
 	}
+	if server.Environment.ServerClustered && len(cfg.incusURLs) > 1 {
+		// Which endpoint is which member: calls about an instance go
+		// first to the member that holds it (incus/affinity.go).
+		if _, err := client.ListClusterMembers(startCtx); err != nil {
+			return fmt.Errorf("incus cluster members (%s): %w", incusWhere(cfg), err)
+		}
+	}
 	cancel()
 
 	kind, member := guestDialerFor(cfg, server)
