@@ -44,6 +44,11 @@ type session struct {
 	dialer guest.Dialer
 
 	ctrl *jsonrpc.Client
+	// connPerOwner: measureCreates opens a controller connection per owner
+	// (through a load balancer, so that the owners spread over replicas).
+	connPerOwner bool
+	// through says what create → active is measured through, for the report.
+	through string
 }
 
 // bench measures one target of the session.

@@ -138,6 +138,8 @@ func runChild() error {
 	go func() { _ = prov.Run(ctx) }()
 
 	mux.Handle("/", prov.Handler())
+	// A load balancer's health check (-lb): the child serves once it is here.
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	mux.Handle("/bench/mem", cred.Require(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		runtime.GC()
 		debug.FreeOSMemory()

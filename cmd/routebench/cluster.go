@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -131,7 +132,11 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 		"ROUTEBENCH_PROJECT=" + project, "ROUTEBENCH_TEMPLATES=" + tmplPath, "ROUTEBENCH_CREDENTIAL=" + credential}
 	var peers map[string]string
 	var secret []byte
+	var peerControl string
 	remoteWay := "exec"
+	if cfg.lb != "" && !cfg.forward {
+		return errors.New("-lb needs -forward: the load balancer is put in front of the two provider processes")
+	}
 	if cfg.forward {
 		// A second provider process stands for the replica on the remote
 		// member and serves its guests to the first.
@@ -144,7 +149,7 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 		if err != nil {
 			return err
 		}
-		peer, _, err := startChild(ctx, append(childEnv[:len(childEnv):len(childEnv)], "ROUTEBENCH_MEMBER="+remoteMember,
+		peer, peerCtl, err := startChild(ctx, append(childEnv[:len(childEnv):len(childEnv)], "ROUTEBENCH_MEMBER="+remoteMember,
 			"ROUTEBENCH_PEER_LISTEN="+peerAddr, "ROUTEBENCH_PEER_SECRET="+secretPath))
 		if err != nil {
 			return fmt.Errorf("the peer replica on %s: %w", remoteMember, err)
@@ -153,6 +158,7 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 		peers = map[string]string{remoteMember: peerAddr}
 		childEnv = append(childEnv, "ROUTEBENCH_PEERS="+remoteMember+"="+peerAddr, "ROUTEBENCH_PEER_SECRET="+secretPath)
 		remoteWay = "forwarded through " + remoteMember + "'s replica"
+		peerControl = peerCtl
 	}
 	child, addr, err := startChild(ctx, append(childEnv, "ROUTEBENCH_MEMBER="+localMember))
 	if err != nil {
@@ -178,6 +184,21 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 		return err
 	}
 	defer s.close()
+	creator := s
+	s.through = "one provider"
+	if cfg.lb != "" {
+		lbAddr, stopLB, err := startHAProxy(ctx, cfg.lb, work, addr, peerControl)
+		if err != nil {
+			return err
+		}
+		defer stopLB()
+		creator = &session{cfg: cfg, addr: lbAddr, credential: credential, incus: client, dialer: dialer, connPerOwner: true,
+			through: "HAProxy (" + cfg.lb + ") in front of both provider processes, a connection per owner"}
+		if err := creator.connect(ctx); err != nil {
+			return fmt.Errorf("through the load balancer: %w", err)
+		}
+		defer creator.close()
+	}
 	local := &bench{session: s, template: "bench-" + localMember, label: fmt.Sprintf("local (%s, netns)", localMember)}
 	remote := &bench{session: s, template: "bench-" + remoteMember, label: fmt.Sprintf("remote (%s, %s)", remoteMember, remoteWay)}
 	for _, b := range []*bench{local, remote} {
@@ -196,7 +217,7 @@ func runCluster(ctx context.Context, cfg benchConfig) error {
 			return fmt.Errorf("%s: the instance is on %q", b.label, b.location)
 		}
 	}
-	rep, err := measureCluster(ctx, local, remote, rig.members)
+	rep, err := measureCluster(ctx, local, remote, creator, rig.members)
 	if err != nil {
 		return err
 	}
@@ -214,6 +235,8 @@ type clusterReport struct {
 	remoteLabel   string
 	dials         map[*report]dialResult
 	creates       createResult
+	// createsThrough says what the creates went through.
+	createsThrough string
 	idleRelays    int
 }
 
@@ -225,7 +248,7 @@ type dialResult struct {
 	dial, upgraded []time.Duration
 }
 
-func measureCluster(ctx context.Context, local, remote *bench, members []string) (*clusterReport, error) {
+func measureCluster(ctx context.Context, local, remote *bench, creator *session, members []string) (*clusterReport, error) {
 	cr := &clusterReport{local: &report{}, remote: &report{}, localLabel: local.label, remoteLabel: remote.label,
 		dials: map[*report]dialResult{}, idleRelays: local.cfg.idleRelays}
 	pairs := []struct {
@@ -276,11 +299,12 @@ func measureCluster(ctx context.Context, local, remote *bench, members []string)
 			}
 		}
 	}
-	c, err := local.measureCreates(ctx, members)
+	c, err := creator.measureCreates(ctx, members)
 	if err != nil {
 		return nil, err
 	}
 	cr.creates = c
+	cr.createsThrough = creator.through
 	return cr, nil
 }
 
@@ -378,12 +402,22 @@ func (s *session) measureCreates(ctx context.Context, members []string) (res cre
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			on := s
+			if s.connPerOwner {
+				own := &session{cfg: s.cfg, addr: s.addr, credential: s.credential}
+				if err := own.connect(cctx); err != nil {
+					errs[i] = err
+					return
+				}
+				defer own.close()
+				on = own
+			}
 			// An unavailable or busy answer is asked again after its
 			// retryAfterMs, as the runtime would; the clock runs from the
 			// first ask.
 			for {
 				var r controller.TargetResult
-				err := s.ctrl.Call(cctx, "target/create", controller.CreateParams{Owner: owners[i], TemplateID: res.templates[i%len(members)]}, &r)
+				err := on.ctrl.Call(cctx, "target/create", controller.CreateParams{Owner: owners[i], TemplateID: res.templates[i%len(members)]}, &r)
 				if err == nil {
 					break
 				}
@@ -403,7 +437,7 @@ func (s *session) measureCreates(ctx context.Context, members []string) (res cre
 				}
 			}
 			for {
-				o, err := s.getOwner(cctx, owners[i])
+				o, err := on.getOwner(cctx, owners[i])
 				if err == nil && o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == "" {
 					toActive[i], ids[i] = time.Since(start), o.TargetID
 					return
@@ -502,4 +536,52 @@ func freeLoopback(ctx context.Context) (string, error) {
 	}
 	defer func() { _ = ln.Close() }()
 	return ln.Addr().String(), nil
+}
+
+// startHAProxy runs HAProxy with the shipped configuration in front of the
+// two provider processes (their /readyz answers the health checks) and
+// waits until it routes to both.
+func startHAProxy(ctx context.Context, config, work, replica1, replica2 string) (string, func(), error) {
+	bin, err := exec.LookPath("haproxy")
+	if err != nil {
+		return "", nil, fmt.Errorf("-lb: haproxy is not installed (apt-get install haproxy): %w", err)
+	}
+	lbAddr, err := freeLoopback(ctx)
+	if err != nil {
+		return "", nil, err
+	}
+	_, p1, _ := net.SplitHostPort(replica1)
+	_, p2, _ := net.SplitHostPort(replica2)
+	cmd := exec.CommandContext(context.WithoutCancel(ctx), bin, "-db", "-f", config)
+	cmd.Env = append(os.Environ(), "LB_LISTEN="+lbAddr, "REPLICA1="+replica1, "REPLICA2="+replica2,
+		"REPLICA1_CHECK_PORT="+p1, "REPLICA2_CHECK_PORT="+p2)
+	logFile, err := os.Create(filepath.Join(work, "haproxy.log"))
+	if err != nil {
+		return "", nil, err
+	}
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		_ = logFile.Close()
+		return "", nil, fmt.Errorf("start haproxy: %w", err)
+	}
+	_ = logFile.Close()
+	stop := func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }
+	// Health checks every second, two to rise: both replicas are up after
+	// about 2 s.
+	if !clock.Sleep(ctx, 3*time.Second) {
+		stop()
+		return "", nil, ctx.Err()
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", lbAddr)
+	if err != nil {
+		out, _ := os.ReadFile(filepath.Join(work, "haproxy.log"))
+		stop()
+		return "", nil, fmt.Errorf("haproxy does not listen on %s: %w\n%s", lbAddr, err, out)
+	}
+	_ = c.Close()
+	logf2, _ := os.ReadFile(filepath.Join(work, "haproxy.log"))
+	logf("HAProxy on %s in front of %s and %s", lbAddr, replica1, replica2)
+	_ = logf2
+	return lbAddr, stop, nil
 }

@@ -90,6 +90,7 @@ func main() {
 	flag.StringVar(&cfg.member, "member", "", "with -cluster: the member the provider runs on (its guests through netns, the others through exec)")
 	flag.StringVar(&cfg.remote, "remote", "", "with -cluster: the member of the remote target (default: the last member that is not -member)")
 	flag.BoolVar(&cfg.forward, "forward", false, "with -cluster: reach the remote target through a second provider process standing for the replica on -remote (replica-to-replica forwarding, PROVIDER_PEERS) instead of exec")
+	flag.StringVar(&cfg.lb, "lb", "", "with -cluster -forward: the HAProxy configuration (deploy/haproxy/incus-provider.cfg) to put in front of both provider processes; create → active is then measured through it, one controller connection per owner")
 	flag.IntVar(&cfg.owners, "owners", 20, "with -cluster: owners created at once for create → active, spread round-robin over the members")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -112,6 +113,7 @@ type benchConfig struct {
 	cluster, member, remote string
 	owners                  int
 	forward                 bool
+	lb                      string
 }
 
 func randomHex(n int) string {
