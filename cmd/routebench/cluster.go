@@ -237,7 +237,7 @@ type clusterReport struct {
 	creates       createResult
 	// createsThrough says what the creates went through.
 	createsThrough string
-	idleRelays    int
+	idleRelays     int
 }
 
 // dialResult is the anatomy of the benchmark's own dials to a daemon:
