@@ -83,6 +83,24 @@ type Dialer interface {
 	Name() string
 }
 
+// remover is implemented by dialers that leave something on the host for
+// each instance (the proxy dialer's socket file).
+type remover interface{ Removed(instance string) }
+
+// Removed tells d that the instance is deleted for good, so that whatever
+// it keeps on the host for it can go.
+func Removed(d Dialer, instance string) {
+	switch v := d.(type) {
+	case remover:
+		v.Removed(instance)
+	case *memberDialer:
+		Removed(v.local, instance)
+		Removed(v.remote, instance)
+	case *forwardDialer:
+		Removed(v.fallback, instance)
+	}
+}
+
 // PIDLookup returns the instance's init PID as the host sees it (from GET
 // /1.0/instances/NAME/state, field .pid; 0 or -1 when stopped). It is
 // supplied by the caller, who owns the Incus client and the project.

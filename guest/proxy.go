@@ -101,6 +101,20 @@ func (p *proxyDialer) Devices(t Target) map[string]map[string]string {
 // start and is harmless until then (dialing it is refused).
 func (p *proxyDialer) Forget(string) {}
 
+// Removed deletes the socket file of a deleted instance: neither Incus nor
+// LXD removes it (seen with LXD 5.0.2), and a long-lived provider would
+// otherwise collect one per target it ever closed. Only a socket is
+// removed, never another kind of file that happens to have the name.
+func (p *proxyDialer) Removed(instance string) {
+	if p.dirErr != nil || (Target{Instance: instance, Port: 1}).validate() != nil {
+		return
+	}
+	path := p.socketPath(instance)
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		_ = os.Remove(path)
+	}
+}
+
 func (p *proxyDialer) DialContext(ctx context.Context, t Target) (net.Conn, error) {
 	if err := t.validate(); err != nil {
 		return nil, err

@@ -59,8 +59,12 @@ func TestObserveMapsIncusStatus(t *testing.T) {
 		phase    controller.Phase
 		power    controller.Power
 	}{
-		{"running", "Running", nil, false, controller.PhaseActive, controller.PowerRunning},
-		{"ready", "Ready", nil, false, controller.PhaseActive, controller.PowerRunning},
+		{"running", "Running", booted, false, controller.PhaseActive, controller.PowerRunning},
+		{"ready", "Ready", booted, false, controller.PhaseActive, controller.PowerRunning},
+		// Running before the reconciler marked it booted: LXD shows that
+		// while its start operation still runs.
+		{"running before first boot is marked", "Running", nil, false, controller.PhaseProvisioning, ""},
+		{"frozen before first boot is marked", "Frozen", nil, false, controller.PhaseProvisioning, ""},
 		{"frozen", "Frozen", booted, false, controller.PhaseActive, controller.PowerPaused},
 		{"stopped before first boot", "Stopped", nil, false, controller.PhaseProvisioning, ""},
 		{"stopped after boot", "Stopped", booted, false, controller.PhaseActive, controller.PowerStopped},

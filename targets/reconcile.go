@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
@@ -120,6 +121,13 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
 	name := inst.Name
 	switch inst.Status {
 	case incus.InstanceRunning, incus.InstanceReady, incus.InstanceFrozen, incus.InstanceFreezing, incus.InstanceThawed:
+		// Running is not yet started: LXD shows a container Running while
+		// its start operation still brings its devices up (a proxy device:
+		// about a second), and refuses every change to it until then. A
+		// target is active only once no operation holds it.
+		if pending, err := s.createPending(ctx, name); err != nil || pending {
+			return
+		}
 		s.markBooted(ctx, name)
 		return
 	case incus.InstanceStopped:
@@ -183,13 +191,15 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 	op, err := s.incus.DeleteInstance(ctx, name)
 	s.listingChanged()
 	if errors.Is(err, incus.ErrNotFound) {
+		guest.Removed(s.dialer, name)
 		return nil
 	}
 	if err != nil {
 		return err
 	}
 	_, err = s.wait(ctx, op, time.Minute)
-	if errors.Is(err, incus.ErrNotFound) {
+	if err == nil || errors.Is(err, incus.ErrNotFound) {
+		guest.Removed(s.dialer, name)
 		return nil
 	}
 	return err

@@ -588,7 +588,18 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
 	if inst.Config[keyClosing] == "" {
-		if err := s.patch(ctx, name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+		mark := map[string]string{keyClosing: msString(s.now())}
+		err := s.patch(ctx, name, mark)
+		if errors.Is(err, incus.ErrBusy) {
+			// An operation holds the instance and the server refuses
+			// config changes until it ends (LXD keeps a start running
+			// until the instance's devices are up): the close waits for
+			// it, within the method's budget.
+			if err = s.settle(ctx, name); err == nil {
+				err = s.patch(ctx, name, mark)
+			}
+		}
+		if err != nil {
 			unlock()
 			return controller.Observation{}, s.incusError("recording the close", err)
 		}
@@ -605,23 +616,45 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	return s.observe(after, ref.Owner), nil
 }
 
-// createPending reports an Incus operation still creating the named instance.
+// createPending reports an Incus operation still creating the named
+// instance (or starting it, or any other on it).
 func (s *Service) createPending(ctx context.Context, name string) (bool, error) {
+	op, err := s.operationOn(ctx, name)
+	return op != nil, err
+}
+
+// operationOn is an unfinished Incus operation on the named instance, if any.
+func (s *Service) operationOn(ctx context.Context, name string) (*incus.Operation, error) {
 	ops, err := s.incus.ListOperations(ctx)
 	if err != nil {
-		return false, err
+		return nil, err
 	}
 	want := "/1.0/instances/" + name
-	for _, op := range ops { // ListOperations lists unfinished ones only
+	for i, op := range ops { // ListOperations lists unfinished ones only
 		for _, urls := range op.Resources {
 			for _, u := range urls {
 				if u == want || (len(u) > len(want) && u[:len(want)+1] == want+"?") {
-					return true, nil
+					return &ops[i], nil
 				}
 			}
 		}
 	}
-	return false, nil
+	return nil, nil
+}
+
+// settle waits, within ctx, until no Incus operation holds the instance
+// (at most three in a row: a start can follow a create).
+func (s *Service) settle(ctx context.Context, name string) error {
+	for range 3 {
+		op, err := s.operationOn(ctx, name)
+		if err != nil || op == nil {
+			return err
+		}
+		if _, err := s.incus.Wait(ctx, op); err != nil && ctx.Err() != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // EnsureIngress is not served by this build (the ingress capability is not advertised).

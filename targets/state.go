@@ -67,6 +67,18 @@ func StateOf(inst *incus.Instance) State {
 	}
 	switch inst.Status {
 	case incus.InstanceRunning, incus.InstanceReady, incus.InstanceThawed,
+		incus.InstanceFreezing, incus.InstanceStopping, incus.InstanceShutdown, incus.InstanceAborting, incus.InstanceFrozen:
+		if !booted {
+			// Running is not started yet: LXD shows a container Running
+			// while its start operation still brings devices up, and
+			// refuses every change to it meanwhile. The reconciler marks
+			// the instance booted once no operation holds it.
+			st.Phase = controller.PhaseProvisioning
+			return st
+		}
+	}
+	switch inst.Status {
+	case incus.InstanceRunning, incus.InstanceReady, incus.InstanceThawed,
 		incus.InstanceFreezing, incus.InstanceStopping, incus.InstanceShutdown, incus.InstanceAborting:
 		return active(controller.PowerRunning)
 	case incus.InstanceFrozen:
