@@ -101,3 +101,45 @@ func TestCallsGoToTheHoldingMember(t *testing.T) {
 		t.Fatalf("the down holder was tried %d times, want once before its cool-down: %v", transport, seen)
 	}
 }
+
+// TestLockRaceIsAskedAgain: LXD 5.0 refuses a change asked the moment the
+// operation holding the instance ends, with a 500 that says so; nothing was
+// done, so the client asks once more. Any other 500 is the caller's.
+func TestLockRaceIsAskedAgain(t *testing.T) {
+	rg := newRig(t)
+	var mu sync.Mutex
+	patches := 0
+	m := rg.member(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPatch {
+			writeError(w, 404, 404, "not found")
+			return
+		}
+		_, _ = io.Copy(io.Discard, r.Body)
+		mu.Lock()
+		patches++
+		n := patches
+		mu.Unlock()
+		switch {
+		case r.URL.Path == "/1.0/instances/race" && n == 1:
+			writeError(w, 500, 500, "Failed to create instance update operation: A matching non-reusable operation has now succeeded")
+		case r.URL.Path == "/1.0/instances/broken":
+			writeError(w, 500, 500, "Failed to update instance: disk on fire")
+		default:
+			writeSync(w, json.RawMessage(`{}`))
+		}
+	})
+	count := func() int { mu.Lock(); defer mu.Unlock(); return patches }
+	c := rg.client(t, []string{m.url()}, nil)
+	if err := c.PatchInstanceConfig(t.Context(), "race", map[string]string{"user.x": "1"}); err != nil {
+		t.Fatalf("a lock race was not asked again: %v", err)
+	}
+	if n := count(); n != 2 {
+		t.Fatalf("%d PATCHes, want 2", n)
+	}
+	if err := c.PatchInstanceConfig(t.Context(), "broken", map[string]string{"user.x": "1"}); err == nil {
+		t.Fatal("another 500 was hidden")
+	}
+	if n := count(); n != 3 {
+		t.Fatalf("another 500 was asked again: %d PATCHes, want 3", n)
+	}
+}

@@ -116,6 +116,16 @@ func isBusyMessage(msg string) bool {
 	return strings.Contains(msg, "is busy running a")
 }
 
+// isLockRace matches LXD 5.0's answer to a change asked the moment the
+// operation holding the instance ends ("Failed to create instance update
+// operation: A matching non-reusable operation has now succeeded", HTTP
+// 500): nothing was done, and the same call made again goes through.
+func isLockRace(err error) bool {
+	var e *Error
+	return errors.As(err, &e) && e.Status == http.StatusInternalServerError &&
+		strings.Contains(e.Message, "matching non-reusable operation has now succeeded")
+}
+
 // OperationError is an operation that reached a final state other than
 // Success (Failure or Cancelled).
 type OperationError struct {

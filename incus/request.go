@@ -72,6 +72,11 @@ type response struct {
 func (c *Client) do(ctx context.Context, r request) (*response, error) {
 	start := time.Now()
 	resp, err := c.call(ctx, r)
+	if isLockRace(err) && ctx.Err() == nil {
+		// The server refused the call before doing anything, because the
+		// operation holding the instance ended just then: asked once more.
+		resp, err = c.call(ctx, r)
+	}
 	if c.observe != nil {
 		c.observe(r.op, outcome(err), time.Since(start))
 	}
