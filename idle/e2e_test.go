@@ -60,7 +60,7 @@ func newE2E(t *testing.T) *e2e {
     idle: {pauseAfterMs: 600000, stopAfterMs: 3600000, closeAfterMs: 86400000}
     imageAlias: {{image}}
 `)
-	dialer := testrig.NetnsDialer(t, client)
+	dialer := testrig.GuestDialer(t, client)
 	return &e2e{t: t, client: client, catalog: catalog, dialer: dialer}
 }
 

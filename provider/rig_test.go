@@ -66,6 +66,7 @@ type rig struct {
 	ctl     *jsonrpc.Client
 	stop    func()
 	replica string
+	dialer  guest.Dialer
 }
 
 type rigOptions struct {
@@ -116,7 +117,7 @@ func newRig(t *testing.T, o rigOptions) *rig {
 		pc = o.providerIncus(client.Project())
 	}
 	if dialer == nil {
-		dialer = testrig.NetnsDialer(t, client)
+		dialer = testrig.GuestDialer(t, client)
 	}
 	reg := prometheus.NewRegistry()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -136,7 +137,7 @@ func newRig(t *testing.T, o rigOptions) *rig {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = p.Run(ctx) }()
 	srv := httptest.NewServer(p.Handler())
-	r := &rig{t: t, client: client, catalog: catalog, p: p, srv: srv, metrics: reg, replica: replica}
+	r := &rig{t: t, client: client, catalog: catalog, p: p, srv: srv, metrics: reg, replica: replica, dialer: dialer}
 	var once bool
 	r.stop = func() {
 		if once {

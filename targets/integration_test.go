@@ -37,7 +37,7 @@ func newHarnessB(t testing.TB) *harness {
 	t.Helper()
 	client := incustest.Client(t)
 	image := incustest.Image(t)
-	return &harness{t: t, client: client, catalog: loadCatalog(t, client, image, false), dialer: testrig.NetnsDialer(t, client)}
+	return &harness{t: t, client: client, catalog: loadCatalog(t, client, image, false), dialer: testrig.GuestDialer(t, client)}
 }
 
 func loadCatalog(t testing.TB, client *incus.Client, image string, deprecated bool) *templates.Catalog {

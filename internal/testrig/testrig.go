@@ -1,6 +1,6 @@
 // Package testrig assembles a provider's parts on the real Incus for
 // integration tests: a templates catalog resolved against the test image,
-// and the netns GuestDialer. It exists so that every package's integration
+// and the GuestDialer. It exists so that every package's integration
 // tests build the provider the same way main does.
 package testrig
 
@@ -38,13 +38,32 @@ func Catalog(t testing.TB, client *incus.Client, image, body string) *templates.
 	return cat
 }
 
-// NetnsDialer is the default GuestDialer, finding each instance's init PID
-// through client.
-func NetnsDialer(t testing.TB, client *incus.Client) guest.Dialer {
+// EnvDialer picks the GuestDialer of the integration tests: netns (the
+// default) or proxy, so that the suite runs with both against LXD.
+const EnvDialer = "INCUS_PROVIDER_TEST_DIALER"
+
+// GuestDialer is the tests' GuestDialer (EnvDialer), finding each
+// instance's init PID through client.
+func GuestDialer(t testing.TB, client *incus.Client) guest.Dialer {
 	t.Helper()
-	d, err := guest.New(guest.KindNetns, guest.Options{Lookup: client.InitPID, SocketDir: t.TempDir()})
+	kind := os.Getenv(EnvDialer)
+	switch kind {
+	case "":
+		kind = guest.KindNetns
+	case guest.KindNetns, guest.KindProxy:
+	default:
+		t.Fatalf("testrig: %s=%q: use netns or proxy", EnvDialer, kind)
+	}
+	// Short: a unix socket path holds at most 107 bytes, and t.TempDir's
+	// names carry the test's.
+	dir, err := os.MkdirTemp("", "lsp")
 	if err != nil {
-		t.Fatal(fmt.Errorf("testrig: netns dialer: %w", err))
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	d, err := guest.New(kind, guest.Options{Lookup: client.InitPID, SocketDir: dir})
+	if err != nil {
+		t.Fatal(fmt.Errorf("testrig: %s dialer: %w", kind, err))
 	}
 	return d
 }
