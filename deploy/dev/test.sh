@@ -14,6 +14,7 @@ step() { printf '\n== %s\n' "$*"; }
 pid_before=$(cat "$STATE_DIR/incusd.pid" 2>/dev/null || true)
 started_incus=0
 started_cluster=0
+started_lxd=0
 provider_pid=""
 conform_project="lsconform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 work=$(mktemp -d)
@@ -30,7 +31,13 @@ cleanup() {
     incus project delete "$cluster_project" >/dev/null 2>&1 || true
     unset INCUS_DIR INCUS_CONF
   fi
+  if [ -n "${lxd_project:-}" ]; then
+    for i in $(LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc list --project "$lxd_project" --format csv -c n 2>/dev/null); do
+      LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc delete --force --project "$lxd_project" "$i" >/dev/null 2>&1 || true; done
+    LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc project delete "$lxd_project" >/dev/null 2>&1 || true
+  fi
   rm -rf "$work"
+  if [ "$started_lxd" = 1 ]; then deploy/dev/lxd-down.sh || true; fi
   if [ "$started_cluster" = 1 ]; then deploy/dev/incus-cluster-down.sh || true; fi
   if [ "$started_incus" = 1 ] && [ -f "$STATE_DIR/incusd.pid" ]; then deploy/dev/incus-down.sh || true; fi
   exit $status
@@ -102,3 +109,31 @@ grep -q '"kind":"member","member":"lsm1","clustered":true' "$work/cluster-provid
   echo "the provider on the cluster did not choose the member dialer:" >&2; grep 'guest dialer' "$work/cluster-provider.log" >&2; exit 1; }
 bin/lsconform -url ws://127.0.0.1:18481/control -credential-file "$work/credential" -universe u-conformance || {
   echo "provider log:" >&2; tail -n 50 "$work/cluster-provider.log" >&2; exit 1; }
+
+step "LXD 5.0 (deploy/dev/lxd-up.sh): lifecycle, power and route tests, and conformance, with both dialers"
+lxd_pid_before=$(cat "$STATE_DIR/lxd.pid" 2>/dev/null || true)
+deploy/dev/lxd-up.sh
+lxd_pid_after=$(cat "$STATE_DIR/lxd.pid" 2>/dev/null || true)
+if [ -n "$lxd_pid_after" ] && [ "$lxd_pid_after" != "$lxd_pid_before" ]; then started_lxd=1; fi
+# The tests that hold for any Incus-API server; the rest rely on Incus's own
+# behaviour (its fault injection, the cluster) and run on Incus above.
+lxd_tests='^(TestRoutes|TestActiveMeansStartedAndClosesAtOnce|TestManyOwnersCreateAndObserveAtOnce|TestPowerDownRightAfterAWakingConnection|TestCreateBecomesActiveAndCloseRemovesIt|TestConcurrentCreatesLeaveOneInstance|TestOwnerFencing|TestSetPowerPauseResumeStopStart|TestSetPowerRefusals|TestSetPowerOfAProvisioningTarget|TestIdleActOnIncus)$'
+lxd_project="lsx-conform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc project create "$lxd_project" -c features.images=false -c features.profiles=false >/dev/null
+for dialer in netns proxy; do
+  INCUS_PROVIDER_TEST_SOCKET=/var/lib/lxd/unix.socket INCUS_PROVIDER_TEST_DIALER=$dialer INCUS_PROVIDER_REQUIRE_INCUS=1 \
+    go test -race -count=1 -p 1 -timeout 10m -run "$lxd_tests" ./provider ./targets
+  mkdir -p -m 0700 "$work/lxd-guests"
+  PROVIDER_LISTEN=127.0.0.1:18482 PROVIDER_METRICS_LISTEN=127.0.0.1:19482 \
+    PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
+    INCUS_SOCKET=/var/lib/lxd/unix.socket INCUS_PROJECT="$lxd_project" PROVIDER_GRACEFUL_STOP=5s \
+    PROVIDER_GUEST_DIALER=$dialer PROVIDER_GUEST_SOCKET_DIR="$work/lxd-guests" \
+    bin/incus-provider >"$work/lxd-provider.out" 2>"$work/lxd-provider.log" &
+  provider_pid=$!
+  for _ in $(seq 1 100); do grep -q '^controller URL' "$work/lxd-provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/lxd-provider.log" >&2; exit 1; }; sleep 0.1; done
+  bin/lsconform -url ws://127.0.0.1:18482/control -credential-file "$work/credential" -universe u-conformance || {
+    echo "provider log:" >&2; tail -n 50 "$work/lxd-provider.log" >&2; exit 1; }
+  kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
+  left=$(find "$work/lxd-guests" -name '*.sock' | wc -l)
+  [ "$left" = 0 ] || { echo "the $dialer dialer left $left proxy sockets behind after conformance closed every target" >&2; exit 1; }
+done
