@@ -52,12 +52,7 @@ func startProvider(t *testing.T, env ...string) *child {
 	client := incustest.Client(t)
 	incustest.Image(t)
 	dir := t.TempDir()
-	bin := filepath.Join(dir, "incus-provider")
-	build := exec.Command("go", "build", "-o", bin, ".")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
+	bin := providerBinary(t)
 	credFile := filepath.Join(dir, "credential")
 	const secret = "hostile-test-credential-0123456789"
 	if err := os.WriteFile(credFile, []byte(secret), 0o600); err != nil {

@@ -34,15 +34,18 @@ import (
 )
 
 func main() {
+	if code, done := handleArgs(os.Args[1:], os.Stdout, os.Stderr); done {
+		os.Exit(code)
+	}
 	cfg, err := loadConfig()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
-		os.Exit(2)
+		os.Exit(exitBadSetting)
 	}
 	log, err := newLogger(cfg.LogLevel)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
-		os.Exit(2)
+		os.Exit(exitBadSetting)
 	}
 	if cfg.memoryLimitBytes > 0 {
 		// A soft limit: the collector works harder as the heap nears it,
@@ -52,10 +55,11 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, cfg, log); err != nil {
-		log.Error("incus-provider stopped", zap.Error(err))
-		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
 		_ = log.Sync()
-		os.Exit(1)
+		// One sentence, once: the JSON log would repeat it with a stack.
+		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
+		stop()
+		os.Exit(exitCode(err))
 	}
 	_ = log.Sync()
 }
@@ -68,6 +72,8 @@ func newLogger(level string) (*zap.Logger, error) {
 	zc := zap.NewProductionConfig()
 	zc.Level = zap.NewAtomicLevelAt(lvl)
 	zc.Sampling = nil
+	// An error log is an operator's sentence, not a defect report.
+	zc.DisableStacktrace = true
 	zc.EncoderConfig.TimeKey = "time"
 	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
 	l, err := zc.Build()
@@ -78,6 +84,18 @@ func newLogger(level string) (*zap.Logger, error) {
 }
 
 func run(ctx context.Context, cfg config, log *zap.Logger) error {
+	// Files the settings name are read before anything else is touched,
+	// so that a bad one is the only thing said.
+	credential, err := bearer.Load(cfg.CredentialFile)
+	if err != nil {
+		return badSetting(fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err))
+	}
+	if cfg.TLSCert != "" {
+		// Fail at start-up, not at the first handshake, on a bad pair.
+		if _, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey); err != nil {
+			return badSetting(fmt.Errorf("PROVIDER_TLS_CERT=%q / PROVIDER_TLS_KEY: not a usable pair: %w", cfg.TLSCert, err))
+		}
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	incusMetrics := newIncusMetrics(reg)
@@ -88,12 +106,12 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		ObserveEndpoint: incusMetrics.observeEndpoint,
 	})
 	if err != nil {
-		return fmt.Errorf("incus client: %w", err)
+		return badSetting(fmt.Errorf("incus client: %w", err))
 	}
 	watchEndpoints(reg, client)
 	catalog, err := templates.Load(cfg.Templates)
 	if err != nil {
-		return err
+		return badSetting(err)
 	}
 	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
@@ -101,15 +119,18 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if err != nil {
 		return fmt.Errorf("incus is not reachable (%s): %w", incusWhere(cfg), err)
 	}
+	if err := checkProject(startCtx, client, cfg); err != nil {
+		return err
+	}
 	// A template may only offer power states this host can reach.
 	if err := catalog.CheckHost(templates.HostOf(server)); err != nil {
-		return err
+		return badSetting(err)
 	}
 	if err := catalog.Resolve(startCtx, client); err != nil {
-		return err
+		return unlessRetryable(err)
 	}
 	if err := catalog.CheckPlacement(startCtx, server.Environment.ServerClustered, client); err != nil {
-		return err
+		return unlessRetryable(err)
 	}
 	cancel()
 
@@ -121,13 +142,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		},
 	})
 	if err != nil {
-		return fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err)
+		return badSetting(fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err))
 	}
 	log.Info("guest dialer", zap.String("kind", kind), zap.String("member", member), zap.Bool("clustered", server.Environment.ServerClustered))
-	credential, err := bearer.Load(cfg.CredentialFile)
-	if err != nil {
-		return fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err)
-	}
 
 	if cfg.Replica == "" {
 		cfg.Replica = defaultReplica(cfg.Listen)
@@ -185,7 +202,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		var lc net.ListenConfig
 		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)
 		if err != nil {
-			return fmt.Errorf("PROVIDER_METRICS_LISTEN=%q cannot be bound: %w", cfg.MetricsListen, err)
+			return bindError(fmt.Errorf("PROVIDER_METRICS_LISTEN=%q cannot be bound: %w", cfg.MetricsListen, err))
 		}
 		wg.Add(1)
 		go func() {
@@ -312,7 +329,7 @@ func listen(ctx context.Context, cfg config) (net.Listener, string, error) {
 		}
 		ln, err := lc.Listen(ctx, "unix", path)
 		if err != nil {
-			return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err)
+			return nil, "", bindError(fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err))
 		}
 		if err := os.Chmod(path, 0o660); err != nil {
 			return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q: restrict socket permissions: %w", cfg.Listen, err)
@@ -321,14 +338,9 @@ func listen(ctx context.Context, cfg config) (net.Listener, string, error) {
 	}
 	ln, err := lc.Listen(ctx, "tcp", cfg.Listen)
 	if err != nil {
-		return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err)
+		return nil, "", bindError(fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err))
 	}
 	if cfg.TLSCert != "" {
-		// Fail at start-up, not at the first handshake, on a bad pair.
-		if _, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey); err != nil {
-			_ = ln.Close()
-			return nil, "", fmt.Errorf("PROVIDER_TLS_CERT=%q / PROVIDER_TLS_KEY: not a usable pair: %w", cfg.TLSCert, err)
-		}
 		return ln, "wss", nil
 	}
 	return ln, "ws", nil
