@@ -92,6 +92,35 @@ func (m *Metrics) passed(d time.Duration) {
 	m.passDuration.Observe(d.Seconds())
 }
 
+// gaugeKey is the targets gauge's series for a target: power is "none"
+// unless the target is active.
+func gaugeKey(t *Target) (phase, power string) {
+	if t.Phase != controller.PhaseActive || t.Power == "" {
+		return string(t.Phase), "none"
+	}
+	return string(t.Phase), string(t.Power)
+}
+
+// move takes one target's count from the series of from to those of to
+// (either nil: a target that appears or goes).
+func (m *Metrics) move(from, to *Target) {
+	if m == nil {
+		return
+	}
+	for _, c := range []struct {
+		t     *Target
+		delta float64
+	}{{from, -1}, {to, 1}} {
+		if c.t == nil {
+			continue
+		}
+		m.targets.WithLabelValues(gaugeKey(c.t)).Add(c.delta)
+		if c.t.Location != "" && c.t.Location != "none" {
+			m.byMember.WithLabelValues(c.t.Location, string(c.t.Phase)).Add(c.delta)
+		}
+	}
+}
+
 // inventory sets the targets gauge from a listing.
 func (m *Metrics) inventory(ts []Target) {
 	if m == nil {

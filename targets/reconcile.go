@@ -189,6 +189,9 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 		return err
 	}
 	_, err = s.wait(ctx, op, time.Minute)
+	// Gone (or not): the idle loop reads it again, and the targets gauge
+	// with it, instead of waiting for the next listing.
+	s.changes.note(name)
 	if errors.Is(err, incus.ErrNotFound) {
 		return nil
 	}

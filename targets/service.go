@@ -333,6 +333,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	// then the answer carries none (the contract allows an asynchronous
 	// create to answer without an id) and the runtime asks again.
 	recorded, err := s.awaitRecord(ctx, name, op)
+	s.changes.note(name) // counted at once, not at the next listing
 	if !s.work.spawn(func(ctx context.Context) { s.finishCreate(ctx, name, op, req, recorded) }) {
 		s.creates.end(name)
 	}
@@ -594,6 +595,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 	}
 	unlock()
+	s.changes.note(name)
 	s.kickAndWait(ctx, name)
 	after, err := s.lookup(ctx, name)
 	if err != nil {

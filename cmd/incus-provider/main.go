@@ -109,6 +109,8 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		return badSetting(fmt.Errorf("incus client: %w", err))
 	}
 	watchEndpoints(reg, client)
+	incusMetrics.watchAttempts(client)
+	registerBuildInfo(reg)
 	catalog, err := templates.Load(cfg.Templates)
 	if err != nil {
 		return badSetting(err)
