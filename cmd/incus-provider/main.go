@@ -4,7 +4,6 @@ package main
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -90,12 +89,20 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if err != nil {
 		return badSetting(fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err))
 	}
+	rl := &reloader{cfg: cfg, log: log}
 	if cfg.TLSCert != "" {
 		// Fail at start-up, not at the first handshake, on a bad pair.
-		if _, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey); err != nil {
-			return badSetting(fmt.Errorf("PROVIDER_TLS_CERT=%q / PROVIDER_TLS_KEY: not a usable pair: %w", cfg.TLSCert, err))
+		cert, err := loadCert(cfg)
+		if err != nil {
+			return err
 		}
+		rl.cert.Store(cert)
 	}
+	// From here a SIGHUP is a reload, never the default (the end of the
+	// process); one that comes before serving is taken once serving.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	incusMetrics := newIncusMetrics(reg)
@@ -111,10 +118,6 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	watchEndpoints(reg, client)
 	incusMetrics.watchAttempts(client)
 	registerBuildInfo(reg)
-	catalog, err := templates.Load(cfg.Templates)
-	if err != nil {
-		return badSetting(err)
-	}
 	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	server, err := client.GetServer(startCtx)
@@ -124,16 +127,12 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if err := checkProject(startCtx, client, cfg); err != nil {
 		return err
 	}
-	// A template may only offer power states this host can reach.
-	if err := catalog.CheckHost(templates.HostOf(server)); err != nil {
-		return badSetting(err)
+	catalog, err := loadCatalog(startCtx, cfg.Templates, client, server)
+	if err != nil {
+		return err
 	}
-	if err := catalog.Resolve(startCtx, client); err != nil {
-		return unlessRetryable(err)
-	}
-	if err := catalog.CheckPlacement(startCtx, server.Environment.ServerClustered, client); err != nil {
-		return unlessRetryable(err)
-	}
+	rl.client, rl.server = client, server
+	rl.catalog.Store(catalog)
 	cancel()
 
 	kind, member := guestDialerFor(cfg, server)
@@ -171,6 +170,10 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		return err
 	}
 	ln := serve.Listener(rawLn, serveOpts)
+	rl.targets = prov.Targets
+	if cfg.TLSCert != "" {
+		main.TLSConfig = rl.tlsConfig()
+	}
 
 	var wg sync.WaitGroup
 	errc := make(chan error, 3)
@@ -186,7 +189,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		defer wg.Done()
 		var err error
 		if cfg.TLSCert != "" {
-			err = main.ServeTLS(ln, cfg.TLSCert, cfg.TLSKey)
+			err = main.ServeTLS(ln, "", "") // the certificate comes from TLSConfig
 		} else {
 			err = main.Serve(ln)
 		}
@@ -199,7 +202,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		mmux := http.NewServeMux()
 		mmux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-		mmux.HandleFunc("/readyz", readyz(client, catalog, reachOf(kind, member), server.Environment.ServerClustered))
+		mmux.HandleFunc("/readyz", readyz(client, rl.catalog.Load, reachOf(kind, member), server.Environment.ServerClustered))
 		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
 		var lc net.ListenConfig
 		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)
@@ -215,10 +218,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		}()
 	}
 
-	ids := make([]string, 0, len(catalog.All()))
-	for _, t := range catalog.All() {
-		ids = append(ids, t.Wire.TemplateID)
-	}
+	ids := templateIDs(catalog)
 	url := controlURL(cfg, scheme)
 	log.Info("incus-provider is serving", zap.String("controller", url), zap.Strings("templates", ids),
 		zap.String("guestDialer", dialer.Name()), zap.String("incusProject", cfg.IncusProject), zap.String("replica", cfg.Replica),
@@ -227,6 +227,12 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		zap.Int("maxConnections", cfg.MaxConnections), zap.Int("maxControlConnections", cfg.MaxControl))
 	warnIfFewFiles(log, cfg.MaxConnections)
 	fmt.Printf("controller URL: %s\ntemplates: %s\n", url, strings.Join(ids, ", "))
+
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		rl.watch(srvCtx, hup)
+	}()
 
 	var runErr error
 	select {
@@ -359,7 +365,7 @@ func controlURL(cfg config, scheme string) string {
 // there, 503 otherwise; with several Incus endpoints it then lists what
 // the client knows of each, so an operator sees which members this
 // replica can reach.
-func readyz(client *incus.Client, catalog *templates.Catalog, reach string, clustered bool) http.HandlerFunc {
+func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach string, clustered bool) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 		defer cancel()
@@ -367,7 +373,7 @@ func readyz(client *incus.Client, catalog *templates.Catalog, reach string, clus
 		if _, err := client.GetServer(ctx); err != nil {
 			status, verdict = http.StatusServiceUnavailable, "incus: unreachable"
 		} else {
-			for _, t := range catalog.All() {
+			for _, t := range catalogNow().All() {
 				if _, err := client.GetImage(ctx, t.Fingerprint); err != nil {
 					status, verdict = http.StatusServiceUnavailable, "template "+t.Wire.TemplateID+": image missing"
 					break

@@ -73,7 +73,7 @@ func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
 	}
 
 	rec := httptest.NewRecorder()
-	readyz(client, &templates.Catalog{}, reachOf(guest.KindMember, "m1"), true)(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	readyz(client, func() *templates.Catalog { return &templates.Catalog{} }, reachOf(guest.KindMember, "m1"), true)(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
 	body := rec.Body.String()
 	if !strings.Contains(body, "guests: netns on member m1, exec on every other member\n") {
 		t.Errorf("readyz does not say how guests are reached: %q", body)
