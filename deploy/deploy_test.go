@@ -523,3 +523,27 @@ func TestSystemdUnit(t *testing.T) {
 		t.Errorf("%s does not order itself After=incus.service", unitFile)
 	}
 }
+
+// Every incusd a script starts looks nothing up off this machine: each line
+// that runs "$INCUSD" sets INCUS_SKIP_INSTANCE_TYPES=1.
+func TestScriptsStartIncusdOffline(t *testing.T) {
+	scripts := []string{"dev/incus-up.sh", "dev/incus-cluster-member.sh"}
+	starts := 0
+	for _, f := range scripts {
+		for i, line := range strings.Split(string(read(t, f)), "\n") {
+			if strings.HasPrefix(strings.TrimSpace(line), "#") || !strings.Contains(line, `setsid "$INCUSD"`) {
+				continue
+			}
+			starts++
+			if !strings.Contains(line, "INCUS_SKIP_INSTANCE_TYPES=1 ") {
+				t.Errorf("%s:%d starts incusd without INCUS_SKIP_INSTANCE_TYPES=1: %s", f, i+1, strings.TrimSpace(line))
+			}
+		}
+	}
+	if starts < len(scripts) {
+		t.Fatalf("found %d incusd starts in %v; update this test", starts, scripts)
+	}
+	if !strings.Contains(string(read(t, "dev/incus-up.sh")), "Environment=INCUS_SKIP_INSTANCE_TYPES=1") {
+		t.Error("dev/incus-up.sh does not give a systemd-started incusd INCUS_SKIP_INSTANCE_TYPES=1")
+	}
+}
