@@ -1,11 +1,14 @@
 package deploy_test
 
 import (
+	"bytes"
 	"encoding/json"
 	"go/ast"
 	"go/parser"
 	"go/token"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"sort"
@@ -521,6 +524,63 @@ func TestSystemdUnit(t *testing.T) {
 	}
 	if !regexp.MustCompile(`(?m)^After=.*\bincus\.service\b`).MatchString(unit) {
 		t.Errorf("%s does not order itself After=incus.service", unitFile)
+	}
+}
+
+// maxExposure is the most `systemd-analyze security` may score the unit.
+const maxExposure = 3.0
+
+var exposure = regexp.MustCompile(`Overall exposure level for incus-provider\.service: ([0-9.]+)`)
+
+// The unit is hardened (scored offline by systemd's own analyser) and
+// valid (systemd-analyze verify, with ExecStart pointed at a real binary,
+// since none is installed here), and it does not restart a refused setting.
+func TestSystemdUnitHardenedAndValid(t *testing.T) {
+	analyze, err := exec.LookPath("systemd-analyze")
+	if err != nil {
+		t.Fatalf("systemd-analyze is needed to check %s (Debian: apt-get install systemd): %v", unitFile, err)
+	}
+	out, err := exec.Command(analyze, "security", "--offline=yes", unitFile).CombinedOutput()
+	m := exposure.FindSubmatch(out)
+	if m == nil {
+		t.Fatalf("systemd-analyze security gave no score (%v):\n%s", err, out)
+	}
+	score, err := strconv.ParseFloat(string(m[1]), 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("systemd-analyze security --offline=yes: %.1f", score)
+	if score > maxExposure {
+		t.Errorf("%s scores %.1f, above %.1f:\n%s", unitFile, score, maxExposure, out)
+	}
+
+	unit := string(read(t, unitFile))
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const exec0 = "ExecStart=/usr/local/bin/incus-provider\n"
+	if !strings.Contains(unit, exec0) {
+		t.Fatalf("%s lacks %q", unitFile, exec0)
+	}
+	tmp := filepath.Join(t.TempDir(), "incus-provider.service")
+	if err := os.WriteFile(tmp, []byte(strings.Replace(unit, exec0, "ExecStart="+self+"\n", 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(analyze, "verify", tmp).CombinedOutput(); err != nil || len(bytes.TrimSpace(out)) > 0 {
+		t.Errorf("systemd-analyze verify %s: %v\n%s", unitFile, err, out)
+	}
+
+	// Exit 2 is a refused setting (cmd/incus-provider exitBadSetting): a
+	// restart cannot fix it.
+	if !regexp.MustCompile(`(?m)^RestartPreventExitStatus=2$`).MatchString(unit) {
+		t.Errorf("%s does not stop restarting on exit 2", unitFile)
+	}
+	if !regexp.MustCompile(`(?m)^ExecReload=/bin/kill -HUP \$MAINPID$`).MatchString(unit) {
+		t.Errorf("%s does not reload with SIGHUP", unitFile)
+	}
+	if !regexp.MustCompile(`(?m)^CapabilityBoundingSet=CAP_SYS_ADMIN CAP_SYS_PTRACE$`).MatchString(unit) {
+		t.Errorf("%s does not bound capabilities to what the netns dialer needs", unitFile)
 	}
 }
 
