@@ -607,3 +607,72 @@ func TestScriptsStartIncusdOffline(t *testing.T) {
 		t.Error("dev/incus-up.sh does not give a systemd-started incusd INCUS_SKIP_INSTANCE_TYPES=1")
 	}
 }
+
+const (
+	alertTestsFile = "prometheus/alerts_test.yaml"
+	runbooksFile   = "prometheus/README.md"
+)
+
+// Every alert has a runbook_url naming a section of deploy/prometheus's
+// README (a file in this repository, not a page to fetch), and a case in
+// the promtool tests in which it fires.
+func TestAlertsHaveRunbooksAndTests(t *testing.T) {
+	var rf ruleFile
+	dec := yaml.NewDecoder(strings.NewReader(string(read(t, alertsFile))))
+	dec.KnownFields(true)
+	if err := dec.Decode(&rf); err != nil {
+		t.Fatal(err)
+	}
+	anchors := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^### (\S+)$`).FindAllStringSubmatch(string(read(t, runbooksFile)), -1) {
+		anchors[strings.ToLower(m[1])] = true
+	}
+	var tests struct {
+		RuleFiles []string `yaml:"rule_files"`
+		Tests     []struct {
+			AlertRuleTest []struct {
+				Alertname string           `yaml:"alertname"`
+				ExpAlerts []map[string]any `yaml:"exp_alerts"`
+			} `yaml:"alert_rule_test"`
+		} `yaml:"tests"`
+	}
+	if err := yaml.Unmarshal(read(t, alertTestsFile), &tests); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(tests.RuleFiles, []string{"alerts.yaml"}) {
+		t.Errorf("%s tests %v, want alerts.yaml", alertTestsFile, tests.RuleFiles)
+	}
+	fires, quiet := map[string]bool{}, map[string]bool{}
+	for _, tc := range tests.Tests {
+		for _, a := range tc.AlertRuleTest {
+			if len(a.ExpAlerts) > 0 {
+				fires[a.Alertname] = true
+			} else {
+				quiet[a.Alertname] = true
+			}
+		}
+	}
+	n := 0
+	for _, g := range rf.Groups {
+		for _, r := range g.Rules {
+			n++
+			anchor, ok := strings.CutPrefix(r.Annotations["runbook_url"], runbooksDir+"README.md#")
+			if !ok || !anchors[anchor] {
+				t.Errorf("alert %s: runbook_url %q does not name a section of %s", r.Alert, r.Annotations["runbook_url"], runbooksFile)
+			}
+			if anchor != strings.ToLower(r.Alert) {
+				t.Errorf("alert %s: its runbook is the section named after it, not %q", r.Alert, anchor)
+			}
+			if !fires[r.Alert] {
+				t.Errorf("alert %s has no case in %s in which it fires", r.Alert, alertTestsFile)
+			}
+		}
+	}
+	if n == 0 {
+		t.Fatal("no alerts read")
+	}
+	t.Logf("%d alerts, %d with a quiet case too", n, len(quiet))
+}
+
+// runbooksDir is where runbook_url points, from the repository's root.
+const runbooksDir = "deploy/prometheus/"

@@ -26,9 +26,13 @@ func TestTargetsGaugeFollowsChangeNotes(t *testing.T) {
 	}
 	eventually(t, "the first listing counted", func() bool { return gauge("active", "running") == 1 })
 
-	h.inv.add(Target{Name: "new", Phase: controller.PhaseProvisioning, Location: "m1"})
+	created := time.Now().Add(-10 * time.Minute)
+	h.inv.add(Target{Name: "new", Phase: controller.PhaseProvisioning, Location: "m1", PhaseSince: created})
 	w.changes <- "new"
 	eventually(t, "a created target counted", func() bool { return gauge("provisioning", "none") == 1 })
+	if age := l.m.oldestAge(controller.PhaseProvisioning, time.Now()); age < 600 || age > 700 {
+		t.Fatalf("oldest provisioning target is %v s old, want about 600", age)
+	}
 	if got := testutil.ToFloat64(l.m.byMember.WithLabelValues("m1", "provisioning")); got != 1 {
 		t.Fatalf("targets_by_member{m1,provisioning} = %v, want 1", got)
 	}
@@ -38,6 +42,9 @@ func TestTargetsGaugeFollowsChangeNotes(t *testing.T) {
 	eventually(t, "its power change counted", func() bool {
 		return gauge("provisioning", "none") == 0 && gauge("active", "paused") == 1
 	})
+	if age := l.m.oldestAge(controller.PhaseProvisioning, time.Now()); age != 0 {
+		t.Fatalf("no target provisions, yet the oldest is %v s old", age)
+	}
 
 	h.inv.set("old", func(t *Target) { t.Phase, t.Power = controller.PhaseClosing, "" })
 	w.changes <- "old"

@@ -218,6 +218,7 @@ func (l *Loop) recount(r listResult) {
 		}
 	}
 	l.m.inventory(ts)
+	l.m.setOldest(ts)
 }
 
 // countOne moves one target's count after a single-target read: created,
@@ -237,4 +238,14 @@ func (l *Loop) countOne(r lookResult) {
 	}
 	l.m.move(from, to)
 	l.counted[r.name] = now
+	if from != nil && (to == nil || to.Phase != from.Phase || !to.PhaseSince.Equal(from.PhaseSince)) && l.m.isOldest(from) {
+		// The oldest left its phase: find the next oldest.
+		ts := make([]Target, 0, len(l.counted))
+		for _, c := range l.counted {
+			if !c.gone {
+				ts = append(ts, c.t)
+			}
+		}
+		l.m.setOldest(ts)
+	}
 }

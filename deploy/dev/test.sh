@@ -53,6 +53,20 @@ if ! command -v haproxy >/dev/null 2>&1; then
 fi
 haproxy -v | sed -n 1p # sed reads it all: head would end the pipe early (SIGPIPE under pipefail)
 
+step "alert rules (promtool, from Debian's prometheus package)"
+if ! command -v promtool >/dev/null 2>&1; then
+  # Only promtool is wanted: the daemon the package would start is kept
+  # from starting (policy-rc.d), and nothing it recommends is installed.
+  made_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; made_policy=1; fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus >>"$STATE_DIR/apt.log" 2>&1 ||
+    { apt-get update >>"$STATE_DIR/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus >>"$STATE_DIR/apt.log" 2>&1; } ||
+    { [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d; echo "apt-get install prometheus failed; see $STATE_DIR/apt.log" >&2; exit 1; }
+  if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+fi
+promtool check rules deploy/prometheus/alerts.yaml
+promtool test rules deploy/prometheus/alerts_test.yaml
+
 step "three-member Incus cluster (deploy/dev/incus-cluster-up.sh)"
 # Removed at the end only if this run made it.
 if [ ! -f "$STATE_DIR/cluster/cluster.env" ]; then started_cluster=1; fi
