@@ -99,6 +99,9 @@ bin/lsconform -url ws://127.0.0.1:18480/control -credential-file "$work/credenti
   echo "provider log:" >&2; tail -n 50 "$work/provider.log" >&2; exit 1; }
 kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
 
+step "container image (Dockerfile, podman build --pull=never) against the host's Incus"
+deploy/dev/container-test.sh
+
 step "conformance against a provider on the cluster rig (all members' URLs, guests reached by member/exec)"
 cluster_project="lsc-conform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client" \
