@@ -136,6 +136,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	cancel()
 
 	kind, member := guestDialerFor(cfg, server)
+	if err := checkSeesIncus(cfg, server, kind); err != nil {
+		return err
+	}
 	dialer, err := guest.New(kind, guest.Options{
 		Lookup: client.InitPID, SocketDir: cfg.GuestSocketDir, Member: member,
 		Exec: func(ctx context.Context, instance string, argv []string) (net.Conn, error) {

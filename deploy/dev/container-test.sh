@@ -48,6 +48,16 @@ podman image inspect "$image" --format 'image {{.Size}} bytes, user {{.Config.Us
 [ "$(podman run --rm --runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 "$image" --version)" = \
   "incus-provider 0.0.0-container-test (git unknown, linux/amd64, $(go env GOVERSION))" ] || { say "--version does not name the build"; exit 1; }
 
+# Without --pid=host the netns dialer cannot see guests' processes: the
+# provider must refuse to start, in a sentence, rather than serve routes that
+# answer 503 booting for ever.
+refusal=$(podman run --rm --runtime runc --network host --cap-drop all --cap-add SYS_ADMIN,SYS_PTRACE \
+  --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 -e PROVIDER_METRICS_LISTEN=off -e PROVIDER_LISTEN=127.0.0.1:0 \
+  -v /var/lib/incus/unix.socket:/var/lib/incus/unix.socket "$image" 2>&1) && code=0 || code=$?
+grep -q 'another PID namespace than Incus' <<<"$refusal" && [ "$code" = 2 ] ||
+  { echo "$refusal" >&2; say "without --pid=host the container did not refuse to start with exit 2 (it exited $code)"; exit 1; }
+say "without --pid=host: exit 2, $(grep -o 'Incus runs as PID.*PID namespace than Incus' <<<"$refusal")"
+
 go build -o bin/lsconform ./cmd/lsconform
 go build -o bin/routecheck ./cmd/routecheck
 incus project create "$project" -c features.images=false -c features.profiles=false >/dev/null
