@@ -175,18 +175,8 @@ func (c *child) status(t *testing.T, field string) uint64 {
 // `incus_provider_x{reason="y"}`) from the child's /metrics; -1 when absent.
 func (c *child) metric(t *testing.T, sample string) float64 {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.metrics, nil)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("scrape: %v", err)
-	}
-	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), sample+" "); ok {
+	for _, line := range c.scrapeLines(t) {
+		if rest, ok := strings.CutPrefix(line, sample+" "); ok {
 			v, err := strconv.ParseFloat(rest, 64)
 			if err != nil {
 				t.Fatalf("sample %s: %q", sample, rest)
@@ -195,6 +185,29 @@ func (c *child) metric(t *testing.T, sample string) float64 {
 		}
 	}
 	return -1
+}
+
+// scrapeLines reads the child's /metrics, a line each.
+func (c *child) scrapeLines(t *testing.T) []string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.metrics, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("scrape: %v", err)
+	}
+	defer resp.Body.Close()
+	var lines []string
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		lines = append(lines, sc.Text())
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatalf("scrape: %v", err)
+	}
+	return lines
 }
 
 func freePort(t *testing.T) string {

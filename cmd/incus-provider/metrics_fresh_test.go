@@ -1,16 +1,12 @@
 package main
 
 import (
-	"bufio"
-	"context"
 	"encoding/json"
-	"net/http"
 	"os"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -27,25 +23,15 @@ var labelPair = regexp.MustCompile(`([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"
 
 func (c *child) scrape(t *testing.T) []sample {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.metrics, nil)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("scrape: %v", err)
-	}
-	defer resp.Body.Close()
 	var out []sample
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		m := sampleLine.FindStringSubmatch(sc.Text())
-		if m == nil || strings.HasPrefix(sc.Text(), "#") {
+	for _, line := range c.scrapeLines(t) {
+		m := sampleLine.FindStringSubmatch(line)
+		if m == nil || strings.HasPrefix(line, "#") {
 			continue
 		}
 		v, err := strconv.ParseFloat(m[3], 64)
 		if err != nil {
-			t.Fatalf("sample %q: %v", sc.Text(), err)
+			t.Fatalf("sample %q: %v", line, err)
 		}
 		s := sample{name: m[1], labels: map[string]string{}, value: v}
 		for _, p := range labelPair.FindAllStringSubmatch(m[2], -1) {
