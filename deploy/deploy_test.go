@@ -676,3 +676,26 @@ func TestAlertsHaveRunbooksAndTests(t *testing.T) {
 
 // runbooksDir is where runbook_url points, from the repository's root.
 const runbooksDir = "deploy/prometheus/"
+
+// README's configuration section names every variable config.go reads
+// (--help prints the reference itself from config.go; this keeps the
+// README's table from missing one).
+func TestReadmeNamesEveryVariable(t *testing.T) {
+	readme := string(read(t, readmeFile))
+	_, section, ok := strings.Cut(readme, "\n## Configuration\n")
+	if !ok {
+		t.Fatalf("%s has no \"## Configuration\" section", readmeFile)
+	}
+	if i := strings.Index(section, "\n## "); i >= 0 {
+		section = section[:i]
+	}
+	matches := envTag.FindAllStringSubmatch(string(read(t, configFile)), -1)
+	if len(matches) == 0 {
+		t.Fatalf("%s declares no variables; update this test", configFile)
+	}
+	for _, m := range matches {
+		if !strings.Contains(section, "`"+m[1]+"`") {
+			t.Errorf("%s's configuration section does not name %s", readmeFile, m[1])
+		}
+	}
+}
