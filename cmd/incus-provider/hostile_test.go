@@ -42,6 +42,7 @@ type child struct {
 	credential string
 	log        *bytes.Buffer
 	logMu      *sync.Mutex
+	exited     chan struct{} // closed once Wait has returned
 }
 
 // startProvider builds cmd/incus-provider and starts it with the given
@@ -86,6 +87,7 @@ func startProvider(t *testing.T, env ...string) *child {
 		t.Fatal(err)
 	}
 	exited := make(chan struct{})
+	c.exited = exited
 	t.Cleanup(func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		select {
@@ -147,8 +149,15 @@ func (c *child) logTail(lines int) string {
 	return strings.Join(all, "\n")
 }
 
+// alive reads the exit through the channel the waiting goroutine closes,
+// not ProcessState, which that goroutine writes.
 func (c *child) alive() bool {
-	return c.cmd.ProcessState == nil && c.cmd.Process.Signal(syscall.Signal(0)) == nil
+	select {
+	case <-c.exited:
+		return false
+	default:
+		return true
+	}
 }
 
 // status reads one kB field (VmHWM, VmRSS) of the child's /proc status.
