@@ -42,7 +42,7 @@ cleanup() {
 trap cleanup EXIT
 
 say "podman build --pull=never (no base image; the host's Go and module cache, read-only)"
-podman build --pull=never --quiet --build-arg VERSION=0.0.0-container-test \
+podman build --pull=never --layers=false --quiet --build-arg VERSION=0.0.0-container-test \
   -v /usr/local/go:/usr/local/go:ro -v "$(go env GOMODCACHE)":/gomod:ro -t "$image" . >/dev/null
 podman image inspect "$image" --format 'image {{.Size}} bytes, user {{.Config.User}}, entrypoint {{.Config.Entrypoint}}' >&2
 [ "$(podman run --rm --runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 "$image" --version)" = \
