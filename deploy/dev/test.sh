@@ -97,6 +97,9 @@ provider_pid=$!
 for _ in $(seq 1 100); do grep -q '^controller URL' "$work/provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/provider.log" >&2; exit 1; }; sleep 0.1; done
 bin/lsconform -url ws://127.0.0.1:18480/control -credential-file "$work/credential" -universe u-conformance || {
   echo "provider log:" >&2; tail -n 50 "$work/provider.log" >&2; exit 1; }
+# The exposition after a conformance run: what Prometheus will scrape.
+curl -fsS --max-time 10 http://127.0.0.1:19480/metrics > "$work/metrics.txt"
+promtool check metrics < "$work/metrics.txt" || { echo "promtool check metrics found problems (above)" >&2; exit 1; }
 kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
 
 step "container image (Dockerfile, podman build --pull=never) against the host's Incus"
