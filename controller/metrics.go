@@ -70,8 +70,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		m.refused.WithLabelValues(r)
 	}
 	// Pre-create the series dashboards rely on, so rates start at zero rather than absent.
+	// Every kind too, so that an alert on internal or unavailable sees the
+	// first one.
 	for _, method := range append(Methods(), "unknown") {
 		m.requests.WithLabelValues(method, "ok")
+		for _, kind := range jsonrpc.Kinds() {
+			m.requests.WithLabelValues(method, string(kind))
+		}
 		m.latency.WithLabelValues(method)
 	}
 	return m

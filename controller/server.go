@@ -113,6 +113,22 @@ func NewHandler(ctx context.Context, opts Options) *Handler {
 	return h
 }
 
+// Drain waits until every controller connection has ended, or ctx does.
+// Cancelling the handler's context makes each send its going-away close
+// first; a shutdown waits here so the process does not exit before those
+// frames are out.
+func (h *Handler) Drain(ctx context.Context) {
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for h.open.Load() > 0 {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
 // ServeHTTP checks the credential, then upgrades and serves the plane.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.opts.Credential.Require(http.HandlerFunc(h.serve), func(*http.Request) {

@@ -1,11 +1,14 @@
 package deploy_test
 
 import (
+	"bytes"
 	"encoding/json"
 	"go/ast"
 	"go/parser"
 	"go/token"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"sort"
@@ -530,5 +533,178 @@ func TestSystemdUnit(t *testing.T) {
 	}
 	if !regexp.MustCompile(`(?m)^After=.*\bincus\.service\b`).MatchString(unit) {
 		t.Errorf("%s does not order itself After=incus.service", unitFile)
+	}
+}
+
+// maxExposure is the most `systemd-analyze security` may score the unit.
+const maxExposure = 3.0
+
+var exposure = regexp.MustCompile(`Overall exposure level for incus-provider\.service: ([0-9.]+)`)
+
+// The unit is hardened (scored offline by systemd's own analyser) and
+// valid (systemd-analyze verify, with ExecStart pointed at a real binary,
+// since none is installed here), and it does not restart a refused setting.
+func TestSystemdUnitHardenedAndValid(t *testing.T) {
+	analyze, err := exec.LookPath("systemd-analyze")
+	if err != nil {
+		t.Fatalf("systemd-analyze is needed to check %s (Debian: apt-get install systemd): %v", unitFile, err)
+	}
+	out, err := exec.Command(analyze, "security", "--offline=yes", unitFile).CombinedOutput()
+	m := exposure.FindSubmatch(out)
+	if m == nil {
+		t.Fatalf("systemd-analyze security gave no score (%v):\n%s", err, out)
+	}
+	score, err := strconv.ParseFloat(string(m[1]), 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("systemd-analyze security --offline=yes: %.1f", score)
+	if score > maxExposure {
+		t.Errorf("%s scores %.1f, above %.1f:\n%s", unitFile, score, maxExposure, out)
+	}
+
+	unit := string(read(t, unitFile))
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const exec0 = "ExecStart=/usr/local/bin/incus-provider\n"
+	if !strings.Contains(unit, exec0) {
+		t.Fatalf("%s lacks %q", unitFile, exec0)
+	}
+	tmp := filepath.Join(t.TempDir(), "incus-provider.service")
+	if err := os.WriteFile(tmp, []byte(strings.Replace(unit, exec0, "ExecStart="+self+"\n", 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(analyze, "verify", tmp).CombinedOutput(); err != nil || len(bytes.TrimSpace(out)) > 0 {
+		t.Errorf("systemd-analyze verify %s: %v\n%s", unitFile, err, out)
+	}
+
+	// Exit 2 is a refused setting (cmd/incus-provider exitBadSetting): a
+	// restart cannot fix it.
+	if !regexp.MustCompile(`(?m)^RestartPreventExitStatus=2$`).MatchString(unit) {
+		t.Errorf("%s does not stop restarting on exit 2", unitFile)
+	}
+	if !regexp.MustCompile(`(?m)^ExecReload=/bin/kill -HUP \$MAINPID$`).MatchString(unit) {
+		t.Errorf("%s does not reload with SIGHUP", unitFile)
+	}
+	if !regexp.MustCompile(`(?m)^CapabilityBoundingSet=CAP_SYS_ADMIN CAP_SYS_PTRACE$`).MatchString(unit) {
+		t.Errorf("%s does not bound capabilities to what the netns dialer needs", unitFile)
+	}
+}
+
+// Every incusd a script starts looks nothing up off this machine: each line
+// that runs "$INCUSD" sets INCUS_SKIP_INSTANCE_TYPES=1.
+func TestScriptsStartIncusdOffline(t *testing.T) {
+	scripts := []string{"dev/incus-up.sh", "dev/incus-cluster-member.sh"}
+	starts := 0
+	for _, f := range scripts {
+		for i, line := range strings.Split(string(read(t, f)), "\n") {
+			if strings.HasPrefix(strings.TrimSpace(line), "#") || !strings.Contains(line, `setsid "$INCUSD"`) {
+				continue
+			}
+			starts++
+			if !strings.Contains(line, "INCUS_SKIP_INSTANCE_TYPES=1 ") {
+				t.Errorf("%s:%d starts incusd without INCUS_SKIP_INSTANCE_TYPES=1: %s", f, i+1, strings.TrimSpace(line))
+			}
+		}
+	}
+	if starts < len(scripts) {
+		t.Fatalf("found %d incusd starts in %v; update this test", starts, scripts)
+	}
+	if !strings.Contains(string(read(t, "dev/incus-up.sh")), "Environment=INCUS_SKIP_INSTANCE_TYPES=1") {
+		t.Error("dev/incus-up.sh does not give a systemd-started incusd INCUS_SKIP_INSTANCE_TYPES=1")
+	}
+}
+
+const (
+	alertTestsFile = "prometheus/alerts_test.yaml"
+	runbooksFile   = "prometheus/README.md"
+)
+
+// Every alert has a runbook_url naming a section of deploy/prometheus's
+// README (a file in this repository, not a page to fetch), and a case in
+// the promtool tests in which it fires.
+func TestAlertsHaveRunbooksAndTests(t *testing.T) {
+	var rf ruleFile
+	dec := yaml.NewDecoder(strings.NewReader(string(read(t, alertsFile))))
+	dec.KnownFields(true)
+	if err := dec.Decode(&rf); err != nil {
+		t.Fatal(err)
+	}
+	anchors := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^### (\S+)$`).FindAllStringSubmatch(string(read(t, runbooksFile)), -1) {
+		anchors[strings.ToLower(m[1])] = true
+	}
+	var tests struct {
+		RuleFiles []string `yaml:"rule_files"`
+		Tests     []struct {
+			AlertRuleTest []struct {
+				Alertname string           `yaml:"alertname"`
+				ExpAlerts []map[string]any `yaml:"exp_alerts"`
+			} `yaml:"alert_rule_test"`
+		} `yaml:"tests"`
+	}
+	if err := yaml.Unmarshal(read(t, alertTestsFile), &tests); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(tests.RuleFiles, []string{"alerts.yaml"}) {
+		t.Errorf("%s tests %v, want alerts.yaml", alertTestsFile, tests.RuleFiles)
+	}
+	fires, quiet := map[string]bool{}, map[string]bool{}
+	for _, tc := range tests.Tests {
+		for _, a := range tc.AlertRuleTest {
+			if len(a.ExpAlerts) > 0 {
+				fires[a.Alertname] = true
+			} else {
+				quiet[a.Alertname] = true
+			}
+		}
+	}
+	n := 0
+	for _, g := range rf.Groups {
+		for _, r := range g.Rules {
+			n++
+			anchor, ok := strings.CutPrefix(r.Annotations["runbook_url"], runbooksDir+"README.md#")
+			if !ok || !anchors[anchor] {
+				t.Errorf("alert %s: runbook_url %q does not name a section of %s", r.Alert, r.Annotations["runbook_url"], runbooksFile)
+			}
+			if anchor != strings.ToLower(r.Alert) {
+				t.Errorf("alert %s: its runbook is the section named after it, not %q", r.Alert, anchor)
+			}
+			if !fires[r.Alert] {
+				t.Errorf("alert %s has no case in %s in which it fires", r.Alert, alertTestsFile)
+			}
+		}
+	}
+	if n == 0 {
+		t.Fatal("no alerts read")
+	}
+	t.Logf("%d alerts, %d with a quiet case too", n, len(quiet))
+}
+
+// runbooksDir is where runbook_url points, from the repository's root.
+const runbooksDir = "deploy/prometheus/"
+
+// README's configuration section names every variable config.go reads
+// (--help prints the reference itself from config.go; this keeps the
+// README's table from missing one).
+func TestReadmeNamesEveryVariable(t *testing.T) {
+	readme := string(read(t, readmeFile))
+	_, section, ok := strings.Cut(readme, "\n## Configuration\n")
+	if !ok {
+		t.Fatalf("%s has no \"## Configuration\" section", readmeFile)
+	}
+	if i := strings.Index(section, "\n## "); i >= 0 {
+		section = section[:i]
+	}
+	matches := envTag.FindAllStringSubmatch(string(read(t, configFile)), -1)
+	if len(matches) == 0 {
+		t.Fatalf("%s declares no variables; update this test", configFile)
+	}
+	for _, m := range matches {
+		if !strings.Contains(section, "`"+m[1]+"`") {
+			t.Errorf("%s's configuration section does not name %s", readmeFile, m[1])
+		}
 	}
 }

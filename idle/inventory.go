@@ -20,6 +20,11 @@ type Target struct {
 	// Settled is false while Incus moves the target between power states
 	// or a power request for it is not yet carried out (targets.State.Settled).
 	Settled bool
+	// PhaseSince is when the target entered a passing phase: its create
+	// for provisioning, its recorded close for closing; zero otherwise or
+	// when unknown. It feeds the oldest-target gauge that tells a stuck
+	// target from steady churn.
+	PhaseSince time.Time
 	// Port is the guest daemon's port on the guest's loopback.
 	Port int
 	// Location is the cluster member holding the instance (empty when

@@ -55,7 +55,7 @@ func (l *Loop) onList(r listResult) {
 	first := !l.listedAny
 	l.listedAny = true
 	now := time.Now()
-	l.m.inventory(r.targets)
+	l.recount(r)
 	seen := make(map[string]struct{}, len(r.targets))
 	for _, t := range r.targets {
 		if l.apply(t, r.started, now, first) {
@@ -180,8 +180,72 @@ func (l *Loop) onLook(r lookResult) {
 	default:
 		l.apply(r.target, r.started, time.Now(), false)
 	}
+	if r.err == nil {
+		l.countOne(r)
+	}
 	l.stats.tracked.Store(int64(len(l.entries)))
 	if l.pass.remaining == 0 {
 		l.passMaybeStart(time.Now())
+	}
+}
+
+// countedTarget is one target as the gauge counts it, and the instant the
+// reading began; gone marks one a read found removed, so that a listing
+// begun before that read does not count it again.
+type countedTarget struct {
+	t    Target
+	at   time.Time
+	gone bool
+}
+
+// recount takes a listing as the gauge's whole picture, except for the
+// targets read alone since the listing began, which are newer.
+func (l *Loop) recount(r listResult) {
+	next := make(map[string]countedTarget, len(r.targets))
+	for _, t := range r.targets {
+		next[t.Name] = countedTarget{t: t, at: r.started}
+	}
+	for name, c := range l.counted {
+		if c.at.After(r.started) {
+			next[name] = c
+		}
+	}
+	l.counted = next
+	ts := make([]Target, 0, len(next))
+	for _, c := range next {
+		if !c.gone {
+			ts = append(ts, c.t)
+		}
+	}
+	l.m.inventory(ts)
+	l.m.setOldest(ts)
+}
+
+// countOne moves one target's count after a single-target read: created,
+// closed (gone) or changed in phase or power.
+func (l *Loop) countOne(r lookResult) {
+	was, known := l.counted[r.name]
+	if known && was.at.After(r.started) {
+		return
+	}
+	now := countedTarget{t: r.target, at: r.started, gone: !r.ok}
+	var from, to *Target
+	if known && !was.gone {
+		from = &was.t
+	}
+	if !now.gone {
+		to = &now.t
+	}
+	l.m.move(from, to)
+	l.counted[r.name] = now
+	if from != nil && (to == nil || to.Phase != from.Phase || !to.PhaseSince.Equal(from.PhaseSince)) && l.m.isOldest(from) {
+		// The oldest left its phase: find the next oldest.
+		ts := make([]Target, 0, len(l.counted))
+		for _, c := range l.counted {
+			if !c.gone {
+				ts = append(ts, c.t)
+			}
+		}
+		l.m.setOldest(ts)
 	}
 }

@@ -123,6 +123,10 @@ type Loop struct {
 	lookWant  map[string]struct{}
 	lookQueue []string
 	looking   int
+	// counted is what the targets gauge counts: every target of the last
+	// listing, brought up to date by each single-target read since, so that
+	// a create, close or power change shows within a read, not a listing.
+	counted map[string]countedTarget
 
 	probeDone chan probeResult
 	actDone   chan actResult
@@ -165,6 +169,7 @@ func New(cfg Config) *Loop {
 		log:       cfg.Log,
 		entries:   map[string]*entry{},
 		lookWant:  map[string]struct{}{},
+		counted:   map[string]countedTarget{},
 		probeDone: make(chan probeResult),
 		actDone:   make(chan actResult),
 		listDone:  make(chan listResult),

@@ -1,6 +1,8 @@
 package idle
 
 import (
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -17,7 +19,16 @@ type Metrics struct {
 	passDuration  prometheus.Histogram
 	targets       *prometheus.GaugeVec
 	byMember      *prometheus.GaugeVec
+
+	// oldest is the earliest PhaseSince among the targets in each passing
+	// phase (zero: none), set by the loop and read at scrape.
+	oldestMu sync.Mutex
+	oldest   map[controller.Phase]time.Time
 }
+
+// passingPhases are the phases a target only passes through: one that
+// stays in them is stuck, whatever the number of others passing.
+var passingPhases = []controller.Phase{controller.PhaseProvisioning, controller.PhaseClosing}
 
 // The label values the targets gauge always carries, so that a phase or
 // power that empties goes to zero instead of keeping its last value.
@@ -58,6 +69,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Help: "On an Incus cluster, the provider's targets by the member holding them and phase, as the latest inventory listing saw them (unknown: the member does not answer).",
 	}, []string{"member", "phase"})
 	reg.MustRegister(m.probes, m.probeDuration, m.actions, m.passDuration, m.targets, m.byMember)
+	m.oldest = map[controller.Phase]time.Time{}
+	for _, ph := range passingPhases {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name:        "incus_provider_targets_oldest_seconds",
+			Help:        "How long the oldest target in a passing phase (provisioning: since its create; closing: since its close was recorded) has been in it; 0 when none is.",
+			ConstLabels: prometheus.Labels{"phase": string(ph)},
+		}, func() float64 { return m.oldestAge(ph, time.Now()) }))
+	}
 	for _, o := range []string{OutcomeOK, OutcomeUnreachable, OutcomeHandshake, OutcomeTimeout, OutcomeMalformed, OutcomeError} {
 		m.probes.WithLabelValues(o)
 	}
@@ -90,6 +109,84 @@ func (m *Metrics) passed(d time.Duration) {
 		return
 	}
 	m.passDuration.Observe(d.Seconds())
+}
+
+func (m *Metrics) oldestAge(ph controller.Phase, now time.Time) float64 {
+	m.oldestMu.Lock()
+	defer m.oldestMu.Unlock()
+	since := m.oldest[ph]
+	if since.IsZero() {
+		return 0
+	}
+	return max(now.Sub(since).Seconds(), 0)
+}
+
+// setOldest replaces the oldest instants with those of ts.
+func (m *Metrics) setOldest(ts []Target) {
+	if m == nil {
+		return
+	}
+	next := map[controller.Phase]time.Time{}
+	for i := range ts {
+		m.olderOf(next, &ts[i])
+	}
+	m.oldestMu.Lock()
+	m.oldest = next
+	m.oldestMu.Unlock()
+}
+
+// olderOf takes t into oldest if it is in a passing phase and older.
+func (m *Metrics) olderOf(oldest map[controller.Phase]time.Time, t *Target) {
+	if t.PhaseSince.IsZero() || !slices.Contains(passingPhases, t.Phase) {
+		return
+	}
+	if cur, ok := oldest[t.Phase]; !ok || t.PhaseSince.Before(cur) {
+		oldest[t.Phase] = t.PhaseSince
+	}
+}
+
+// isOldest says whether t holds its phase's oldest instant.
+func (m *Metrics) isOldest(t *Target) bool {
+	if m == nil {
+		return false
+	}
+	m.oldestMu.Lock()
+	defer m.oldestMu.Unlock()
+	return !t.PhaseSince.IsZero() && m.oldest[t.Phase].Equal(t.PhaseSince)
+}
+
+// gaugeKey is the targets gauge's series for a target: power is "none"
+// unless the target is active.
+func gaugeKey(t *Target) (phase, power string) {
+	if t.Phase != controller.PhaseActive || t.Power == "" {
+		return string(t.Phase), "none"
+	}
+	return string(t.Phase), string(t.Power)
+}
+
+// move takes one target's count from the series of from to those of to
+// (either nil: a target that appears or goes).
+func (m *Metrics) move(from, to *Target) {
+	if m == nil {
+		return
+	}
+	for _, c := range []struct {
+		t     *Target
+		delta float64
+	}{{from, -1}, {to, 1}} {
+		if c.t == nil {
+			continue
+		}
+		m.targets.WithLabelValues(gaugeKey(c.t)).Add(c.delta)
+		if c.delta > 0 {
+			m.oldestMu.Lock()
+			m.olderOf(m.oldest, c.t)
+			m.oldestMu.Unlock()
+		}
+		if c.t.Location != "" && c.t.Location != "none" {
+			m.byMember.WithLabelValues(c.t.Location, string(c.t.Phase)).Add(c.delta)
+		}
+	}
 }
 
 // inventory sets the targets gauge from a listing.

@@ -479,6 +479,25 @@ func contextual(callCtx context.Context, err error) error {
 }
 
 // outcome is the Observe status for a call's result.
+// Operations names every call the client makes, as the op of its
+// observations: metrics start each at zero with it, so that the first
+// failure of a call is an increase rather than a new series.
+func Operations() []string {
+	return []string{"cluster.group.get", "cluster.members.list", "image.alias.get", "image.get",
+		"instance.create", "instance.delete", "instance.exec", "instance.find", "instance.get", "instance.list",
+		"instance.patch", "instance.put", "instance.state.get", "instance.state.put",
+		"operation.get", "operation.list", "operation.wait", "project.create", "project.delete", "project.get", "server.get"}
+}
+
+// CallStatuses are the statuses a call is observed with (Observe).
+func CallStatuses() []string { return []string{"ok", "not_found", "conflict", "error", "transport"} }
+
+// AttemptStatuses are the statuses an attempt on one endpoint is observed
+// with (ObserveEndpoint).
+func AttemptStatuses() []string {
+	return append(CallStatuses(), "timeout", "not_ready", "canceled")
+}
+
 func outcome(err error) string {
 	if err == nil {
 		return "ok"

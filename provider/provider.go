@@ -184,12 +184,13 @@ func (p *Provider) Run(ctx context.Context) error {
 }
 
 // Stop ends what the provider serves: controller connections and relays
-// get their going-away closes. It returns once the relays' closes are out,
-// or ctx ends.
+// get their going-away closes. It returns once the relays' closes are out
+// and every controller connection has ended, or ctx ends.
 func (p *Provider) Stop(ctx context.Context) {
 	p.cancel()
 	select {
 	case <-p.Routes.Closed():
 	case <-ctx.Done():
 	}
+	p.Control.Drain(ctx)
 }

@@ -80,6 +80,14 @@ func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
 	if since, ok := parseMs(inst.Config[KeyIdleSince]); ok {
 		t.IdleSince = since
 	}
+	switch t.Phase {
+	case controller.PhaseProvisioning:
+		t.PhaseSince = inst.CreatedAt
+	case controller.PhaseClosing:
+		if since, ok := parseMs(inst.Config[keyClosing]); ok {
+			t.PhaseSince = since
+		}
+	}
 	return t, true
 }
 

@@ -356,7 +356,7 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 // powerStates are the states the target's template offers. A target whose
 // template left the catalog keeps the states every instance can reach.
 func (s *Service) powerStates(inst *incus.Instance) []controller.Power {
-	if t, ok := s.catalog.Get(inst.Config[keyTemplate]); ok {
+	if t, ok := s.catalog.Load().Get(inst.Config[keyTemplate]); ok {
 		return t.Wire.PowerStates
 	}
 	return []controller.Power{controller.PowerRunning, controller.PowerPaused, controller.PowerStopped}

@@ -198,6 +198,9 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 		return err
 	}
 	_, err = s.wait(ctx, op, time.Minute)
+	// Gone (or not): the idle loop reads it again, and the targets gauge
+	// with it, instead of waiting for the next listing.
+	s.changes.note(name)
 	if err == nil || errors.Is(err, incus.ErrNotFound) {
 		guest.Removed(s.dialer, name)
 		return nil

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -61,8 +62,10 @@ func (c *Config) defaults() {
 
 // Service implements controller.Backend on Incus.
 type Service struct {
-	incus   *incus.Client
-	catalog *templates.Catalog
+	incus *incus.Client
+	// catalog is swapped whole by SetCatalog (a SIGHUP reload); each
+	// method reads it once.
+	catalog atomic.Pointer[templates.Catalog]
 	dialer  guest.Dialer
 	log     *zap.Logger
 	cfg     Config
@@ -106,11 +109,21 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	if log == nil {
 		log = zap.NewNop()
 	}
-	s := &Service{incus: client, catalog: catalog, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
+	s := &Service{incus: client, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
 		startFailures: map[string]int{}}
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
 	s.work = newWorker(s.converge)
+	s.catalog.Store(catalog)
 	return s, nil
+}
+
+// SetCatalog replaces the templates offered from now on, resolved and
+// checked by the caller. Targets made from a template the new catalog no
+// longer has keep what their instance recorded (see powerStates).
+func (s *Service) SetCatalog(c *templates.Catalog) {
+	if c != nil {
+		s.catalog.Store(c)
+	}
 }
 
 var _ controller.Backend = (*Service)(nil)
@@ -168,7 +181,7 @@ func (s *Service) lockTarget(ctx context.Context, name string) (func(), error) {
 
 // ListTemplates answers template/list: every universe sees the whole catalog.
 func (s *Service) ListTemplates(_ context.Context, _ string) ([]controller.Template, error) {
-	return s.catalog.Wire(), nil
+	return s.catalog.Load().Wire(), nil
 }
 
 // lookup reads the instance at name; nil without error when there is none.
@@ -299,7 +312,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		}
 		return s.observe(inst, p.Owner), nil
 	}
-	tmpl, ok := s.catalog.Get(p.TemplateID)
+	tmpl, ok := s.catalog.Load().Get(p.TemplateID)
 	if !ok {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q is offered; template/list names the ones this provider serves.", p.TemplateID)
 	}
@@ -333,6 +346,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	// then the answer carries none (the contract allows an asynchronous
 	// create to answer without an id) and the runtime asks again.
 	recorded, err := s.awaitRecord(ctx, name, op)
+	s.changes.note(name) // counted at once, not at the next listing
 	if !s.work.spawn(func(ctx context.Context) { s.finishCreate(ctx, name, op, req, recorded) }) {
 		s.creates.end(name)
 	}
@@ -605,6 +619,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 	}
 	unlock()
+	s.changes.note(name)
 	s.kickAndWait(ctx, name)
 	after, err := s.lookup(ctx, name)
 	if err != nil {

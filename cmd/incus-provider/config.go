@@ -23,38 +23,39 @@ import (
 // memberName is what Incus accepts as a cluster member's name (a host name).
 var memberName = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]{0,61}[A-Za-z0-9])?$`)
 
-// config is every setting, from the environment. README.md documents each
-// variable with its default; keep the two in step.
+// config is every setting, from the environment. The tags are the one
+// definition of each: its variable, its default, what it allows (the text
+// of its refusal, too) and what it means; --help prints them (reference.go).
 type config struct {
-	Listen            string        `env:"PROVIDER_LISTEN" envDefault:"127.0.0.1:8480"`
-	TLSCert           string        `env:"PROVIDER_TLS_CERT"`
-	TLSKey            string        `env:"PROVIDER_TLS_KEY"`
-	CredentialFile    string        `env:"PROVIDER_CREDENTIAL_FILE"`
-	MetricsListen     string        `env:"PROVIDER_METRICS_LISTEN" envDefault:"127.0.0.1:9480"`
-	Templates         string        `env:"PROVIDER_TEMPLATES" envDefault:"/etc/incus-provider/templates.yaml"`
-	MaxInFlight       int           `env:"PROVIDER_MAX_IN_FLIGHT" envDefault:"64"`
-	GracefulStop      time.Duration `env:"PROVIDER_GRACEFUL_STOP" envDefault:"10s"`
-	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s"`
-	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"auto"`
-	IncusMember       string        `env:"PROVIDER_INCUS_MEMBER"`
-	Replica           string        `env:"PROVIDER_REPLICA_ID"`
-	PeerListen        string        `env:"PROVIDER_PEER_LISTEN" envDefault:"off"`
-	Peers             string        `env:"PROVIDER_PEERS"`
-	PeerSecretFile    string        `env:"PROVIDER_PEER_SECRET_FILE"`
-	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests"`
-	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info"`
-	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s"`
-	RouteMaxHeld      int           `env:"PROVIDER_ROUTE_MAX_HELD" envDefault:"256"`
-	MaxConnections    int           `env:"PROVIDER_MAX_CONNECTIONS" envDefault:"4096"`
-	MaxControl        int           `env:"PROVIDER_MAX_CONTROL_CONNECTIONS" envDefault:"64"`
-	DecodeBudget      string        `env:"PROVIDER_DECODE_BUDGET" envDefault:"64MiB"`
-	MemoryLimit       string        `env:"PROVIDER_MEMORY_LIMIT" envDefault:"768MiB"`
-	IncusSocket       string        `env:"INCUS_SOCKET" envDefault:"/var/lib/incus/unix.socket"`
-	IncusURL          string        `env:"INCUS_URL"`
-	IncusClientCert   string        `env:"INCUS_CLIENT_CERT"`
-	IncusClientKey    string        `env:"INCUS_CLIENT_KEY"`
-	IncusServerCert   string        `env:"INCUS_SERVER_CERT"`
-	IncusProject      string        `env:"INCUS_PROJECT" envDefault:"default"`
+	Listen            string        `env:"PROVIDER_LISTEN" envDefault:"127.0.0.1:8480" allowed:"host:port (such as 127.0.0.1:8480) or unix:/absolute/path" help:"the controller listener: /control and the data routes"`
+	TLSCert           string        `env:"PROVIDER_TLS_CERT" allowed:"a readable PEM file; set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither" help:"serve wss:// with this certificate (reloaded on SIGHUP)"`
+	TLSKey            string        `env:"PROVIDER_TLS_KEY" allowed:"a readable PEM file; set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither" help:"the private key of PROVIDER_TLS_CERT"`
+	CredentialFile    string        `env:"PROVIDER_CREDENTIAL_FILE" allowed:"a readable file holding the bearer credential" help:"when set, /control and every route answer 401 without Authorization: Bearer <credential>"`
+	MetricsListen     string        `env:"PROVIDER_METRICS_LISTEN" envDefault:"127.0.0.1:9480" allowed:"host:port (such as 127.0.0.1:9480), or off" help:"Prometheus /metrics, /healthz and /readyz"`
+	Templates         string        `env:"PROVIDER_TEMPLATES" envDefault:"/etc/incus-provider/templates.yaml" allowed:"a readable templates file (YAML or JSON)" help:"the templates offered (reloaded on SIGHUP)"`
+	MaxInFlight       int           `env:"PROVIDER_MAX_IN_FLIGHT" envDefault:"64" allowed:"a whole number from 16 (the protocol's floor) to 4096" help:"requests in flight per controller connection; past it, busy/requestLimit"`
+	GracefulStop      time.Duration `env:"PROVIDER_GRACEFUL_STOP" envDefault:"10s" allowed:"a duration from 1s to 10m (Incus caps a graceful stop at 10 minutes)" help:"how long a close or stop waits for a graceful shutdown before forcing it"`
+	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s" allowed:"a duration from 1s to 1h" help:"period of the full reconcile pass"`
+	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"auto" allowed:"auto, netns, proxy, exec or member" help:"how the provider reaches each guest's daemon"`
+	IncusMember       string        `env:"PROVIDER_INCUS_MEMBER" allowed:"the name of the Incus cluster member this provider runs on, as incus cluster list shows it" help:"whose guests are reached through netns on a cluster"`
+	Replica           string        `env:"PROVIDER_REPLICA_ID" allowed:"1 to 32 lowercase letters, digits and dashes, starting with a letter or digit, different for every replica" help:"this process's name among replicas; default: host name and listen port"`
+	PeerListen        string        `env:"PROVIDER_PEER_LISTEN" envDefault:"off" allowed:"host:port on an address the other replicas reach (such as the member's own address), or off" help:"where this replica serves its member's guests to the other replicas (TLS, PROVIDER_PEER_SECRET_FILE)"`
+	Peers             string        `env:"PROVIDER_PEERS" allowed:"member=host:port for each replica's PROVIDER_PEER_LISTEN, separated by commas, such as node1=10.0.0.1:8483,node2=10.0.0.2:8483" help:"where the replicas serve their members' guests; one list for every replica"`
+	PeerSecretFile    string        `env:"PROVIDER_PEER_SECRET_FILE" allowed:"a file of mode 0600 or stricter holding at least 32 bytes; needed by PROVIDER_PEER_LISTEN and PROVIDER_PEERS" help:"the replicas' shared forwarding secret"`
+	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests" allowed:"an absolute directory path" help:"host directory for the proxy dialer's sockets"`
+	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info" allowed:"debug, info, warn or error" help:"JSON logs on stderr"`
+	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s" allowed:"a duration from 60s (the protocol's floor for idle closes) to 24h" help:"a data relay with no frame either way for this long is closed"`
+	RouteMaxHeld      int           `env:"PROVIDER_ROUTE_MAX_HELD" envDefault:"256" allowed:"a whole number from 1 to 65536" help:"data-route dials held at once while targets wake; past it, 503 at once"`
+	MaxConnections    int           `env:"PROVIDER_MAX_CONNECTIONS" envDefault:"4096" allowed:"a whole number from 16 to 1048576" help:"open connections on the controller listener, of every kind"`
+	MaxControl        int           `env:"PROVIDER_MAX_CONTROL_CONNECTIONS" envDefault:"64" allowed:"a whole number from 1 to 65536" help:"open controller connections; past it /control answers 503"`
+	DecodeBudget      string        `env:"PROVIDER_DECODE_BUDGET" envDefault:"64MiB" allowed:"a size from 16MiB (one message of the protocol's largest) to 64GiB, such as 64MiB" help:"bytes of large controller frames decoded at once"`
+	MemoryLimit       string        `env:"PROVIDER_MEMORY_LIMIT" envDefault:"768MiB" allowed:"a size from 64MiB, such as 768MiB or 2GiB, or off" help:"the Go runtime's soft memory limit"`
+	IncusSocket       string        `env:"INCUS_SOCKET" envDefault:"/var/lib/incus/unix.socket" allowed:"the path of the local Incus API socket" help:"used when INCUS_URL is empty"`
+	IncusURL          string        `env:"INCUS_URL" allowed:"one https://host:port URL, or several (the members of one cluster) separated by commas, or empty to use INCUS_SOCKET" help:"remote Incus over HTTPS"`
+	IncusClientCert   string        `env:"INCUS_CLIENT_CERT" allowed:"a PEM file; needed with INCUS_URL" help:"client certificate for INCUS_URL"`
+	IncusClientKey    string        `env:"INCUS_CLIENT_KEY" allowed:"a PEM file; needed with INCUS_URL" help:"client key for INCUS_URL"`
+	IncusServerCert   string        `env:"INCUS_SERVER_CERT" allowed:"a PEM file; needed with INCUS_URL" help:"the pinned server certificate of INCUS_URL"`
+	IncusProject      string        `env:"INCUS_PROJECT" envDefault:"default" allowed:"the name of an existing Incus project, such as default" help:"the Incus project targets live in"`
 
 	// Set by check from the strings above.
 	incusURLs         []string
@@ -75,34 +76,32 @@ func loadConfig() (config, error) {
 		}
 		var pe env.ParseError
 		if errors.As(err, &pe) {
-			return c, fmt.Errorf("%s=%q is not valid: %s expected (%w)", varName(pe.Name), os.Getenv(varName(pe.Name)), pe.Type, pe.Err)
+			name := varName(pe.Name)
+			return c, fmt.Errorf("%s=%q is not valid: %s", name, os.Getenv(name), allowed(name))
 		}
 		return c, fmt.Errorf("configuration: %w", err)
 	}
 	return c, c.check()
 }
 
+// varName is the variable a config field is read from.
 func varName(field string) string {
-	names := map[string]string{"MaxInFlight": "PROVIDER_MAX_IN_FLIGHT", "GracefulStop": "PROVIDER_GRACEFUL_STOP",
-		"ReconcileInterval": "PROVIDER_RECONCILE_INTERVAL", "RelayIdleTimeout": "PROVIDER_RELAY_IDLE_TIMEOUT",
-		"RouteMaxHeld": "PROVIDER_ROUTE_MAX_HELD", "MaxConnections": "PROVIDER_MAX_CONNECTIONS",
-		"MaxControl": "PROVIDER_MAX_CONTROL_CONNECTIONS"}
-	if n, ok := names[field]; ok {
-		return n
+	if s, ok := settingOf(field); ok {
+		return s.Name
 	}
 	return field
 }
 
 func (c *config) check() error {
-	bad := func(name, value, allowed string) error {
-		return fmt.Errorf("%s=%q is not valid: %s", name, value, allowed)
+	bad := func(name, value, want string) error {
+		return fmt.Errorf("%s=%q is not valid: %s", name, value, want)
 	}
 	if err := checkListen(c.Listen); err != nil {
 		return bad("PROVIDER_LISTEN", c.Listen, err.Error())
 	}
 	if c.MetricsListen != "off" {
 		if err := checkListen(c.MetricsListen); err != nil || strings.HasPrefix(c.MetricsListen, "unix:") {
-			return bad("PROVIDER_METRICS_LISTEN", c.MetricsListen, "use host:port (such as 127.0.0.1:9480), or off")
+			return bad("PROVIDER_METRICS_LISTEN", c.MetricsListen, allowed("PROVIDER_METRICS_LISTEN"))
 		}
 	}
 	if (c.TLSCert == "") != (c.TLSKey == "") {
@@ -118,48 +117,51 @@ func (c *config) check() error {
 		}
 	}
 	if c.MaxInFlight < jsonrpc.MinInFlight || c.MaxInFlight > 4096 {
-		return bad("PROVIDER_MAX_IN_FLIGHT", fmt.Sprint(c.MaxInFlight), "use a whole number from 16 (the protocol's floor) to 4096")
+		return bad("PROVIDER_MAX_IN_FLIGHT", fmt.Sprint(c.MaxInFlight), allowed("PROVIDER_MAX_IN_FLIGHT"))
 	}
 	if c.GracefulStop < time.Second || c.GracefulStop > 10*time.Minute {
-		return bad("PROVIDER_GRACEFUL_STOP", c.GracefulStop.String(), "use a duration from 1s to 10m (Incus caps a graceful stop at 10 minutes)")
+		return bad("PROVIDER_GRACEFUL_STOP", c.GracefulStop.String(), allowed("PROVIDER_GRACEFUL_STOP"))
 	}
 	if c.ReconcileInterval < time.Second || c.ReconcileInterval > time.Hour {
-		return bad("PROVIDER_RECONCILE_INTERVAL", c.ReconcileInterval.String(), "use a duration from 1s to 1h")
+		return bad("PROVIDER_RECONCILE_INTERVAL", c.ReconcileInterval.String(), allowed("PROVIDER_RECONCILE_INTERVAL"))
 	}
 	if c.RelayIdleTimeout < time.Minute || c.RelayIdleTimeout > 24*time.Hour {
-		return bad("PROVIDER_RELAY_IDLE_TIMEOUT", c.RelayIdleTimeout.String(), "use a duration from 60s (the protocol's floor for idle closes) to 24h")
+		return bad("PROVIDER_RELAY_IDLE_TIMEOUT", c.RelayIdleTimeout.String(), allowed("PROVIDER_RELAY_IDLE_TIMEOUT"))
 	}
 	if c.RouteMaxHeld < 1 || c.RouteMaxHeld > 65536 {
-		return bad("PROVIDER_ROUTE_MAX_HELD", fmt.Sprint(c.RouteMaxHeld), "use a whole number from 1 to 65536")
+		return bad("PROVIDER_ROUTE_MAX_HELD", fmt.Sprint(c.RouteMaxHeld), allowed("PROVIDER_ROUTE_MAX_HELD"))
 	}
 	if c.MaxConnections < 16 || c.MaxConnections > 1<<20 {
-		return bad("PROVIDER_MAX_CONNECTIONS", fmt.Sprint(c.MaxConnections), "use a whole number from 16 to 1048576")
+		return bad("PROVIDER_MAX_CONNECTIONS", fmt.Sprint(c.MaxConnections), allowed("PROVIDER_MAX_CONNECTIONS"))
 	}
 	if c.MaxControl < 1 || c.MaxControl > 65536 {
-		return bad("PROVIDER_MAX_CONTROL_CONNECTIONS", fmt.Sprint(c.MaxControl), "use a whole number from 1 to 65536")
+		return bad("PROVIDER_MAX_CONTROL_CONNECTIONS", fmt.Sprint(c.MaxControl), allowed("PROVIDER_MAX_CONTROL_CONNECTIONS"))
 	}
 	budget, ok := parseBytes(c.DecodeBudget)
 	if !ok || budget < jsonrpc.MaxMessageBytes || budget > 64<<30 {
-		return bad("PROVIDER_DECODE_BUDGET", c.DecodeBudget, "use a size from 16MiB (one message of the protocol's largest) to 64GiB, such as 64MiB")
+		return bad("PROVIDER_DECODE_BUDGET", c.DecodeBudget, allowed("PROVIDER_DECODE_BUDGET"))
 	}
 	c.decodeBudgetBytes = budget
 	if c.MemoryLimit != "off" {
 		n, ok := parseBytes(c.MemoryLimit)
 		if !ok || n < 64<<20 {
-			return bad("PROVIDER_MEMORY_LIMIT", c.MemoryLimit, "use a size from 64MiB, such as 768MiB or 2GiB, or off")
+			return bad("PROVIDER_MEMORY_LIMIT", c.MemoryLimit, allowed("PROVIDER_MEMORY_LIMIT"))
 		}
 		c.memoryLimitBytes = n
 	}
 	switch c.GuestDialer {
 	case "auto", guest.KindNetns, guest.KindProxy, guest.KindExec, guest.KindMember:
 	default:
-		return bad("PROVIDER_GUEST_DIALER", c.GuestDialer, "use auto, netns, proxy, exec or member")
+		return bad("PROVIDER_GUEST_DIALER", c.GuestDialer, allowed("PROVIDER_GUEST_DIALER"))
 	}
 	if c.Replica != "" && !targets.ValidReplica(c.Replica) {
-		return bad("PROVIDER_REPLICA_ID", c.Replica, "use 1 to 32 lowercase letters, digits and dashes, starting with a letter or digit, different for every replica")
+		return bad("PROVIDER_REPLICA_ID", c.Replica, allowed("PROVIDER_REPLICA_ID"))
 	}
 	if c.IncusMember != "" && !memberName.MatchString(c.IncusMember) {
-		return bad("PROVIDER_INCUS_MEMBER", c.IncusMember, "name the Incus cluster member this provider runs on, as `incus cluster list` shows it")
+		return bad("PROVIDER_INCUS_MEMBER", c.IncusMember, allowed("PROVIDER_INCUS_MEMBER"))
+	}
+	if !strings.HasPrefix(c.GuestSocketDir, "/") {
+		return bad("PROVIDER_GUEST_SOCKET_DIR", c.GuestSocketDir, allowed("PROVIDER_GUEST_SOCKET_DIR"))
 	}
 	if err := c.checkPeers(); err != nil {
 		return err
@@ -167,12 +169,12 @@ func (c *config) check() error {
 	switch c.LogLevel {
 	case "debug", "info", "warn", "error":
 	default:
-		return bad("PROVIDER_LOG_LEVEL", c.LogLevel, "use debug, info, warn or error")
+		return bad("PROVIDER_LOG_LEVEL", c.LogLevel, allowed("PROVIDER_LOG_LEVEL"))
 	}
 	if c.IncusURL != "" {
 		urls, why := splitIncusURLs(c.IncusURL)
 		if why != "" {
-			return bad("INCUS_URL", c.IncusURL, why+"; give one https://host:port URL, or several (the members of one cluster) separated by commas, or leave it empty to use INCUS_SOCKET")
+			return bad("INCUS_URL", c.IncusURL, why+"; "+allowed("INCUS_URL"))
 		}
 		c.incusURLs = urls
 		for name, path := range map[string]string{"INCUS_CLIENT_CERT": c.IncusClientCert, "INCUS_CLIENT_KEY": c.IncusClientKey, "INCUS_SERVER_CERT": c.IncusServerCert} {
@@ -182,7 +184,7 @@ func (c *config) check() error {
 		}
 	}
 	if c.IncusProject == "" {
-		return bad("INCUS_PROJECT", c.IncusProject, "name an Incus project, such as default")
+		return bad("INCUS_PROJECT", c.IncusProject, allowed("INCUS_PROJECT"))
 	}
 	return nil
 }

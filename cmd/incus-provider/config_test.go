@@ -22,7 +22,7 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_GRACEFUL_STOP", "0s", "from 1s to 10m"},
 		{"PROVIDER_GRACEFUL_STOP", "soon", "PROVIDER_GRACEFUL_STOP"},
 		{"PROVIDER_GUEST_DIALER", "ssh", "use auto, netns, proxy, exec or member"},
-		{"PROVIDER_INCUS_MEMBER", "-m1", "name the Incus cluster member"},
+		{"PROVIDER_INCUS_MEMBER", "-m1", "the name of the Incus cluster member"},
 		{"PROVIDER_LOG_LEVEL", "loud", "debug, info, warn or error"},
 		{"PROVIDER_TLS_CERT", "/nonexistent.pem", "PROVIDER_TLS_KEY"},
 		{"PROVIDER_CREDENTIAL_FILE", "/nonexistent", "readable file"},

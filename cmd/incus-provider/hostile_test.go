@@ -42,6 +42,7 @@ type child struct {
 	credential string
 	log        *bytes.Buffer
 	logMu      *sync.Mutex
+	exited     chan struct{} // closed once Wait has returned
 }
 
 // startProvider builds cmd/incus-provider and starts it with the given
@@ -52,12 +53,7 @@ func startProvider(t *testing.T, env ...string) *child {
 	client := incustest.Client(t)
 	incustest.Image(t)
 	dir := t.TempDir()
-	bin := filepath.Join(dir, "incus-provider")
-	build := exec.Command("go", "build", "-o", bin, ".")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
+	bin := providerBinary(t)
 	credFile := filepath.Join(dir, "credential")
 	const secret = "hostile-test-credential-0123456789"
 	if err := os.WriteFile(credFile, []byte(secret), 0o600); err != nil {
@@ -91,6 +87,7 @@ func startProvider(t *testing.T, env ...string) *child {
 		t.Fatal(err)
 	}
 	exited := make(chan struct{})
+	c.exited = exited
 	t.Cleanup(func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		select {
@@ -152,8 +149,15 @@ func (c *child) logTail(lines int) string {
 	return strings.Join(all, "\n")
 }
 
+// alive reads the exit through the channel the waiting goroutine closes,
+// not ProcessState, which that goroutine writes.
 func (c *child) alive() bool {
-	return c.cmd.ProcessState == nil && c.cmd.Process.Signal(syscall.Signal(0)) == nil
+	select {
+	case <-c.exited:
+		return false
+	default:
+		return true
+	}
 }
 
 // status reads one kB field (VmHWM, VmRSS) of the child's /proc status.
@@ -180,18 +184,8 @@ func (c *child) status(t *testing.T, field string) uint64 {
 // `incus_provider_x{reason="y"}`) from the child's /metrics; -1 when absent.
 func (c *child) metric(t *testing.T, sample string) float64 {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.metrics, nil)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("scrape: %v", err)
-	}
-	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), sample+" "); ok {
+	for _, line := range c.scrapeLines(t) {
+		if rest, ok := strings.CutPrefix(line, sample+" "); ok {
 			v, err := strconv.ParseFloat(rest, 64)
 			if err != nil {
 				t.Fatalf("sample %s: %q", sample, rest)
@@ -200,6 +194,29 @@ func (c *child) metric(t *testing.T, sample string) float64 {
 		}
 	}
 	return -1
+}
+
+// scrapeLines reads the child's /metrics, a line each.
+func (c *child) scrapeLines(t *testing.T) []string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.metrics, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("scrape: %v", err)
+	}
+	defer resp.Body.Close()
+	var lines []string
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		lines = append(lines, sc.Text())
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatalf("scrape: %v", err)
+	}
+	return lines
 }
 
 func freePort(t *testing.T) string {

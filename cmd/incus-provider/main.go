@@ -4,7 +4,6 @@ package main
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -35,15 +34,18 @@ import (
 )
 
 func main() {
+	if code, done := handleArgs(os.Args[1:], os.Stdout, os.Stderr); done {
+		os.Exit(code)
+	}
 	cfg, err := loadConfig()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
-		os.Exit(2)
+		os.Exit(exitBadSetting)
 	}
 	log, err := newLogger(cfg.LogLevel)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
-		os.Exit(2)
+		os.Exit(exitBadSetting)
 	}
 	if cfg.memoryLimitBytes > 0 {
 		// A soft limit: the collector works harder as the heap nears it,
@@ -53,10 +55,11 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, cfg, log); err != nil {
-		log.Error("incus-provider stopped", zap.Error(err))
-		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
 		_ = log.Sync()
-		os.Exit(1)
+		// One sentence, once: the JSON log would repeat it with a stack.
+		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
+		stop()
+		os.Exit(exitCode(err))
 	}
 	_ = log.Sync()
 }
@@ -69,6 +72,8 @@ func newLogger(level string) (*zap.Logger, error) {
 	zc := zap.NewProductionConfig()
 	zc.Level = zap.NewAtomicLevelAt(lvl)
 	zc.Sampling = nil
+	// An error log is an operator's sentence, not a defect report.
+	zc.DisableStacktrace = true
 	zc.EncoderConfig.TimeKey = "time"
 	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
 	l, err := zc.Build()
@@ -79,6 +84,26 @@ func newLogger(level string) (*zap.Logger, error) {
 }
 
 func run(ctx context.Context, cfg config, log *zap.Logger) error {
+	// Files the settings name are read before anything else is touched,
+	// so that a bad one is the only thing said.
+	credential, err := bearer.Load(cfg.CredentialFile)
+	if err != nil {
+		return badSetting(fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err))
+	}
+	rl := &reloader{cfg: cfg, log: log}
+	if cfg.TLSCert != "" {
+		// Fail at start-up, not at the first handshake, on a bad pair.
+		cert, err := loadCert(cfg)
+		if err != nil {
+			return err
+		}
+		rl.cert.Store(cert)
+	}
+	// From here a SIGHUP is a reload, never the default (the end of the
+	// process); one that comes before serving is taken once serving.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	incusMetrics := newIncusMetrics(reg)
@@ -89,27 +114,22 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		ObserveEndpoint: incusMetrics.observeEndpoint,
 	})
 	if err != nil {
-		return fmt.Errorf("incus client: %w", err)
+		return badSetting(fmt.Errorf("incus client: %w", err))
 	}
 	watchEndpoints(reg, client)
-	catalog, err := templates.Load(cfg.Templates)
-	if err != nil {
-		return err
-	}
+	incusMetrics.watchAttempts(client)
+	registerBuildInfo(reg)
 	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	server, err := client.GetServer(startCtx)
 	if err != nil {
 		return fmt.Errorf("incus is not reachable (%s): %w", incusWhere(cfg), err)
 	}
-	// A template may only offer power states this host can reach.
-	if err := catalog.CheckHost(templates.HostOf(server)); err != nil {
+	if err := checkProject(startCtx, client, cfg); err != nil {
 		return err
 	}
-	if err := catalog.Resolve(startCtx, client); err != nil {
-		return err
-	}
-	if err := catalog.CheckPlacement(startCtx, server.Environment.ServerClustered, client); err != nil {
+	catalog, err := loadCatalog(startCtx, cfg.Templates, client, server)
+	if err != nil {
 		return err
 	}
 	if server.Environment.ServerClustered && len(cfg.incusURLs) > 1 {
@@ -119,9 +139,14 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 			return fmt.Errorf("incus cluster members (%s): %w", incusWhere(cfg), err)
 		}
 	}
+	rl.client, rl.server = client, server
+	rl.catalog.Store(catalog)
 	cancel()
 
 	kind, member := guestDialerFor(cfg, server)
+	if err := checkSeesIncus(cfg, server, kind); err != nil {
+		return err
+	}
 	if len(cfg.peers) > 0 && kind != guest.KindMember {
 		return fmt.Errorf("PROVIDER_PEERS=%q: forwarding to other members' replicas needs the member dialer (a cluster, with PROVIDER_INCUS_MEMBER set), and this replica uses %s", cfg.Peers, kind)
 	}
@@ -136,13 +161,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		Peers: cfg.peers, PeerSecret: cfg.peerSecret, ObserveForward: peerLog.client(peerMx),
 	})
 	if err != nil {
-		return fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err)
+		return badSetting(fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err))
 	}
 	log.Info("guest dialer", zap.String("kind", kind), zap.String("member", member), zap.Bool("clustered", server.Environment.ServerClustered))
-	credential, err := bearer.Load(cfg.CredentialFile)
-	if err != nil {
-		return fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err)
-	}
 
 	if cfg.Replica == "" {
 		cfg.Replica = defaultReplica(cfg.Listen)
@@ -167,6 +188,10 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		return err
 	}
 	ln := serve.Listener(rawLn, serveOpts)
+	rl.targets = prov.Targets
+	if cfg.TLSCert != "" {
+		main.TLSConfig = rl.tlsConfig()
+	}
 
 	var wg sync.WaitGroup
 	errc := make(chan error, 4)
@@ -195,7 +220,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		defer wg.Done()
 		var err error
 		if cfg.TLSCert != "" {
-			err = main.ServeTLS(ln, cfg.TLSCert, cfg.TLSKey)
+			err = main.ServeTLS(ln, "", "") // the certificate comes from TLSConfig
 		} else {
 			err = main.Serve(ln)
 		}
@@ -208,12 +233,12 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		mmux := http.NewServeMux()
 		mmux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-		mmux.HandleFunc("/readyz", readyz(client, catalog, reachOf(kind, member, cfg.peers), server.Environment.ServerClustered, dialer))
+		mmux.HandleFunc("/readyz", readyz(client, rl.catalog.Load, reachOf(kind, member, cfg.peers), server.Environment.ServerClustered, dialer))
 		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
 		var lc net.ListenConfig
 		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)
 		if err != nil {
-			return fmt.Errorf("PROVIDER_METRICS_LISTEN=%q cannot be bound: %w", cfg.MetricsListen, err)
+			return bindError(fmt.Errorf("PROVIDER_METRICS_LISTEN=%q cannot be bound: %w", cfg.MetricsListen, err))
 		}
 		wg.Add(1)
 		go func() {
@@ -224,10 +249,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		}()
 	}
 
-	ids := make([]string, 0, len(catalog.All()))
-	for _, t := range catalog.All() {
-		ids = append(ids, t.Wire.TemplateID)
-	}
+	ids := templateIDs(catalog)
 	url := controlURL(cfg, scheme)
 	log.Info("incus-provider is serving", zap.String("controller", url), zap.Strings("templates", ids),
 		zap.String("guestDialer", dialer.Name()), zap.String("peerListen", cfg.PeerListen), zap.Int("peers", len(cfg.peers)), zap.String("incusProject", cfg.IncusProject), zap.String("replica", cfg.Replica),
@@ -236,6 +258,12 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		zap.Int("maxConnections", cfg.MaxConnections), zap.Int("maxControlConnections", cfg.MaxControl))
 	warnIfFewFiles(log, cfg.MaxConnections)
 	fmt.Printf("controller URL: %s\ntemplates: %s\n", url, strings.Join(ids, ", "))
+
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		rl.watch(srvCtx, hup)
+	}()
 
 	var runErr error
 	select {
@@ -350,7 +378,7 @@ func listen(ctx context.Context, cfg config) (net.Listener, string, error) {
 		}
 		ln, err := lc.Listen(ctx, "unix", path)
 		if err != nil {
-			return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err)
+			return nil, "", bindError(fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err))
 		}
 		if err := os.Chmod(path, 0o660); err != nil {
 			return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q: restrict socket permissions: %w", cfg.Listen, err)
@@ -359,14 +387,9 @@ func listen(ctx context.Context, cfg config) (net.Listener, string, error) {
 	}
 	ln, err := lc.Listen(ctx, "tcp", cfg.Listen)
 	if err != nil {
-		return nil, "", fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err)
+		return nil, "", bindError(fmt.Errorf("PROVIDER_LISTEN=%q cannot be bound: %w", cfg.Listen, err))
 	}
 	if cfg.TLSCert != "" {
-		// Fail at start-up, not at the first handshake, on a bad pair.
-		if _, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey); err != nil {
-			_ = ln.Close()
-			return nil, "", fmt.Errorf("PROVIDER_TLS_CERT=%q / PROVIDER_TLS_KEY: not a usable pair: %w", cfg.TLSCert, err)
-		}
 		return ln, "wss", nil
 	}
 	return ln, "ws", nil
@@ -383,7 +406,7 @@ func controlURL(cfg config, scheme string) string {
 // there, 503 otherwise; with several Incus endpoints it then lists what
 // the client knows of each, so an operator sees which members this
 // replica can reach.
-func readyz(client *incus.Client, catalog *templates.Catalog, reach string, clustered bool, dialer guest.Dialer) http.HandlerFunc {
+func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach string, clustered bool, dialer guest.Dialer) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 		defer cancel()
@@ -391,7 +414,7 @@ func readyz(client *incus.Client, catalog *templates.Catalog, reach string, clus
 		if _, err := client.GetServer(ctx); err != nil {
 			status, verdict = http.StatusServiceUnavailable, "incus: unreachable"
 		} else {
-			for _, t := range catalog.All() {
+			for _, t := range catalogNow().All() {
 				if _, err := client.GetImage(ctx, t.Fingerprint); err != nil {
 					status, verdict = http.StatusServiceUnavailable, "template "+t.Wire.TemplateID+": image missing"
 					break

@@ -6,6 +6,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
 )
 
 type incusMetrics struct {
@@ -33,7 +34,37 @@ func newIncusMetrics(reg prometheus.Registerer) *incusMetrics {
 		}, []string{"endpoint", "status"}),
 	}
 	reg.MustRegister(m.calls, m.latency, m.attempts)
+	// Every call's every status from the start: an alert's rate() then
+	// sees the first failure, which a series born with it would hide.
+	for _, op := range incus.Operations() {
+		m.latency.WithLabelValues(op)
+		for _, st := range incus.CallStatuses() {
+			m.calls.WithLabelValues(op, st)
+		}
+	}
 	return m
+}
+
+// watchAttempts starts each configured endpoint's attempt counter at zero
+// for every status.
+func (m *incusMetrics) watchAttempts(client *incus.Client) {
+	for _, ep := range client.Endpoints() {
+		for _, st := range incus.AttemptStatuses() {
+			m.attempts.WithLabelValues(ep.Label, st)
+		}
+	}
+}
+
+// registerBuildInfo exposes the build as a constant 1 with labels, the
+// usual way to show and join on the running version.
+func registerBuildInfo(reg prometheus.Registerer) {
+	bi := buildinfo.Read()
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "incus_provider_build_info",
+		Help: "Always 1; its labels say which build runs: version, revision (git), goversion and target.",
+		ConstLabels: prometheus.Labels{"version": bi.Version, "revision": bi.GitSha, "goversion": bi.GoVersion,
+			"target": bi.Target},
+	}, func() float64 { return 1 }))
 }
 
 func (m *incusMetrics) observe(op, status string, d time.Duration) {

@@ -27,6 +27,14 @@ answering() { curl -fsS --max-time 3 --unix-socket "$SOCKET" http://incus/1.0 >/
 
 if ! command -v incusd >/dev/null 2>&1 && [ ! -x /usr/libexec/incus/incusd ]; then
   say "installing Incus from bookworm-backports (about 30 s)"
+  # On a machine run by systemd, the package starts incus.service (and
+  # incus.socket) itself: the drop-in gives that daemon the same setting as
+  # the one started below, before it can first start.
+  if [ -d /run/systemd/system ]; then
+    mkdir -p /etc/systemd/system/incus.service.d
+    printf '[Service]\nEnvironment=INCUS_SKIP_INSTANCE_TYPES=1\n' > /etc/systemd/system/incus.service.d/skip-instance-types.conf
+    systemctl daemon-reload >/dev/null 2>&1 || true
+  fi
   if [ ! -f /etc/apt/sources.list.d/bookworm-backports.sources ] && ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d; then
     cat > /etc/apt/sources.list.d/bookworm-backports.sources <<'SRC'
 Types: deb

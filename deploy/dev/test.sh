@@ -60,6 +60,20 @@ if ! command -v haproxy >/dev/null 2>&1; then
 fi
 haproxy -v | sed -n 1p # sed reads it all: head would end the pipe early (SIGPIPE under pipefail)
 
+step "alert rules (promtool, from Debian's prometheus package)"
+if ! command -v promtool >/dev/null 2>&1; then
+  # Only promtool is wanted: the daemon the package would start is kept
+  # from starting (policy-rc.d), and nothing it recommends is installed.
+  made_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; made_policy=1; fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus >>"$STATE_DIR/apt.log" 2>&1 ||
+    { apt-get update >>"$STATE_DIR/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus >>"$STATE_DIR/apt.log" 2>&1; } ||
+    { [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d; echo "apt-get install prometheus failed; see $STATE_DIR/apt.log" >&2; exit 1; }
+  if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+fi
+promtool check rules deploy/prometheus/alerts.yaml
+promtool test rules deploy/prometheus/alerts_test.yaml
+
 step "three-member Incus cluster (deploy/dev/incus-cluster-up.sh)"
 # Removed at the end only if this run made it.
 if [ ! -f "$STATE_DIR/cluster/cluster.env" ]; then started_cluster=1; fi
@@ -90,7 +104,13 @@ provider_pid=$!
 for _ in $(seq 1 100); do grep -q '^controller URL' "$work/provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/provider.log" >&2; exit 1; }; sleep 0.1; done
 bin/lsconform -url ws://127.0.0.1:18480/control -credential-file "$work/credential" -universe u-conformance || {
   echo "provider log:" >&2; tail -n 50 "$work/provider.log" >&2; exit 1; }
+# The exposition after a conformance run: what Prometheus will scrape.
+curl -fsS --max-time 10 http://127.0.0.1:19480/metrics > "$work/metrics.txt"
+promtool check metrics < "$work/metrics.txt" || { echo "promtool check metrics found problems (above)" >&2; exit 1; }
 kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
+
+step "container image (Dockerfile, podman build --pull=never) against the host's Incus"
+deploy/dev/container-test.sh
 
 step "conformance against a provider on the cluster rig (all members' URLs, guests reached by member/exec)"
 cluster_project="lsc-conform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"

@@ -13,14 +13,15 @@ var Version = ""
 
 // Info is a build's description.
 type Info struct {
-	Version string
-	GitSha  string
-	Target  string
+	Version   string
+	GitSha    string
+	Target    string
+	GoVersion string // the toolchain that built it, as runtime.Version
 }
 
 // Read returns this binary's build facts.
 func Read() Info {
-	info := Info{Version: Version, Target: runtime.GOOS + "/" + runtime.GOARCH}
+	info := Info{Version: Version, Target: runtime.GOOS + "/" + runtime.GOARCH, GoVersion: runtime.Version()}
 	if bi, ok := debug.ReadBuildInfo(); ok {
 		if info.Version == "" && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
 			info.Version = bi.Main.Version

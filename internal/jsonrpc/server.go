@@ -66,6 +66,9 @@ type Server struct {
 	OnBudgetRefused func()
 }
 
+// goingAwayWait bounds a shutdown's close handshake on each connection.
+const goingAwayWait = time.Second
+
 type ctxKey struct{}
 
 // RequestID is the id of the request a Method is serving.
@@ -91,6 +94,7 @@ type conn struct {
 // dispatched concurrently and answered in any order; the ctx handed to a
 // Method ends when the connection does.
 func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
+	parent := ctx
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	most := s.MaxInFlight
@@ -107,7 +111,22 @@ func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
 		_ = ws.WriteControl(websocket.PongMessage, []byte(appData), time.Now().Add(c.writeTimeout()))
 		return nil
 	})
-	stop := context.AfterFunc(ctx, func() { _ = ws.Close() })
+	stop := context.AfterFunc(ctx, func() {
+		if parent.Err() == nil {
+			_ = ws.Close() // the connection ended by itself
+			return
+		}
+		// The server goes away (a shutdown): say so with a close frame, and
+		// let the read loop take the peer's answering close, for at most
+		// goingAwayWait, so the peer sees 1001 rather than a cut (1006).
+		deadline := time.Now().Add(goingAwayWait)
+		if ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseGoingAway, "server shutting down"), deadline) != nil {
+			_ = ws.Close()
+			return
+		}
+		_ = ws.SetReadDeadline(deadline)
+	})
+	defer func() { _ = ws.Close() }()
 	defer stop()
 	defer c.wg.Wait()
 	defer cancel()

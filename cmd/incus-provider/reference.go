@@ -1,0 +1,91 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"reflect"
+	"strings"
+
+	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
+)
+
+// setting is one configuration variable as the config struct's tags
+// define it.
+type setting struct {
+	Name    string // the environment variable
+	Default string // empty: unset
+	Allowed string // what a value may be; also the refusal's last words
+	Help    string // what it does
+	field   string
+}
+
+// settings reads every variable from the config struct's tags, in their
+// order there: the one list --help, refusals and the tests share.
+func settings() []setting {
+	t := reflect.TypeFor[config]()
+	var out []setting
+	for i := range t.NumField() {
+		f := t.Field(i)
+		name, ok := f.Tag.Lookup("env")
+		if !ok {
+			continue
+		}
+		out = append(out, setting{Name: name, Default: f.Tag.Get("envDefault"), Allowed: f.Tag.Get("allowed"),
+			Help: f.Tag.Get("help"), field: f.Name})
+	}
+	return out
+}
+
+// settingOf finds a variable by its name or by its struct field's.
+func settingOf(name string) (setting, bool) {
+	for _, s := range settings() {
+		if s.Name == name || s.field == name {
+			return s, true
+		}
+	}
+	return setting{}, false
+}
+
+// allowed is what a variable allows, for its refusal: "use …".
+func allowed(name string) string {
+	s, ok := settingOf(name)
+	if !ok || s.Allowed == "" {
+		panic("config: no allowed tag for " + name)
+	}
+	return "use " + s.Allowed
+}
+
+// writeUsage prints the configuration reference: --help.
+func writeUsage(w io.Writer) {
+	var b strings.Builder
+	b.WriteString(`incus-provider serves Lightspeed's controller plane and data routes on Incus.
+
+Usage: incus-provider            serve, configured by the environment below
+       incus-provider --help     print this reference and exit
+       incus-provider --version  print the build and exit
+
+Every setting is an environment variable (under systemd, from EnvironmentFile).
+A bad value stops start-up with one sentence on stderr and exit status 2.
+SIGTERM or SIGINT stops gracefully; SIGHUP reloads PROVIDER_TEMPLATES and the
+TLS certificate, keeping the old ones if the new ones are refused.
+
+`)
+	for _, s := range settings() {
+		def := s.Default
+		if def == "" {
+			def = "(unset)"
+		}
+		fmt.Fprintf(&b, "%s\n    %s.\n    default: %s\n    allowed: %s\n", s.Name, s.Help, def, s.Allowed)
+	}
+	_, _ = io.WriteString(w, b.String())
+}
+
+// writeVersion prints the build: --version.
+func writeVersion(w io.Writer) {
+	bi := buildinfo.Read()
+	sha := bi.GitSha
+	if sha == "" {
+		sha = "unknown"
+	}
+	_, _ = fmt.Fprintf(w, "incus-provider %s (git %s, %s, %s)\n", bi.Version, sha, bi.Target, bi.GoVersion)
+}

@@ -1,0 +1,113 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+// loadCatalog reads a templates file and checks it against this Incus: the
+// power states the host can reach, each image, each placement. Start-up and
+// every SIGHUP go through it, so a reload accepts exactly what a start would.
+func loadCatalog(ctx context.Context, path string, client *incus.Client, server *incus.Server) (*templates.Catalog, error) {
+	catalog, err := templates.Load(path)
+	if err != nil {
+		return nil, badSetting(err)
+	}
+	if err := catalog.CheckHost(templates.HostOf(server)); err != nil {
+		return nil, badSetting(err)
+	}
+	if err := catalog.Resolve(ctx, client); err != nil {
+		return nil, unlessRetryable(err)
+	}
+	if err := catalog.CheckPlacement(ctx, server.Environment.ServerClustered, client); err != nil {
+		return nil, unlessRetryable(err)
+	}
+	return catalog, nil
+}
+
+// reloader holds what SIGHUP replaces: the templates and the TLS
+// certificate. Connections are untouched: open ones keep their handshake,
+// new ones get the new certificate, and every method call after the swap
+// sees the new templates.
+type reloader struct {
+	cfg     config
+	client  *incus.Client
+	server  *incus.Server
+	targets *targets.Service
+	log     *zap.Logger
+	catalog atomic.Pointer[templates.Catalog]
+	cert    atomic.Pointer[tls.Certificate]
+}
+
+func loadCert(cfg config) (*tls.Certificate, error) {
+	cert, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
+	if err != nil {
+		return nil, badSetting(fmt.Errorf("PROVIDER_TLS_CERT=%q / PROVIDER_TLS_KEY: not a usable pair: %w", cfg.TLSCert, err))
+	}
+	return &cert, nil
+}
+
+// tlsConfig serves whichever certificate was loaded last.
+func (r *reloader) tlsConfig() *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS12,
+		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+			return r.cert.Load(), nil
+		},
+	}
+}
+
+// reload reads both again. Each part is replaced only when the new one is
+// accepted whole; a refusal is logged as a sentence and the old one stays.
+func (r *reloader) reload(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	catalog, err := loadCatalog(ctx, r.cfg.Templates, r.client, r.server)
+	if err != nil {
+		r.log.Error("SIGHUP: the templates file is refused; the templates loaded before stay in force", zap.String("file", r.cfg.Templates), zap.Error(err))
+	} else {
+		r.catalog.Store(catalog)
+		r.targets.SetCatalog(catalog)
+		r.log.Info("SIGHUP: templates reloaded", zap.String("file", r.cfg.Templates), zap.Strings("templates", templateIDs(catalog)))
+	}
+	if r.cfg.TLSCert == "" {
+		return
+	}
+	cert, err := loadCert(r.cfg)
+	if err != nil {
+		r.log.Error("SIGHUP: the TLS certificate is refused; the one loaded before stays in force", zap.String("file", r.cfg.TLSCert), zap.Error(err))
+		return
+	}
+	r.cert.Store(cert)
+	r.log.Info("SIGHUP: TLS certificate reloaded", zap.String("file", r.cfg.TLSCert))
+}
+
+// watch reloads on each signal until ctx ends.
+func (r *reloader) watch(ctx context.Context, hup <-chan os.Signal) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+			r.reload(ctx)
+		}
+	}
+}
+
+func templateIDs(c *templates.Catalog) []string {
+	ids := make([]string, 0, len(c.All()))
+	for _, t := range c.All() {
+		ids = append(ids, t.Wire.TemplateID)
+	}
+	return ids
+}
