@@ -15,6 +15,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/templates"
@@ -39,6 +40,9 @@ type Config struct {
 	// Replica names this process among the replicas serving one project
 	// (see leases.go); default a random id.
 	Replica string
+	// IngressBase is the public base of the ingress edge; nil serves no
+	// public ingress (the methods answer capabilityUnavailable).
+	IngressBase *ingressurl.Base
 }
 
 func (c *Config) defaults() {
@@ -87,6 +91,8 @@ type Service struct {
 	changes changeFeed
 	// leases are this replica's relay leases on instances (see leases.go).
 	leases leaseTable
+	// ingress maps the edge's labels to routed targets (see ingress.go).
+	ingress ingressIndex
 }
 
 // New builds the service. Call Run to start its reconciler. The relay
@@ -109,6 +115,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s := &Service{incus: client, catalog: catalog, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
 		startFailures: map[string]int{}}
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
+	s.ingress.init()
 	s.work = newWorker(s.converge)
 	return s, nil
 }
@@ -587,11 +594,21 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 		return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
+	// Public ingress goes first: the edge answers the host 404 from now on,
+	// whatever the stop and delete take.
+	s.ingress.drop(name)
 	if inst.Config[keyClosing] == "" {
-		if err := s.patch(ctx, name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+		set := map[string]string{keyClosing: msString(s.now())}
+		if inst.Config[keyIngressRouted] != "" {
+			set[keyIngressRouted] = ""
+		}
+		if err := s.patch(ctx, name, set); err != nil {
 			unlock()
 			return controller.Observation{}, s.incusError("recording the close", err)
 		}
+		// Again after the write: a reconcile pass that listed before it must
+		// not put the route back.
+		s.ingress.drop(name)
 	}
 	unlock()
 	s.kickAndWait(ctx, name)
@@ -622,14 +639,4 @@ func (s *Service) createPending(ctx context.Context, name string) (bool, error) 
 		}
 	}
 	return false, nil
-}
-
-// EnsureIngress is not served by this build (the ingress capability is not advertised).
-func (s *Service) EnsureIngress(_ context.Context, _ controller.TargetRef) (controller.Observation, error) {
-	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "This provider does not serve public ingress yet.")
-}
-
-// RemoveIngress is not served by this build (the ingress capability is not advertised).
-func (s *Service) RemoveIngress(_ context.Context, _ controller.TargetRef) (controller.Observation, error) {
-	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "This provider does not serve public ingress yet.")
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
@@ -52,11 +53,14 @@ type config struct {
 	IncusClientKey    string        `env:"INCUS_CLIENT_KEY"`
 	IncusServerCert   string        `env:"INCUS_SERVER_CERT"`
 	IncusProject      string        `env:"INCUS_PROJECT" envDefault:"default"`
+	IngressListen     string        `env:"PROVIDER_INGRESS_LISTEN" envDefault:"127.0.0.1:8482"`
+	IngressBaseURL    string        `env:"PROVIDER_INGRESS_BASE_URL" envDefault:"http://{label}.localhost:8482"`
 
 	// Set by check from the strings above.
 	incusURLs         []string
 	decodeBudgetBytes int64
-	memoryLimitBytes  int64 // 0: off
+	memoryLimitBytes  int64            // 0: off
+	ingressBase       *ingressurl.Base // nil: PROVIDER_INGRESS_LISTEN=off
 }
 
 // loadConfig reads and checks the environment. Every refusal is one
@@ -175,6 +179,16 @@ func (c *config) check() error {
 	}
 	if c.IncusProject == "" {
 		return bad("INCUS_PROJECT", c.IncusProject, "name an Incus project, such as default")
+	}
+	if c.IngressListen != "off" {
+		if err := checkListen(c.IngressListen); err != nil || strings.HasPrefix(c.IngressListen, "unix:") {
+			return bad("PROVIDER_INGRESS_LISTEN", c.IngressListen, "use host:port (such as 127.0.0.1:8482), or off to serve no public ingress")
+		}
+		base, err := ingressurl.Parse(c.IngressBaseURL)
+		if err != nil {
+			return bad("PROVIDER_INGRESS_BASE_URL", c.IngressBaseURL, err.Error())
+		}
+		c.ingressBase = &base
 	}
 	return nil
 }

@@ -139,6 +139,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
+		IngressBase: cfg.ingressBase,
 	})
 	if err != nil {
 		return err
@@ -154,7 +155,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	ln := serve.Listener(rawLn, serveOpts)
 
 	var wg sync.WaitGroup
-	errc := make(chan error, 3)
+	errc := make(chan error, 4)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -196,6 +197,24 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		}()
 	}
 
+	var edgeSrv *http.Server
+	if prov.Ingress != nil {
+		edgeSrv = prov.Ingress.Server(log.Named("ingress-http"))
+		var lc net.ListenConfig
+		eln, err := lc.Listen(ctx, "tcp", cfg.IngressListen)
+		if err != nil {
+			return fmt.Errorf("PROVIDER_INGRESS_LISTEN=%q cannot be bound: %w", cfg.IngressListen, err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := edgeSrv.Serve(eln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("ingress listener: %w", err)
+			}
+		}()
+		log.Info("public ingress edge", zap.String("listen", cfg.IngressListen), zap.String("base", cfg.ingressBase.String()))
+	}
+
 	ids := make([]string, 0, len(catalog.All()))
 	for _, t := range catalog.All() {
 		ids = append(ids, t.Wire.TemplateID)
@@ -221,9 +240,19 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if metricsSrv != nil {
 		_ = metricsSrv.Shutdown(shutdownCtx)
 	}
+	edgeDone := make(chan struct{})
+	go func() {
+		defer close(edgeDone)
+		if edgeSrv != nil {
+			// A stream never goes idle by itself: the provider's stop
+			// below closes every upstream connection, which ends it.
+			_ = edgeSrv.Shutdown(shutdownCtx)
+		}
+	}()
 	// Ends WebSocket connections (hijacked, so Shutdown does not), the
 	// reconciler and the idle loop; waits for the relays' going-away closes.
 	prov.Stop(shutdownCtx)
+	<-edgeDone
 	cancelServe()
 	wg.Wait()
 	return runErr
