@@ -53,6 +53,14 @@ if ! command -v haproxy >/dev/null 2>&1; then
 fi
 haproxy -v | sed -n 1p # sed reads it all: head would end the pipe early (SIGPIPE under pipefail)
 
+step "Chromium (the headless browser of the public ingress test)"
+if ! command -v chromium >/dev/null 2>&1; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >>"$STATE_DIR/apt.log" 2>&1 ||
+    { apt-get update >>"$STATE_DIR/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >>"$STATE_DIR/apt.log" 2>&1; } ||
+    { echo "apt-get install chromium failed; see $STATE_DIR/apt.log" >&2; exit 1; }
+fi
+chromium --version | sed -n 1p
+
 step "three-member Incus cluster (deploy/dev/incus-cluster-up.sh)"
 # Removed at the end only if this run made it.
 if [ ! -f "$STATE_DIR/cluster/cluster.env" ]; then started_cluster=1; fi
