@@ -458,7 +458,7 @@ func TestIngressManyOwnersAtOnce(t *testing.T) {
 					break
 				}
 				if time.Now().After(deadline) {
-					errs <- fmt.Errorf("owner %d: ensure never routed: %+v, %v", i, o, err)
+					errs <- fmt.Errorf("owner %d: ensure never routed: %+v, %w", i, o, err)
 					return
 				}
 				time.Sleep(200 * time.Millisecond)
