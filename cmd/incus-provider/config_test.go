@@ -44,6 +44,10 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_MAX_CONNECTIONS", "8", "from 16"},
 		{"PROVIDER_MAX_CONNECTIONS", "many", "PROVIDER_MAX_CONNECTIONS"},
 		{"PROVIDER_MAX_CONTROL_CONNECTIONS", "0", "from 1"},
+		{"PROVIDER_INGRESS_LISTEN", "unix:/x", "or off"},
+		{"PROVIDER_INGRESS_BASE_URL", "https://env.example.com", "exactly once in its host"},
+		{"PROVIDER_INGRESS_BASE_URL", "ftp://{label}.example.com", "http or https"},
+		{"PROVIDER_INGRESS_BASE_URL", "https://{label}.example.com/app", "no user, path"},
 	}
 	for _, c := range cases {
 		t.Run(c.name+"="+c.value, func(t *testing.T) {

@@ -84,6 +84,7 @@ step "conformance against a running provider"
 incus project create "$conform_project" -c features.images=false -c features.profiles=false >/dev/null
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 PROVIDER_LISTEN=127.0.0.1:18480 PROVIDER_METRICS_LISTEN=127.0.0.1:19480 \
+  PROVIDER_INGRESS_LISTEN=127.0.0.1:18482 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18482' \
   PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
   INCUS_PROJECT="$conform_project" PROVIDER_GRACEFUL_STOP=5s \
   bin/incus-provider >"$work/provider.out" 2>"$work/provider.log" &
@@ -100,6 +101,7 @@ INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client" \
 (
   set -a; . "$STATE_DIR/cluster/cluster.env"; set +a
   PROVIDER_LISTEN=127.0.0.1:18481 PROVIDER_METRICS_LISTEN=127.0.0.1:19481 \
+    PROVIDER_INGRESS_LISTEN=127.0.0.1:18483 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18483' \
     PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
     INCUS_PROJECT="$cluster_project" PROVIDER_INCUS_MEMBER=lsm1 PROVIDER_GRACEFUL_STOP=5s \
     exec bin/incus-provider >"$work/cluster-provider.out" 2>"$work/cluster-provider.log"
