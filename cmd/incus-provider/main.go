@@ -227,6 +227,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		zap.Int("maxConnections", cfg.MaxConnections), zap.Int("maxControlConnections", cfg.MaxControl))
 	warnIfFewFiles(log, cfg.MaxConnections)
 	fmt.Printf("controller URL: %s\ntemplates: %s\n", url, strings.Join(ids, ", "))
+	if prov.Ingress != nil {
+		fmt.Printf("public ingress: %s (edge on %s)\n", cfg.ingressBase, cfg.IngressListen)
+	}
 
 	var runErr error
 	select {
