@@ -201,10 +201,13 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if prov.Ingress != nil {
 		edgeSrv = prov.Ingress.Server(log.Named("ingress-http"))
 		var lc net.ListenConfig
-		eln, err := lc.Listen(ctx, "tcp", cfg.IngressListen)
+		rawEdge, err := lc.Listen(ctx, "tcp", cfg.IngressListen)
 		if err != nil {
 			return fmt.Errorf("PROVIDER_INGRESS_LISTEN=%q cannot be bound: %w", cfg.IngressListen, err)
 		}
+		// The same ceiling on open connections as the controller's listener,
+		// counted on its own.
+		eln := serve.Listener(rawEdge, serve.Options{MaxConnections: cfg.MaxConnections, Log: log.Named("ingress-listener")})
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
