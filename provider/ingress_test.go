@@ -260,11 +260,7 @@ func TestIngress(t *testing.T) {
 					t.Fatalf("from %s: 503 without Retry-After or the waking page: %v %.200s", p, resp.Header, body)
 				}
 				t.Logf("from %s: 503 after %s; asking again", p, took)
-				deadline := time.Now().Add(30 * time.Second)
-				for resp.StatusCode != http.StatusOK && time.Now().Before(deadline) {
-					time.Sleep(500 * time.Millisecond)
-					resp, _ = r.edgeGet(endpoint, "/", nil)
-				}
+				resp = r.awaitServing(endpoint)
 			}
 			if resp.StatusCode != http.StatusOK {
 				t.Fatalf("from %s: the request answered %d", p, resp.StatusCode)
@@ -280,6 +276,7 @@ func TestIngress(t *testing.T) {
 	})
 
 	t.Run("no idle power-down under an open stream; an explicit one closes it", func(t *testing.T) {
+		r.awaitServing(endpoint)
 		stream, cancel := r.openEvents(t, endpoint)
 		defer cancel()
 		stream()
@@ -363,6 +360,23 @@ func TestIngress(t *testing.T) {
 			time.Sleep(100 * time.Millisecond)
 		}
 	})
+}
+
+// awaitServing asks for the page until it answers 200: a wake that a
+// loaded Incus takes long over is answered 503 meanwhile.
+func (r *rig) awaitServing(endpoint string) *http.Response {
+	r.t.Helper()
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		resp, _ := r.edgeGet(endpoint, "/", nil)
+		if resp.StatusCode == http.StatusOK || time.Now().After(deadline) {
+			return resp
+		}
+		if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
+			r.t.Fatalf("while the target wakes, the edge answers %d (Retry-After %q); want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
 }
 
 // openEvents opens the guest's event stream through the edge and answers a

@@ -5,7 +5,7 @@
 //     through the edge versus a direct HTTP connection into the guest's
 //     network namespace (the provider's own GuestDialer to the app's port),
 //     p50 and p95, and the edge/direct ratio (goal ≤ 1.3×);
-//   - 1 MiB bodies each way (downloads of /bytes, uploads to /echo):
+//   - 1 MiB bodies each way (downloads of /bytes, uploads to /count):
 //     throughput through the edge versus direct (goal ≥ 0.9×);
 //   - a 1 GiB download through the edge: throughput, and the process's
 //     resident set before and at its peak (goal: flat);
@@ -453,7 +453,7 @@ func throughput(ctx context.Context, c *http.Client, endpoint, dir string, n int
 		if dir == "download" {
 			req, err = http.NewRequestWithContext(ctx, http.MethodGet, endpoint+"/bytes?n=1048576", nil)
 		} else {
-			req, err = http.NewRequestWithContext(ctx, http.MethodPost, endpoint+"/echo", bytes.NewReader(body))
+			req, err = http.NewRequestWithContext(ctx, http.MethodPost, endpoint+"/count", bytes.NewReader(body))
 		}
 		if err != nil {
 			return 0, fmt.Errorf("request: %w", err)
@@ -462,10 +462,15 @@ func throughput(ctx context.Context, c *http.Client, endpoint, dir string, n int
 		if err != nil {
 			return 0, fmt.Errorf("%s: %w", dir, err)
 		}
-		got, err := io.Copy(io.Discard, resp.Body)
+		answer, err := io.ReadAll(resp.Body)
 		_ = resp.Body.Close()
-		if err != nil || got != 1<<20 {
-			return 0, fmt.Errorf("%s: %d bytes back, %w", dir, got, err)
+		switch {
+		case err != nil:
+			return 0, fmt.Errorf("%s: reading the answer: %w", dir, err)
+		case dir == "download" && len(answer) != 1<<20:
+			return 0, fmt.Errorf("download: %d bytes", len(answer))
+		case dir == "upload" && strings.TrimSpace(string(answer)) != "1048576":
+			return 0, fmt.Errorf("upload: the app counted %q", answer)
 		}
 	}
 	return float64(n) * (1 << 20) / time.Since(start).Seconds() / 1e6, nil

@@ -15,6 +15,8 @@ import (
 // templates' ingressPort), on the guest loopback like the daemon.
 const DefaultWebPort = 8080
 
+const maxEcho = 64 << 20
+
 // SSEEvents is how many server-sent events /events streams before its
 // "done" event.
 const SSEEvents = 3
@@ -29,7 +31,8 @@ const SSEEvents = 3
 //	GET /ws        a WebSocket that echoes every message with "echo: " before it
 //	GET /headers   the request's headers and Host, as JSON
 //	GET /bytes?n=N N bytes of 'x', streamed
-//	POST /echo     the request body back, streamed
+//	POST /echo     the request body back (at most 64 MiB, read whole first)
+//	POST /count    the request body's length, read as it streams
 //	GET /redirect  302 to /
 func WebApp() http.Handler {
 	mux := http.NewServeMux()
@@ -45,8 +48,23 @@ func WebApp() http.Handler {
 	})
 	mux.HandleFunc("GET /bytes", serveBytes)
 	mux.HandleFunc("POST /echo", func(w http.ResponseWriter, r *http.Request) {
+		// Read whole before answering: an HTTP/1.1 server may stop reading
+		// a body once its answer has started.
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxEcho))
+		if err != nil {
+			http.Error(w, "the body must be at most 64 MiB", http.StatusRequestEntityTooLarge)
+			return
+		}
 		w.Header().Set("Content-Type", "application/octet-stream")
-		_, _ = io.Copy(w, r.Body)
+		_, _ = w.Write(body)
+	})
+	mux.HandleFunc("POST /count", func(w http.ResponseWriter, r *http.Request) {
+		n, err := io.Copy(io.Discard, r.Body)
+		if err != nil {
+			http.Error(w, "the body did not arrive whole", http.StatusBadRequest)
+			return
+		}
+		_, _ = fmt.Fprintf(w, "%d\n", n)
 	})
 	mux.HandleFunc("GET /redirect", func(w http.ResponseWriter, r *http.Request) {
 		http.Redirect(w, r, "/", http.StatusFound)
