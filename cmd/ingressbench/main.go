@@ -145,7 +145,8 @@ func run(ctx context.Context, cfg config) error {
 	if err != nil {
 		return fmt.Errorf("netns dialer: %w", err)
 	}
-	edgeLn, err := net.Listen("tcp", "127.0.0.1:0")
+	var lc net.ListenConfig
+	edgeLn, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
 	if err != nil {
 		return fmt.Errorf("edge listener: %w", err)
 	}
