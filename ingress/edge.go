@@ -94,6 +94,10 @@ func New(opts Options) (*Edge, error) {
 		ExpectContinueTimeout:  time.Second,
 		MaxResponseHeaderBytes: 64 << 10,
 		DisableCompression:     true,
+		// The default 4 KiB buffers cost an upload a write call every 4 KiB
+		// (measured: a third of a direct connection's throughput).
+		WriteBufferSize: 64 << 10,
+		ReadBufferSize:  64 << 10,
 	}
 	e.proxy = &httputil.ReverseProxy{
 		Rewrite:       e.rewrite,
