@@ -69,8 +69,15 @@ type Edge struct {
 	proto string
 
 	mu    sync.Mutex
-	ready map[string]struct{} // instances seen serving since their last power change
+	ready map[string]time.Time // instances seen serving since their last power change, and when
 }
+
+// readyFor bounds how long a target seen serving is taken to serve without
+// reading it again. This process forgets it at every power change it makes;
+// the bound is for the changes it does not see (another replica's, an
+// operator's), so that a request never waits on a guest frozen behind its
+// back for longer than this: one Incus read per target in use per period.
+const readyFor = 5 * time.Second
 
 // New builds the edge.
 func New(opts Options) (*Edge, error) {
@@ -83,7 +90,7 @@ func New(opts Options) (*Edge, error) {
 	if opts.Log == nil {
 		opts.Log = zap.NewNop()
 	}
-	e := &Edge{opts: opts, log: opts.Log, proto: opts.Base.Scheme(), ready: map[string]struct{}{}}
+	e := &Edge{opts: opts, log: opts.Log, proto: opts.Base.Scheme(), ready: map[string]time.Time{}}
 	e.tr = &http.Transport{
 		DialContext:         e.dial,
 		MaxIdleConnsPerHost: 8,
@@ -131,13 +138,22 @@ func (e *Edge) Server(errorLog *zap.Logger) *http.Server {
 func (e *Edge) isReady(name string) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	_, ok := e.ready[name]
-	return ok
+	at, ok := e.ready[name]
+	return ok && time.Since(at) < readyFor
 }
 
 func (e *Edge) markReady(name string) {
 	e.mu.Lock()
-	e.ready[name] = struct{}{}
+	e.ready[name] = time.Now()
+	if len(e.ready) > 4096 {
+		// Forget what has expired, so that the map holds the targets in
+		// use, not every one ever served.
+		for n, at := range e.ready {
+			if time.Since(at) >= readyFor {
+				delete(e.ready, n)
+			}
+		}
+	}
 	e.mu.Unlock()
 }
 
