@@ -1,11 +1,14 @@
 package targets
 
 import (
+	"context"
+	"errors"
 	"testing"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
 func routedInstance(o controller.Owner, label string, routed bool) incus.Instance {
@@ -85,5 +88,16 @@ func TestObservationCarriesTheEndpointExactlyWhileRouted(t *testing.T) {
 	inst.Config[keyClosing] = "1"
 	if got := s.withIngress(&inst, Observe(&inst, o)); got.Ingress != nil {
 		t.Fatalf("closing: %+v", got.Ingress)
+	}
+}
+
+func TestIngressMethodsWithoutAnEdgeAreUnavailable(t *testing.T) {
+	s := &Service{}
+	for _, call := range []func(context.Context, controller.TargetRef) (controller.Observation, error){s.EnsureIngress, s.RemoveIngress} {
+		_, err := call(context.Background(), controller.TargetRef{Owner: owner("ix-off")})
+		var e *jsonrpc.Error
+		if !errors.As(err, &e) || e.Kind != jsonrpc.KindCapabilityUnavailable || e.Capability != "ingress" {
+			t.Fatalf("without an edge: %v", err)
+		}
 	}
 }
