@@ -55,6 +55,8 @@ type config struct {
 	IncusProject      string        `env:"INCUS_PROJECT" envDefault:"default"`
 	IngressListen     string        `env:"PROVIDER_INGRESS_LISTEN" envDefault:"127.0.0.1:8482"`
 	IngressBaseURL    string        `env:"PROVIDER_INGRESS_BASE_URL" envDefault:"http://{label}.localhost:8482"`
+	IngressTLSCert    string        `env:"PROVIDER_INGRESS_TLS_CERT"`
+	IngressTLSKey     string        `env:"PROVIDER_INGRESS_TLS_KEY"`
 
 	// Set by check from the strings above.
 	incusURLs         []string
@@ -189,6 +191,17 @@ func (c *config) check() error {
 			return bad("PROVIDER_INGRESS_BASE_URL", c.IngressBaseURL, err.Error())
 		}
 		c.ingressBase = &base
+		if (c.IngressTLSCert == "") != (c.IngressTLSKey == "") {
+			return bad("PROVIDER_INGRESS_TLS_CERT", c.IngressTLSCert, "set PROVIDER_INGRESS_TLS_CERT and PROVIDER_INGRESS_TLS_KEY together, or neither")
+		}
+		for name, path := range map[string]string{"PROVIDER_INGRESS_TLS_CERT": c.IngressTLSCert, "PROVIDER_INGRESS_TLS_KEY": c.IngressTLSKey} {
+			if path == "" {
+				continue
+			}
+			if _, err := os.Stat(path); err != nil {
+				return bad(name, path, "it must name a readable file ("+err.Error()+")")
+			}
+		}
 	}
 	return nil
 }

@@ -45,6 +45,7 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_MAX_CONNECTIONS", "many", "PROVIDER_MAX_CONNECTIONS"},
 		{"PROVIDER_MAX_CONTROL_CONNECTIONS", "0", "from 1"},
 		{"PROVIDER_INGRESS_LISTEN", "unix:/x", "or off"},
+		{"PROVIDER_INGRESS_TLS_CERT", "/nonexistent/ingress.crt", "PROVIDER_INGRESS_TLS_KEY together"},
 		{"PROVIDER_INGRESS_BASE_URL", "https://env.example.com", "exactly once in its host"},
 		{"PROVIDER_INGRESS_BASE_URL", "ftp://{label}.example.com", "http or https"},
 		{"PROVIDER_INGRESS_BASE_URL", "https://{label}.example.com/app", "no user, path"},

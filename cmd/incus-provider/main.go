@@ -211,7 +211,14 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := edgeSrv.Serve(eln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			var err error
+			if cfg.IngressTLSCert != "" {
+				// TLS brings HTTP/2 with it (ALPN h2, then http/1.1).
+				err = edgeSrv.ServeTLS(eln, cfg.IngressTLSCert, cfg.IngressTLSKey)
+			} else {
+				err = edgeSrv.Serve(eln)
+			}
+			if err != nil && !errors.Is(err, http.ErrServerClosed) {
 				errc <- fmt.Errorf("ingress listener: %w", err)
 			}
 		}()
