@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"html"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptrace"
@@ -58,6 +59,9 @@ type Options struct {
 	// Hold bounds how long a request waits for its target to wake (default
 	// and most: routes.MaxHold, the contract's bound for data routes).
 	Hold time.Duration
+	// Stall bounds a client's silence while it sends its body or reads
+	// its answer (default DefaultStall).
+	Stall time.Duration
 }
 
 // Edge serves public ingress.
@@ -89,6 +93,9 @@ func New(opts Options) (*Edge, error) {
 	}
 	if opts.Log == nil {
 		opts.Log = zap.NewNop()
+	}
+	if opts.Stall <= 0 {
+		opts.Stall = DefaultStall
 	}
 	e := &Edge{opts: opts, log: opts.Log, proto: opts.Base.Scheme(), ready: map[string]time.Time{}}
 	e.tr = &http.Transport{
@@ -175,7 +182,17 @@ type admission struct {
 // ServeHTTP maps the host, admits the request (waking its target) and
 // proxies it.
 func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	sw := &statusWriter{ResponseWriter: w}
+	rc := http.NewResponseController(w)
+	// A kept-alive connection may carry the last request's write deadline:
+	// none until this answer writes, and a fresh one for the server's own
+	// last flush after it.
+	_ = rc.SetWriteDeadline(time.Time{})
+	stall := e.opts.Stall
+	defer func() { _ = rc.SetWriteDeadline(time.Now().Add(stall)) }()
+	sw := &statusWriter{ResponseWriter: w, rc: rc, stall: stall}
+	if r.Body != nil && r.Body != http.NoBody {
+		r.Body = &stallBody{ReadCloser: r.Body, rc: rc, stall: stall}
+	}
 	defer func() { e.opts.Metrics.request(sw.class(r)) }()
 	var route targets.IngressRoute
 	label, ok := e.opts.Base.Label(r.Host)
@@ -361,10 +378,59 @@ func page(w http.ResponseWriter, status int, title, text string) {
 		html.EscapeString(title), html.EscapeString(title), html.EscapeString(text))
 }
 
-// statusWriter remembers the status written, for the requests metric.
-// Unwrap lets the reverse proxy reach the flusher and the hijacker.
+// DefaultStall is how long a client may leave its request body or its
+// answer without a byte moving before its connection is closed: bodies are
+// streamed, so the whole exchange has no bound, but a client that stops
+// reading or sending must not hold a guest's connection.
+const DefaultStall = time.Minute
+
+// stallBody puts a fresh read deadline on the client's connection before
+// each read of the request body, and clears it at the body's end (the
+// server then reads the next request under its own deadlines); a body cut
+// short leaves the connection unreadable, so the server closes it.
+type stallBody struct {
+	io.ReadCloser
+	rc    *http.ResponseController
+	stall time.Duration
+	ended bool // read to its end
+	cut   bool // a read failed
+}
+
+// Close of a body read to its end leaves the deadline cleared (the
+// server's own read of the connection must not time out later on a
+// stream's answer); of one cut short, it puts a fresh deadline on the
+// read of the rest that the server does before it reuses the connection,
+// so a client that stopped sending is let go.
+func (b *stallBody) Close() error {
+	if !b.ended && !b.cut {
+		_ = b.rc.SetReadDeadline(time.Now().Add(b.stall))
+	}
+	return b.ReadCloser.Close()
+}
+
+func (b *stallBody) Read(p []byte) (int, error) {
+	_ = b.rc.SetReadDeadline(time.Now().Add(b.stall))
+	n, err := b.ReadCloser.Read(p)
+	switch {
+	case errors.Is(err, io.EOF):
+		b.ended = true
+		_ = b.rc.SetReadDeadline(time.Time{})
+	case err != nil:
+		// Cut short (the client stalled or went away): nothing more is
+		// read from this connection, so the server closes it.
+		b.cut = true
+		_ = b.rc.SetReadDeadline(time.Now())
+	}
+	return n, err
+}
+
+// statusWriter remembers the status written, for the requests metric, and
+// puts a fresh write deadline on every write. Unwrap lets the reverse
+// proxy reach the flusher and the hijacker.
 type statusWriter struct {
 	http.ResponseWriter
+	rc     *http.ResponseController
+	stall  time.Duration
 	status int
 }
 
@@ -372,6 +438,7 @@ func (s *statusWriter) WriteHeader(code int) {
 	if s.status == 0 {
 		s.status = code
 	}
+	_ = s.rc.SetWriteDeadline(time.Now().Add(s.stall))
 	s.ResponseWriter.WriteHeader(code)
 }
 
@@ -379,7 +446,15 @@ func (s *statusWriter) Write(p []byte) (int, error) {
 	if s.status == 0 {
 		s.status = http.StatusOK
 	}
+	_ = s.rc.SetWriteDeadline(time.Now().Add(s.stall))
 	return s.ResponseWriter.Write(p)
+}
+
+// Flush carries the write deadline too: an event stream's flush is where
+// a client that stopped reading blocks.
+func (s *statusWriter) Flush() {
+	_ = s.rc.SetWriteDeadline(time.Now().Add(s.stall))
+	_ = s.rc.Flush()
 }
 
 func (s *statusWriter) Unwrap() http.ResponseWriter { return s.ResponseWriter }

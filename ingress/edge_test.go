@@ -3,6 +3,7 @@ package ingress
 import (
 	"bufio"
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -78,7 +79,9 @@ type edgeRig struct {
 
 const instance = "ls-0123456789abcdef0123"
 
-func newEdgeRig(t *testing.T, app http.Handler) *edgeRig {
+func newEdgeRig(t *testing.T, app http.Handler) *edgeRig { return newEdgeRigStall(t, app, 0) }
+
+func newEdgeRigStall(t *testing.T, app http.Handler, stall time.Duration) *edgeRig {
 	t.Helper()
 	appSrv := httptest.NewServer(app)
 	t.Cleanup(appSrv.Close)
@@ -92,7 +95,7 @@ func newEdgeRig(t *testing.T, app http.Handler) *edgeRig {
 	}}
 	wk := &fakeWaker{}
 	reg := relays.New(time.Second)
-	e, err := New(Options{Targets: tg, Waker: wk, Dialer: appDialer{addr: appSrv.Listener.Addr().String()}, Relays: reg, Base: base})
+	e, err := New(Options{Targets: tg, Waker: wk, Dialer: appDialer{addr: appSrv.Listener.Addr().String()}, Relays: reg, Base: base, Stall: stall})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -210,5 +213,36 @@ func TestAnOpenStreamIsARelayThatAPowerDownCloses(t *testing.T) {
 	}
 	if _, err := io.ReadAll(resp.Body); err == nil {
 		t.Fatal("the stream ended cleanly; want it cut by the power-down")
+	}
+}
+
+func TestAClientThatStallsItsUploadIsCut(t *testing.T) {
+	got := make(chan error, 1)
+	r := newEdgeRigStall(t, http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		_, err := io.ReadAll(req.Body)
+		got <- err
+	}), 300*time.Millisecond)
+	var d net.Dialer
+	conn, err := d.DialContext(context.Background(), "tcp", r.srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// Headers and a tenth of the body, then nothing.
+	_, _ = io.WriteString(conn, "POST /echo HTTP/1.1\r\nHost: "+r.label+".env.example.com\r\nContent-Length: 100\r\n\r\n0123456789")
+	select {
+	case err := <-got:
+		if err == nil {
+			t.Fatal("the app read a whole body the client never sent")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a stalled upload still holds the guest's connection after 10 s")
+	}
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadAll(conn); err != nil && !errors.Is(err, io.EOF) {
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			t.Fatal("the edge kept the stalled client's connection open")
+		}
 	}
 }
