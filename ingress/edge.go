@@ -415,13 +415,20 @@ func (b *stallBody) Read(p []byte) (int, error) {
 	case errors.Is(err, io.EOF):
 		b.ended = true
 		_ = b.rc.SetReadDeadline(time.Time{})
-	case err != nil:
-		// Cut short (the client stalled or went away): nothing more is
-		// read from this connection, so the server closes it.
+	case isTimeout(err):
+		// The client stalled: nothing more is read from this connection,
+		// so the server closes it. (Other errors are left alone: a read
+		// after the transport closed the body is not the client's fault,
+		// and an unreadable connection would cancel the request.)
 		b.cut = true
 		_ = b.rc.SetReadDeadline(time.Now())
 	}
 	return n, err
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }
 
 // statusWriter remembers the status written, for the requests metric, and

@@ -2,12 +2,14 @@ package ingress
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -243,6 +245,30 @@ func TestAClientThatStallsItsUploadIsCut(t *testing.T) {
 		var ne net.Error
 		if errors.As(err, &ne) && ne.Timeout() {
 			t.Fatal("the edge kept the stalled client's connection open")
+		}
+	}
+}
+
+func TestAnUploadStreamsThroughWhole(t *testing.T) {
+	r := newEdgeRig(t, http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		n, err := io.Copy(io.Discard, req.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		_, _ = io.WriteString(w, strconv.FormatInt(n, 10))
+	}))
+	for range 3 {
+		req, _ := http.NewRequest(http.MethodPost, r.srv.URL+"/count", bytes.NewReader(bytes.Repeat([]byte("u"), 1<<20)))
+		req.Host = r.label + ".env.example.com"
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || string(got) != "1048576" {
+			t.Fatalf("the upload: %d %q", resp.StatusCode, got)
 		}
 	}
 }

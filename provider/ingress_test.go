@@ -197,6 +197,17 @@ func TestIngress(t *testing.T) {
 		if err != nil || !bytes.Equal(got, up) {
 			t.Fatalf("the echo of 1 MiB came back as %d bytes (%v)", len(got), err)
 		}
+		for i := range 4 {
+			resp, err := r.edgeClient().Post(endpoint+"/count", "application/octet-stream", bytes.NewReader(up))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err != nil || resp.StatusCode != http.StatusOK || strings.TrimSpace(string(got)) != "1048576" {
+				t.Fatalf("upload %d of 1 MiB: %d, counted %q (%v)", i, resp.StatusCode, got, err)
+			}
+		}
 		resp, body := r.edgeGet(endpoint, "/bytes?n=1048576", nil)
 		if resp.StatusCode != http.StatusOK || len(body) != 1<<20 {
 			t.Fatalf("the 1 MiB download: %d, %d bytes", resp.StatusCode, len(body))

@@ -462,7 +462,7 @@ func interleaved(n int, op func(*http.Client) error, clients ...*http.Client) ([
 		for i, c := range clients {
 			start := time.Now()
 			if err := op(c); err != nil {
-				return nil, err
+				return nil, fmt.Errorf("%s: %w", []string{"edge", "direct"}[min(i, 1)], err)
 			}
 			out[i] = append(out[i], time.Since(start))
 		}
@@ -505,7 +505,7 @@ func moveMiB(ctx context.Context, c *http.Client, endpoint, dir string) error {
 	case dir == "download" && len(answer) != 1<<20:
 		return fmt.Errorf("download: %d bytes", len(answer))
 	case dir == "upload" && strings.TrimSpace(string(answer)) != "1048576":
-		return fmt.Errorf("upload: the app counted %q", answer)
+		return fmt.Errorf("upload: answered %d, the app counted %q", resp.StatusCode, answer)
 	}
 	return nil
 }
