@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"html"
 	"io"
+	stdlog "log"
 	"net"
 	"net/http"
 	"net/http/httptrace"
 	"net/http/httputil"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -118,6 +120,8 @@ func New(opts Options) (*Edge, error) {
 		Transport:     e.tr,
 		FlushInterval: -1, // server-sent events and other streams go out as they come
 		ErrorHandler:  e.upstreamError,
+		// A stream cut by a power-down or a client that left is routine.
+		ErrorLog: mustStdLog(opts.Log.Named("proxy")),
 	}
 	opts.Relays.OnPowerChange(e.forget)
 	return e, nil
@@ -183,6 +187,13 @@ type admission struct {
 // proxies it.
 func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	rc := http.NewResponseController(w)
+	// A proxy answers while it may still be sending the request body on
+	// (the transport's last read of it comes after the guest answered):
+	// without full duplex the server would drain and close that body the
+	// moment the answer starts, the transport's read would fail, and the
+	// upstream connection, and the answer with it, would be cut. (HTTP/2
+	// is full duplex already and says so with an error.)
+	_ = rc.EnableFullDuplex()
 	// A kept-alive connection may carry the last request's write deadline:
 	// none until this answer writes, and a fresh one for the server's own
 	// last flush after it.
@@ -190,9 +201,6 @@ func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	stall := e.opts.Stall
 	defer func() { _ = rc.SetWriteDeadline(time.Now().Add(stall)) }()
 	sw := &statusWriter{ResponseWriter: w, rc: rc, stall: stall}
-	if r.Body != nil && r.Body != http.NoBody {
-		r.Body = &stallBody{ReadCloser: r.Body, rc: rc, stall: stall}
-	}
 	defer func() { e.opts.Metrics.request(sw.class(r)) }()
 	var route targets.IngressRoute
 	label, ok := e.opts.Base.Label(r.Host)
@@ -225,7 +233,20 @@ func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// (which it closes).
 		GotConn: func(httptrace.GotConnInfo) { tk.Leave() },
 	})
-	e.proxy.ServeHTTP(sw, r.WithContext(ctx))
+	out := r.WithContext(ctx)
+	if out.Body != nil && out.Body != http.NoBody {
+		// On the proxied copy only: the server judges whether the
+		// connection can carry another request by its own body.
+		sw.body = &stallBody{ReadCloser: r.Body, rc: rc, stall: stall}
+		out.Body = sw.body
+	}
+	e.proxy.ServeHTTP(sw, out)
+	if sw.body != nil && sw.body.cut.Load() && sw.status == 0 {
+		// The stalled read cancelled the request before any answer: say
+		// so, and close (the rest of the body will never come).
+		sw.Header().Set("Connection", "close")
+		page(sw, http.StatusRequestTimeout, "Request timeout", "The request body stopped arriving.")
+	}
 }
 
 // admit makes sure the target serves: a target the edge has seen serving
@@ -392,8 +413,8 @@ type stallBody struct {
 	io.ReadCloser
 	rc    *http.ResponseController
 	stall time.Duration
-	ended bool // read to its end
-	cut   bool // a read failed
+	ended bool        // read to its end
+	cut   atomic.Bool // a read timed out (read on the transport's goroutine)
 }
 
 // Close of a body read to its end leaves the deadline cleared (the
@@ -402,7 +423,7 @@ type stallBody struct {
 // read of the rest that the server does before it reuses the connection,
 // so a client that stopped sending is let go.
 func (b *stallBody) Close() error {
-	if !b.ended && !b.cut {
+	if !b.ended && !b.cut.Load() {
 		_ = b.rc.SetReadDeadline(time.Now().Add(b.stall))
 	}
 	return b.ReadCloser.Close()
@@ -420,7 +441,7 @@ func (b *stallBody) Read(p []byte) (int, error) {
 		// so the server closes it. (Other errors are left alone: a read
 		// after the transport closed the body is not the client's fault,
 		// and an unreadable connection would cancel the request.)
-		b.cut = true
+		b.cut.Store(true)
 		_ = b.rc.SetReadDeadline(time.Now())
 	}
 	return n, err
@@ -438,6 +459,7 @@ type statusWriter struct {
 	http.ResponseWriter
 	rc     *http.ResponseController
 	stall  time.Duration
+	body   *stallBody // nil without a request body
 	status int
 }
 
@@ -446,6 +468,11 @@ func (s *statusWriter) WriteHeader(code int) {
 		s.status = code
 	}
 	_ = s.rc.SetWriteDeadline(time.Now().Add(s.stall))
+	if s.body != nil && s.body.cut.Load() {
+		// What is left of the body will never come: this connection
+		// carries no other request.
+		s.Header().Set("Connection", "close")
+	}
 	s.ResponseWriter.WriteHeader(code)
 }
 
@@ -474,4 +501,13 @@ func (s *statusWriter) class(r *http.Request) int {
 		return http.StatusOK
 	}
 	return s.status
+}
+
+// mustStdLog is log at debug level as a standard logger.
+func mustStdLog(log *zap.Logger) *stdlog.Logger {
+	l, err := zap.NewStdLogAt(log, zap.DebugLevel)
+	if err != nil {
+		return zap.NewStdLog(zap.NewNop()) // only an invalid level fails
+	}
+	return l
 }
