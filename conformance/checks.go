@@ -29,6 +29,7 @@ var checks = []check{
 	{"owner-fencing", checkOwnerFencing},
 	{"close-by-owner", checkCloseByOwner},
 	{"capability-unavailable", checkCapabilityUnavailable},
+	{"ingress", checkIngress},
 	{"error-answers", checkErrorAnswers},
 }
 

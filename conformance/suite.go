@@ -404,10 +404,14 @@ func (r *checkRun) waitActive(ctx context.Context, c *conn, ref controller.Targe
 
 // createActive creates a target for a new owner and waits until it is active.
 func (r *checkRun) createActive(ctx context.Context, c *conn, label string) (controller.Owner, controller.Observation) {
-	tmpl := r.template(ctx)
+	return r.createActiveFrom(ctx, c, label, r.template(ctx).id)
+}
+
+// createActiveFrom is createActive from the named template.
+func (r *checkRun) createActiveFrom(ctx context.Context, c *conn, label, templateID string) (controller.Owner, controller.Observation) {
 	owner := r.owner(label)
 	first := r.mustTarget(ctx, c, "target/create", controller.MethodTargetCreate,
-		controller.CreateParams{Owner: owner, TemplateID: tmpl.id}, owner)
+		controller.CreateParams{Owner: owner, TemplateID: templateID}, owner)
 	obs := r.waitActive(ctx, c, controller.TargetRef{Owner: owner}, first.TargetID)
 	return owner, obs
 }
@@ -426,6 +430,9 @@ func sleep(ctx context.Context, d time.Duration) error {
 type templateChoice struct {
 	id         string
 	deprecated string
+	// ingress serves public ingress and private does not (both not
+	// deprecated); empty when template/list offers none.
+	ingress, private string
 }
 
 // template picks the template once per run: the configured one, or the
@@ -458,6 +465,12 @@ func (s *suite) template(ctx context.Context) (templateChoice, error) {
 	for _, t := range list.Templates {
 		if t.Deprecated && choice.deprecated == "" {
 			choice.deprecated = t.TemplateID
+		}
+		if !t.Deprecated && t.PublicIngress && choice.ingress == "" {
+			choice.ingress = t.TemplateID
+		}
+		if !t.Deprecated && !t.PublicIngress && choice.private == "" {
+			choice.private = t.TemplateID
 		}
 		if s.cfg.TemplateID != "" {
 			if t.TemplateID == s.cfg.TemplateID {

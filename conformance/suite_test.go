@@ -31,7 +31,8 @@ func TestSuitePassesWithACredential(t *testing.T) {
 	cfg.Credential = "s3cret-conformance"
 	results := conformance.Run(t.Context(), cfg)
 	for _, r := range results {
-		if !r.Passed {
+		// The fake serves no ingress, which the ingress check skips.
+		if !r.Passed && (!r.Skipped || r.Name != "ingress") {
 			t.Errorf("%s", r)
 		}
 	}

@@ -22,6 +22,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idle"
+	"github.com/lightspeed-dev/incus-provider/ingress"
 	"github.com/lightspeed-dev/incus-provider/internal/serve"
 	"github.com/lightspeed-dev/incus-provider/routes"
 )
@@ -205,6 +206,7 @@ func registered(t *testing.T) map[string]family {
 	serve.NewMetrics(r)
 	routes.NewMetrics(r)
 	idle.NewMetrics(r)
+	ingress.NewMetrics(r)
 	for _, f := range incusMetrics(t) {
 		if _, dup := r.families[f.name]; dup {
 			t.Fatalf("%s is registered twice", f.name)

@@ -76,7 +76,7 @@ func (h *killHarness) start(round int) {
 	}
 	cmd := exec.Command(h.bin)
 	cmd.Env = append(os.Environ(),
-		"PROVIDER_LISTEN="+h.addr, "PROVIDER_METRICS_LISTEN=off",
+		"PROVIDER_LISTEN="+h.addr, "PROVIDER_METRICS_LISTEN=off", "PROVIDER_INGRESS_LISTEN=off",
 		"PROVIDER_TEMPLATES="+h.templates, "PROVIDER_CREDENTIAL_FILE="+filepath.Join(h.dir, "credential"),
 		"INCUS_SOCKET="+incustest.Socket(), "INCUS_PROJECT="+h.project,
 		"PROVIDER_GRACEFUL_STOP=2s", "PROVIDER_RECONCILE_INTERVAL=1s", "PROVIDER_LOG_LEVEL=info")

@@ -115,6 +115,7 @@ func (r *lbRig) start(i int) {
 	cmd := exec.Command(r.bin)
 	cmd.Env = append(os.Environ(),
 		"PROVIDER_LISTEN="+rep.addr, "PROVIDER_METRICS_LISTEN="+rep.metrics, "PROVIDER_REPLICA_ID="+rep.id,
+		"PROVIDER_INGRESS_LISTEN=off",
 		"PROVIDER_TEMPLATES="+filepath.Join(r.dir, "templates.yaml"), "PROVIDER_CREDENTIAL_FILE="+filepath.Join(r.dir, "credential"),
 		"INCUS_URL="+strings.Join(r.cl.URLs, ","), "INCUS_CLIENT_CERT="+r.cl.Config.ClientCert,
 		"INCUS_CLIENT_KEY="+r.cl.Config.ClientKey, "INCUS_SERVER_CERT="+r.cl.Config.ServerCert,

@@ -20,7 +20,9 @@ import (
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/ingress"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
+	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/routes"
@@ -59,6 +61,9 @@ type Config struct {
 	// Incus project (1-32 of a-z, 0-9 and -); default a random id. It names
 	// the relay lease this process keeps on the instances it relays to.
 	Replica string
+	// IngressBase is the public ingress edge's base URL; nil serves no
+	// public ingress (the capability is not advertised).
+	IngressBase *ingressurl.Base
 }
 
 // DefaultDecodeBudget is the default decode budget: four messages of the
@@ -72,6 +77,9 @@ type Provider struct {
 	Routes  *routes.Handler
 	Idle    *idle.Loop
 	Control *controller.Handler
+	// Ingress is the public ingress edge; nil without an IngressBase. It
+	// is served on a listener of its own (Ingress.Server).
+	Ingress *ingress.Edge
 
 	log     *zap.Logger
 	handler http.Handler
@@ -96,6 +104,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	reg := relays.New(closeWait)
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
+		IngressBase: cfg.IngressBase,
 	})
 	if err != nil {
 		return nil, err
@@ -104,8 +113,12 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		routeMetrics *routes.Metrics
 		idleMetrics  *idle.Metrics
 		ctrlMetrics  *controller.Metrics
+		edgeMetrics  *ingress.Metrics
 	)
 	if cfg.Metrics != nil {
+		if cfg.IngressBase != nil {
+			edgeMetrics = ingress.NewMetrics(cfg.Metrics)
+		}
 		routeMetrics = routes.NewMetrics(cfg.Metrics)
 		idleMetrics = idle.NewMetrics(cfg.Metrics)
 		ctrlMetrics = controller.NewMetrics(cfg.Metrics)
@@ -125,6 +138,15 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		cancel()
 		return nil, fmt.Errorf("data routes: %w", err)
 	}
+	var edge *ingress.Edge
+	if cfg.IngressBase != nil {
+		edge, err = ingress.New(ingress.Options{Targets: svc, Waker: rh, Dialer: cfg.Dialer, Relays: reg,
+			Base: *cfg.IngressBase, Metrics: edgeMetrics, Log: log.Named("ingress")})
+		if err != nil {
+			cancel()
+			return nil, fmt.Errorf("ingress edge: %w", err)
+		}
+	}
 	loop := idle.New(idle.Config{Inventory: svc, Dialer: cfg.Dialer, Metrics: idleMetrics, Log: log.Named("idle")})
 	budget := cfg.DecodeBudget
 	if budget <= 0 {
@@ -132,7 +154,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	}
 	ctrl := controller.NewHandler(ctx, controller.Options{
 		Backend:        svc,
-		Capabilities:   controller.Capabilities{Power: true},
+		Capabilities:   controller.Capabilities{Power: true, Ingress: cfg.IngressBase != nil},
 		Credential:     cfg.Credential,
 		MaxInFlight:    cfg.MaxInFlight,
 		MaxConnections: cfg.MaxControlConnections,
@@ -146,7 +168,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	mux.Handle("/control", ctrl)
 	mux.Handle("/{$}", ctrl)
 	mux.Handle(rh.Prefix()+"/", rh)
-	return &Provider{Targets: svc, Relays: reg, Routes: rh, Idle: loop, Control: ctrl,
+	return &Provider{Targets: svc, Relays: reg, Routes: rh, Idle: loop, Control: ctrl, Ingress: edge,
 		log: log, handler: mux, cancel: cancel, ctx: ctx}, nil
 }
 
@@ -188,6 +210,9 @@ func (p *Provider) Run(ctx context.Context) error {
 // and every controller connection has ended, or ctx ends.
 func (p *Provider) Stop(ctx context.Context) {
 	p.cancel()
+	if p.Ingress != nil {
+		p.Ingress.Close()
+	}
 	select {
 	case <-p.Routes.Closed():
 	case <-ctx.Done():

@@ -2,6 +2,7 @@ package provider_test
 
 import (
 	"context"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -20,6 +21,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/provider"
@@ -52,6 +54,12 @@ const testTemplates = `templates:
     powerStates: [running, paused, stopped]
     imageAlias: {{image}}
     daemonPort: 19999
+  - templateId: web
+    displayName: test guest with its web app on public ingress
+    powerStates: [running, paused, stopped]
+    publicIngress: true
+    ingressPort: 8080
+    imageAlias: {{image}}
 `
 
 type rig struct {
@@ -67,6 +75,10 @@ type rig struct {
 	stop    func()
 	replica string
 	dialer  guest.Dialer
+	// edge is the public ingress edge's listener; base its public base
+	// (http://{label}.localhost:<its port>).
+	edge net.Listener
+	base ingressurl.Base
 }
 
 type rigOptions struct {
@@ -120,6 +132,14 @@ func newRig(t *testing.T, o rigOptions) *rig {
 		dialer = testrig.GuestDialer(t, client)
 	}
 	reg := prometheus.NewRegistry()
+	edgeLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	base, err := ingressurl.Parse("http://{label}.localhost:" + strconv.Itoa(edgeLn.Addr().(*net.TCPAddr).Port))
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	// A provider after an earlier one is that one restarted, under its
 	// name; a second replica on the cluster is another.
@@ -129,15 +149,19 @@ func newRig(t *testing.T, o rigOptions) *rig {
 	}
 	p, err := provider.New(ctx, provider.Config{Incus: pc, Catalog: catalog, Dialer: dialer,
 		Credential: bearer.New(credential), Log: zaptest.NewLogger(t), Metrics: reg,
-		GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, Replica: replica})
+		GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, Replica: replica, IngressBase: &base})
 	if err != nil {
 		cancel()
+		_ = edgeLn.Close()
 		t.Fatal(err)
 	}
+	edgeSrv := p.Ingress.Server(nil)
+	edgeDone := make(chan struct{})
+	go func() { defer close(edgeDone); _ = edgeSrv.Serve(edgeLn) }()
 	done := make(chan struct{})
 	go func() { defer close(done); _ = p.Run(ctx) }()
 	srv := httptest.NewServer(p.Handler())
-	r := &rig{t: t, client: client, catalog: catalog, p: p, srv: srv, metrics: reg, replica: replica, dialer: dialer}
+	r := &rig{t: t, client: client, catalog: catalog, p: p, srv: srv, metrics: reg, replica: replica, dialer: dialer, edge: edgeLn, base: base}
 	var once bool
 	r.stop = func() {
 		if once {
@@ -149,6 +173,8 @@ func newRig(t *testing.T, o rigOptions) *rig {
 		}
 		srv.Close()
 		sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_ = edgeSrv.Close()
+		<-edgeDone
 		p.Stop(sctx)
 		scancel()
 		cancel()
@@ -175,8 +201,8 @@ func (r *rig) connect() *jsonrpc.Client {
 		ClientInfo: controller.BuildInfo{Name: "provider-test"}}, &res); err != nil {
 		r.t.Fatalf("initialize: %v", err)
 	}
-	if !res.Capabilities.Power {
-		r.t.Fatal("the provider does not advertise power")
+	if !res.Capabilities.Power || !res.Capabilities.Ingress {
+		r.t.Fatalf("the provider advertises %+v, want power and ingress", res.Capabilities)
 	}
 	return c
 }

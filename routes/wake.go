@@ -411,3 +411,18 @@ func (h *Handler) bootingRetry(instance string) time.Duration {
 	}
 	return max(time.Second, min(10*time.Second, time.Since(since)/10))
 }
+
+// WakeForUse is a use of the target that is not a data-route dial (a public
+// ingress request): it joins the target's one wake, the same flight the
+// dials wait on, starting it when none is under way, and waits for it
+// within ctx. nil means the daemon answers; otherwise what a dial refused
+// now would be told.
+func (h *Handler) WakeForUse(ctx context.Context, owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time) *Refusal {
+	f := h.flightFor(owner, inst, obs, arrived)
+	select {
+	case <-f.settled:
+		return f.result
+	case <-ctx.Done():
+		return f.refusalNow()
+	}
+}

@@ -196,7 +196,7 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 			zap.String("instance", name), zap.Error(lerr))
 		st := StateOf(inst)
 		st.Intent = Intent{Power: power, By: BySetPower}
-		return observation(inst, ref.Owner, st, s.progress.get(name), s.now()), nil
+		return s.withIngress(inst, observation(inst, ref.Owner, st, s.progress.get(name), s.now())), nil
 	}
 	if after == nil {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target disappeared while its power changed.")
@@ -218,7 +218,7 @@ func (s *Service) observe(inst *incus.Instance, owner controller.Owner) controll
 			p = &progress{to: w.intent.Power, unrecorded: true}
 		}
 	}
-	return observation(inst, owner, st, p, s.now())
+	return s.withIngress(inst, observation(inst, owner, st, p, s.now()))
 }
 
 // drivePower takes one step toward the target's recorded power and answers

@@ -41,10 +41,12 @@ func (s *Service) Run(ctx context.Context) error {
 func (s *Service) pass(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
+	since := s.ingress.mark()
 	list, err := s.instances(ctx)
 	if err != nil {
 		return err
 	}
+	s.refreshIngress(list, since)
 	for i := range list {
 		inst := &list[i]
 		if _, ok := ownerOf(inst); !ok {
@@ -85,6 +87,7 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 	if inst == nil {
 		s.dialer.Forget(name)
 		s.progress.clear(name)
+		s.ingress.drop(name)
 		return 0
 	}
 	if _, ok := ownerOf(inst); !ok {

@@ -16,6 +16,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/templates"
@@ -40,6 +41,9 @@ type Config struct {
 	// Replica names this process among the replicas serving one project
 	// (see leases.go); default a random id.
 	Replica string
+	// IngressBase is the public base of the ingress edge; nil serves no
+	// public ingress (the methods answer capabilityUnavailable).
+	IngressBase *ingressurl.Base
 }
 
 func (c *Config) defaults() {
@@ -90,6 +94,8 @@ type Service struct {
 	changes changeFeed
 	// leases are this replica's relay leases on instances (see leases.go).
 	leases leaseTable
+	// ingress maps the edge's labels to routed targets (see ingress.go).
+	ingress ingressIndex
 }
 
 // New builds the service. Call Run to start its reconciler. The relay
@@ -112,6 +118,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s := &Service{incus: client, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
 		startFailures: map[string]int{}}
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
+	s.ingress.init()
 	s.work = newWorker(s.converge)
 	s.catalog.Store(catalog)
 	return s, nil
@@ -601,22 +608,31 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 		return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
+	// Public ingress goes first: the edge answers the host 404 from now on,
+	// whatever the stop and delete take.
+	s.ingress.drop(name)
 	if inst.Config[keyClosing] == "" {
-		mark := map[string]string{keyClosing: msString(s.now())}
-		err := s.patch(ctx, name, mark)
+		set := map[string]string{keyClosing: msString(s.now())}
+		if inst.Config[keyIngressRouted] != "" {
+			set[keyIngressRouted] = ""
+		}
+		err := s.patch(ctx, name, set)
 		if errors.Is(err, incus.ErrBusy) {
 			// An operation holds the instance and the server refuses
 			// config changes until it ends (LXD keeps a start running
 			// until the instance's devices are up): the close waits for
 			// it, within the method's budget.
 			if err = s.settle(ctx, name); err == nil {
-				err = s.patch(ctx, name, mark)
+				err = s.patch(ctx, name, set)
 			}
 		}
 		if err != nil {
 			unlock()
 			return controller.Observation{}, s.incusError("recording the close", err)
 		}
+		// Again after the write: a reconcile pass that listed before it must
+		// not put the route back.
+		s.ingress.drop(name)
 	}
 	unlock()
 	s.changes.note(name)
@@ -670,14 +686,4 @@ func (s *Service) settle(ctx context.Context, name string) error {
 		}
 	}
 	return nil
-}
-
-// EnsureIngress is not served by this build (the ingress capability is not advertised).
-func (s *Service) EnsureIngress(_ context.Context, _ controller.TargetRef) (controller.Observation, error) {
-	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "This provider does not serve public ingress yet.")
-}
-
-// RemoveIngress is not served by this build (the ingress capability is not advertised).
-func (s *Service) RemoveIngress(_ context.Context, _ controller.TargetRef) (controller.Observation, error) {
-	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "This provider does not serve public ingress yet.")
 }

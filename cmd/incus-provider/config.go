@@ -16,6 +16,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
@@ -56,6 +57,10 @@ type config struct {
 	IncusClientKey    string        `env:"INCUS_CLIENT_KEY" allowed:"a PEM file; needed with INCUS_URL" help:"client key for INCUS_URL"`
 	IncusServerCert   string        `env:"INCUS_SERVER_CERT" allowed:"a PEM file; needed with INCUS_URL" help:"the pinned server certificate of INCUS_URL"`
 	IncusProject      string        `env:"INCUS_PROJECT" envDefault:"default" allowed:"the name of an existing Incus project, such as default" help:"the Incus project targets live in"`
+	IngressListen     string        `env:"PROVIDER_INGRESS_LISTEN" envDefault:"127.0.0.1:8482" allowed:"host:port, or off" help:"the public ingress edge's listener"`
+	IngressBaseURL    string        `env:"PROVIDER_INGRESS_BASE_URL" envDefault:"http://{label}.localhost:8482" allowed:"an http or https URL with {label} exactly once in its host and no user, path or query, such as https://{label}.env.example.com" help:"the public base of routed targets' endpoints"`
+	IngressTLSCert    string        `env:"PROVIDER_INGRESS_TLS_CERT" allowed:"a readable PEM file; set PROVIDER_INGRESS_TLS_CERT and PROVIDER_INGRESS_TLS_KEY together, or neither" help:"serve the edge over TLS (and HTTP/2) with this certificate"`
+	IngressTLSKey     string        `env:"PROVIDER_INGRESS_TLS_KEY" allowed:"a readable PEM file; set PROVIDER_INGRESS_TLS_CERT and PROVIDER_INGRESS_TLS_KEY together, or neither" help:"the private key of PROVIDER_INGRESS_TLS_CERT"`
 
 	// Set by check from the strings above.
 	incusURLs         []string
@@ -63,6 +68,7 @@ type config struct {
 	memoryLimitBytes  int64 // 0: off
 	peers             map[string]string
 	peerSecret        []byte
+	ingressBase       *ingressurl.Base // nil: PROVIDER_INGRESS_LISTEN=off
 }
 
 // loadConfig reads and checks the environment. Every refusal is one
@@ -185,6 +191,27 @@ func (c *config) check() error {
 	}
 	if c.IncusProject == "" {
 		return bad("INCUS_PROJECT", c.IncusProject, allowed("INCUS_PROJECT"))
+	}
+	if c.IngressListen != "off" {
+		if err := checkListen(c.IngressListen); err != nil || strings.HasPrefix(c.IngressListen, "unix:") {
+			return bad("PROVIDER_INGRESS_LISTEN", c.IngressListen, "use host:port (such as 127.0.0.1:8482), or off to serve no public ingress")
+		}
+		base, err := ingressurl.Parse(c.IngressBaseURL)
+		if err != nil {
+			return bad("PROVIDER_INGRESS_BASE_URL", c.IngressBaseURL, err.Error())
+		}
+		c.ingressBase = &base
+		if (c.IngressTLSCert == "") != (c.IngressTLSKey == "") {
+			return bad("PROVIDER_INGRESS_TLS_CERT", c.IngressTLSCert, "set PROVIDER_INGRESS_TLS_CERT and PROVIDER_INGRESS_TLS_KEY together, or neither")
+		}
+		for name, path := range map[string]string{"PROVIDER_INGRESS_TLS_CERT": c.IngressTLSCert, "PROVIDER_INGRESS_TLS_KEY": c.IngressTLSKey} {
+			if path == "" {
+				continue
+			}
+			if _, err := os.Stat(path); err != nil {
+				return bad(name, path, "it must name a readable file ("+err.Error()+")")
+			}
+		}
 	}
 	return nil
 }

@@ -49,6 +49,11 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_PEERS", "node1=10.0.0.1", "member=host:port"},
 		{"PROVIDER_PEERS", "node1=10.0.0.1:8483,node1=10.0.0.2:8483", "twice"},
 		{"PROVIDER_PEER_SECRET_FILE", "/nonexistent", "only with PROVIDER_PEER_LISTEN or PROVIDER_PEERS"},
+		{"PROVIDER_INGRESS_LISTEN", "unix:/x", "or off"},
+		{"PROVIDER_INGRESS_TLS_CERT", "/nonexistent/ingress.crt", "PROVIDER_INGRESS_TLS_KEY together"},
+		{"PROVIDER_INGRESS_BASE_URL", "https://env.example.com", "exactly once in its host"},
+		{"PROVIDER_INGRESS_BASE_URL", "ftp://{label}.example.com", "http or https"},
+		{"PROVIDER_INGRESS_BASE_URL", "https://{label}.example.com/app", "no user, path"},
 	}
 	for _, c := range cases {
 		t.Run(c.name+"="+c.value, func(t *testing.T) {

@@ -69,6 +69,7 @@ func startProvider(t *testing.T, env ...string) *child {
 		"PATH=" + os.Getenv("PATH"),
 		"PROVIDER_LISTEN=" + listen,
 		"PROVIDER_METRICS_LISTEN=" + metrics,
+		"PROVIDER_INGRESS_LISTEN=off",
 		"PROVIDER_TEMPLATES=" + templates,
 		"PROVIDER_CREDENTIAL_FILE=" + credFile,
 		"PROVIDER_GRACEFUL_STOP=5s",

@@ -175,6 +175,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
+		IngressBase: cfg.ingressBase,
 	})
 	if err != nil {
 		return err
@@ -249,6 +250,34 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		}()
 	}
 
+	var edgeSrv *http.Server
+	if prov.Ingress != nil {
+		edgeSrv = prov.Ingress.Server(log.Named("ingress-http"))
+		var lc net.ListenConfig
+		rawEdge, err := lc.Listen(ctx, "tcp", cfg.IngressListen)
+		if err != nil {
+			return fmt.Errorf("PROVIDER_INGRESS_LISTEN=%q cannot be bound: %w", cfg.IngressListen, err)
+		}
+		// The same ceiling on open connections as the controller's listener,
+		// counted on its own.
+		eln := serve.Listener(rawEdge, serve.Options{MaxConnections: cfg.MaxConnections, Log: log.Named("ingress-listener")})
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var err error
+			if cfg.IngressTLSCert != "" {
+				// TLS brings HTTP/2 with it (ALPN h2, then http/1.1).
+				err = edgeSrv.ServeTLS(eln, cfg.IngressTLSCert, cfg.IngressTLSKey)
+			} else {
+				err = edgeSrv.Serve(eln)
+			}
+			if err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("ingress listener: %w", err)
+			}
+		}()
+		log.Info("public ingress edge", zap.String("listen", cfg.IngressListen), zap.String("base", cfg.ingressBase.String()))
+	}
+
 	ids := templateIDs(catalog)
 	url := controlURL(cfg, scheme)
 	log.Info("incus-provider is serving", zap.String("controller", url), zap.Strings("templates", ids),
@@ -258,6 +287,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		zap.Int("maxConnections", cfg.MaxConnections), zap.Int("maxControlConnections", cfg.MaxControl))
 	warnIfFewFiles(log, cfg.MaxConnections)
 	fmt.Printf("controller URL: %s\ntemplates: %s\n", url, strings.Join(ids, ", "))
+	if prov.Ingress != nil {
+		fmt.Printf("public ingress: %s (edge on %s)\n", cfg.ingressBase, cfg.IngressListen)
+	}
 
 	wg.Add(1)
 	go func() {
@@ -277,9 +309,19 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if metricsSrv != nil {
 		_ = metricsSrv.Shutdown(shutdownCtx)
 	}
+	edgeDone := make(chan struct{})
+	go func() {
+		defer close(edgeDone)
+		if edgeSrv != nil {
+			// A stream never goes idle by itself: the provider's stop
+			// below closes every upstream connection, which ends it.
+			_ = edgeSrv.Shutdown(shutdownCtx)
+		}
+	}()
 	// Ends WebSocket connections (hijacked, so Shutdown does not), the
 	// reconciler and the idle loop; waits for the relays' going-away closes.
 	prov.Stop(shutdownCtx)
+	<-edgeDone
 	cancelServe()
 	wg.Wait()
 	return runErr

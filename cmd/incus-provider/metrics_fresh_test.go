@@ -97,7 +97,10 @@ func queries(t *testing.T) map[string]string {
 // or a dashboard panel selects: each value an equality or an alternation
 // names exists (at zero), so rate() and increase() count the first event.
 func TestFreshProcessExposesEverySelectedSeries(t *testing.T) {
-	c := startProvider(t)
+	// With its public ingress edge on, as it ships: the ingress panels'
+	// series are the edge's.
+	edge := freePort(t)
+	c := startProvider(t, "PROVIDER_INGRESS_LISTEN="+edge, "PROVIDER_INGRESS_BASE_URL=http://{label}.localhost:"+edge[strings.LastIndexByte(edge, ':')+1:])
 	samples := c.scrape(t)
 	exists := func(name, label, value string) bool {
 		for _, s := range samples {

@@ -8,10 +8,12 @@
 //
 // Usage:
 //
-//	lsenvd-dev [--listen 127.0.0.1:19091] [--cwd /root]
+//	lsenvd-dev [--listen 127.0.0.1:19091] [--web 127.0.0.1:8080] [--cwd /root]
 //
-// Flags fall back to the environment variables LSENVD_DEV_LISTEN and
-// LSENVD_DEV_CWD. The default cwd is /root when it is a directory, else /.
+// --web serves the dev web app behind public ingress (devguest.WebApp; off
+// serves none). It listens before the daemon does, so a daemon that answers
+// means the app answers too. Flags fall back to the environment variables
+// LSENVD_DEV_LISTEN, LSENVD_DEV_WEB and LSENVD_DEV_CWD. The default cwd is /root when it is a directory, else /.
 // SIGTERM, SIGINT and SIGPWR stop it gracefully: connections get a
 // going-away close frame, and running process groups get SIGTERM, then
 // SIGKILL after 300 ms. Exit status: 0 after such a stop, 1 on a failure
@@ -61,12 +63,17 @@ func run() int {
 	}
 	fl := flag.NewFlagSet("lsenvd-dev", flag.ContinueOnError)
 	fl.StringVar(&listen, "listen", listen, "TCP address to serve the data plane on (env LSENVD_DEV_LISTEN)")
+	web := os.Getenv("LSENVD_DEV_WEB")
+	if web == "" {
+		web = net.JoinHostPort("127.0.0.1", strconv.Itoa(devguest.DefaultWebPort))
+	}
+	fl.StringVar(&web, "web", web, "TCP address to serve the dev web app on, or off (env LSENVD_DEV_WEB)")
 	cwd := fl.String("cwd", defaultCwd(), "default cwd of commands, an absolute directory (env LSENVD_DEV_CWD)")
 	if err := fl.Parse(os.Args[1:]); err != nil {
 		return 2
 	}
 	if fl.NArg() > 0 {
-		logger.Printf("unexpected argument %q; the flags are --listen and --cwd", fl.Arg(0))
+		logger.Printf("unexpected argument %q; the flags are --listen, --web and --cwd", fl.Arg(0))
 		return 2
 	}
 
@@ -83,6 +90,18 @@ func run() int {
 		return 2
 	}
 	var lc net.ListenConfig
+	var webSrv *http.Server
+	webServed := make(chan error, 1)
+	if web != "off" {
+		wln, err := lc.Listen(ctx, "tcp", web)
+		if err != nil {
+			logger.Printf("cannot listen on %s for the web app: %v", web, err)
+			return 2
+		}
+		webSrv = &http.Server{Handler: devguest.WebApp(), ReadHeaderTimeout: 10 * time.Second}
+		go func() { webServed <- webSrv.Serve(wln) }()
+		logger.Printf("serving the web app on http://%s/", wln.Addr())
+	}
 	ln, err := lc.Listen(ctx, "tcp", listen)
 	if err != nil {
 		logger.Printf("cannot listen on %s: %v", listen, err)
@@ -97,12 +116,18 @@ func run() int {
 	case err := <-served:
 		logger.Printf("serving stopped: %v", err)
 		return 1
+	case err := <-webServed:
+		logger.Printf("serving the web app stopped: %v", err)
+		return 1
 	case <-ctx.Done():
 	}
 	logger.Print("stopping")
 	shutdownCtx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	_ = srv.Shutdown(shutdownCtx) // closes the listener; upgraded connections are the daemon's
+	if webSrv != nil {
+		_ = webSrv.Close() // streams and echoes end with the guest
+	}
 	if err := d.Shutdown(shutdownCtx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		logger.Printf("shutdown: %v", err)
 	}

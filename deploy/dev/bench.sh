@@ -10,5 +10,7 @@ printf '\n== target lifecycle: create → active, close → closed (20 owners)\n
 INCUS_PROVIDER_REQUIRE_INCUS=1 go test -count=1 -run '^$' -bench Lifecycle -benchtime 20x ./targets/ | grep -E 'Benchmark|ok'
 printf '\n== data routes: wake latency, relayed vs direct, memory per idle relay\n'
 go run ./cmd/routebench
+printf '\n== public ingress: edge vs direct, a 1 GiB download, wake on request, unknown hosts\n'
+go run ./cmd/ingressbench
 printf '\n== idle loop: 10,000 in-process fake daemons\n'
 go run ./cmd/idlebench

@@ -80,6 +80,7 @@ podman run -d --name "$name" \
   -v "$work/credential:/etc/incus-provider/credential:ro" \
   -e PROVIDER_CREDENTIAL_FILE=/etc/incus-provider/credential \
   -e PROVIDER_LISTEN=127.0.0.1:18482 -e PROVIDER_METRICS_LISTEN=127.0.0.1:19482 \
+  -e PROVIDER_INGRESS_LISTEN=127.0.0.1:18486 -e 'PROVIDER_INGRESS_BASE_URL=http://{label}.localhost:18486' \
   -e PROVIDER_MAX_CONNECTIONS=$((nofile > 2048 ? nofile - 1024 : 1024)) \
   -e INCUS_PROJECT="$project" -e PROVIDER_GRACEFUL_STOP=5s \
   "$image" >/dev/null

@@ -68,7 +68,9 @@ for i in 0 1; do
   n=$((i + 1))
   (
     set -a; . "$STATE_DIR/cluster/cluster.env"; set +a
-    PROVIDER_LISTEN=127.0.0.1:$((18490 + n)) PROVIDER_METRICS_LISTEN=127.0.0.1:$((19490 + n)) \
+    # Public ingress is off on the rig: each replica's edge would hand out
+    # its own endpoints, and nothing balances the edges yet.
+    PROVIDER_LISTEN=127.0.0.1:$((18490 + n)) PROVIDER_METRICS_LISTEN=127.0.0.1:$((19490 + n)) PROVIDER_INGRESS_LISTEN=off \
       PROVIDER_INCUS_MEMBER=${members[$i]} PROVIDER_REPLICA_ID=replica$n PROVIDER_PEER_LISTEN=127.0.0.$((n + 1)):18500 \
       exec bin/incus-provider >"$work/replica$n.out" 2>"$work/replica$n.log"
   ) &

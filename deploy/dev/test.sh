@@ -74,6 +74,14 @@ fi
 promtool check rules deploy/prometheus/alerts.yaml
 promtool test rules deploy/prometheus/alerts_test.yaml
 
+step "Chromium (the headless browser of the public ingress test)"
+if ! command -v chromium >/dev/null 2>&1; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >>"$STATE_DIR/apt.log" 2>&1 ||
+    { apt-get update >>"$STATE_DIR/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >>"$STATE_DIR/apt.log" 2>&1; } ||
+    { echo "apt-get install chromium failed; see $STATE_DIR/apt.log" >&2; exit 1; }
+fi
+chromium --version | sed -n 1p
+
 step "three-member Incus cluster (deploy/dev/incus-cluster-up.sh)"
 # Removed at the end only if this run made it.
 if [ ! -f "$STATE_DIR/cluster/cluster.env" ]; then started_cluster=1; fi
@@ -97,6 +105,7 @@ step "conformance against a running provider"
 incus project create "$conform_project" -c features.images=false -c features.profiles=false >/dev/null
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 PROVIDER_LISTEN=127.0.0.1:18480 PROVIDER_METRICS_LISTEN=127.0.0.1:19480 \
+  PROVIDER_INGRESS_LISTEN=127.0.0.1:18482 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18482' \
   PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
   INCUS_PROJECT="$conform_project" PROVIDER_GRACEFUL_STOP=5s \
   bin/incus-provider >"$work/provider.out" 2>"$work/provider.log" &
@@ -119,6 +128,7 @@ INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client" \
 (
   set -a; . "$STATE_DIR/cluster/cluster.env"; set +a
   PROVIDER_LISTEN=127.0.0.1:18481 PROVIDER_METRICS_LISTEN=127.0.0.1:19481 \
+    PROVIDER_INGRESS_LISTEN=127.0.0.1:18483 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18483' \
     PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
     INCUS_PROJECT="$cluster_project" PROVIDER_INCUS_MEMBER=lsm1 PROVIDER_GRACEFUL_STOP=5s \
     exec bin/incus-provider >"$work/cluster-provider.out" 2>"$work/cluster-provider.log"
@@ -144,14 +154,15 @@ for dialer in netns proxy; do
   INCUS_PROVIDER_TEST_SOCKET=/var/lib/lxd/unix.socket INCUS_PROVIDER_TEST_DIALER=$dialer INCUS_PROVIDER_REQUIRE_INCUS=1 \
     go test -race -count=1 -p 1 -timeout 10m -run "$lxd_tests" ./provider ./targets
   mkdir -p -m 0700 "$work/lxd-guests"
-  PROVIDER_LISTEN=127.0.0.1:18482 PROVIDER_METRICS_LISTEN=127.0.0.1:19482 \
+  PROVIDER_LISTEN=127.0.0.1:18487 PROVIDER_METRICS_LISTEN=127.0.0.1:19487 \
+    PROVIDER_INGRESS_LISTEN=127.0.0.1:18488 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18488' \
     PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
     INCUS_SOCKET=/var/lib/lxd/unix.socket INCUS_PROJECT="$lxd_project" PROVIDER_GRACEFUL_STOP=5s \
     PROVIDER_GUEST_DIALER=$dialer PROVIDER_GUEST_SOCKET_DIR="$work/lxd-guests" \
     bin/incus-provider >"$work/lxd-provider.out" 2>"$work/lxd-provider.log" &
   provider_pid=$!
   for _ in $(seq 1 100); do grep -q '^controller URL' "$work/lxd-provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/lxd-provider.log" >&2; exit 1; }; sleep 0.1; done
-  bin/lsconform -url ws://127.0.0.1:18482/control -credential-file "$work/credential" -universe u-conformance || {
+  bin/lsconform -url ws://127.0.0.1:18487/control -credential-file "$work/credential" -universe u-conformance || {
     echo "provider log:" >&2; tail -n 50 "$work/lxd-provider.log" >&2; exit 1; }
   kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
   left=$(find "$work/lxd-guests" -name '*.sock' | wc -l)

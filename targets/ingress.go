@@ -1,0 +1,299 @@
+package targets
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
+	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+)
+
+// Public ingress state, on the instance like every other intent. The label
+// is drawn once, at the first ensure, and kept for the target's life (a
+// remove keeps it), so a target's endpoint never changes. It is not secret
+// from the guest, which may well want to know its own public URL.
+const (
+	keyIngressLabel  = "user.lightspeed.ingress_label"
+	keyIngressRouted = "user.lightspeed.ingress_routed"
+	// keyIngressPort is the guest port the edge reaches, taken from the
+	// template at the ensure, so a route does not change under a target
+	// when the templates file does.
+	keyIngressPort = "user.lightspeed.ingress_port"
+)
+
+// IngressRoute is where the edge sends a routed label's requests.
+type IngressRoute struct {
+	Instance string
+	Owner    controller.Owner
+	Port     int
+}
+
+// ingressOf reads a routed target's route off its instance; ok is false
+// unless it is routed, ours, and not closing.
+func ingressOf(inst *incus.Instance) (label string, r IngressRoute, ok bool) {
+	if inst.Config[keyIngressRouted] != "true" || inst.Config[keyClosing] != "" {
+		return "", IngressRoute{}, false
+	}
+	label = inst.Config[keyIngressLabel]
+	port, err := strconv.Atoi(inst.Config[keyIngressPort])
+	owner, ours := ownerOf(inst)
+	if !ours || !ingressurl.Valid(label) || err != nil || port <= 0 || port > 65535 {
+		return "", IngressRoute{}, false
+	}
+	return label, IngressRoute{Instance: inst.Name, Owner: owner, Port: port}, true
+}
+
+// ingressIndex is the edge's map of labels to routes, kept in memory so
+// that a request costs no Incus call. This process changes it on every
+// ensure, remove and close at once; a reconcile pass rebuilds it from
+// Incus's list (which is how a restart, or another replica's change, is
+// learnt), except for names this process changed after that list was asked
+// for: the list may predate the change.
+type ingressIndex struct {
+	mu      sync.RWMutex
+	byLabel map[string]IngressRoute
+	labelOf map[string]string // instance → its routed label
+	seq     uint64
+	changed map[string]uint64 // instance → seq of this process's last change
+}
+
+func (x *ingressIndex) init() {
+	x.byLabel, x.labelOf, x.changed = map[string]IngressRoute{}, map[string]string{}, map[string]uint64{}
+}
+
+func (x *ingressIndex) lookup(label string) (IngressRoute, bool) {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	r, ok := x.byLabel[label]
+	return r, ok
+}
+
+// mark is the sequence a list about to be asked for is compared with.
+func (x *ingressIndex) mark() uint64 {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.seq
+}
+
+func (x *ingressIndex) dropLocked(name string) {
+	if l, ok := x.labelOf[name]; ok {
+		delete(x.byLabel, l)
+		delete(x.labelOf, name)
+	}
+}
+
+func (x *ingressIndex) put(label string, r IngressRoute) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.seq++
+	x.changed[r.Instance] = x.seq
+	x.dropLocked(r.Instance)
+	x.byLabel[label], x.labelOf[r.Instance] = r, label
+}
+
+func (x *ingressIndex) drop(name string) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.seq++
+	x.changed[name] = x.seq
+	x.dropLocked(name)
+}
+
+// rebuild replaces what the list shows, for every name this process has
+// not changed since mark answered since.
+func (x *ingressIndex) rebuild(list []incus.Instance, since uint64) {
+	routes := map[string]IngressRoute{}
+	for i := range list {
+		if label, r, ok := ingressOf(&list[i]); ok {
+			routes[label] = r
+		}
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	fresh := func(name string) bool { return x.changed[name] > since }
+	for name := range x.labelOf {
+		if !fresh(name) {
+			x.dropLocked(name)
+		}
+	}
+	for label, r := range routes {
+		if fresh(r.Instance) {
+			continue
+		}
+		if other, taken := x.byLabel[label]; taken && other.Instance != r.Instance {
+			continue // a label copied onto another instance: the first keeps it
+		}
+		x.byLabel[label], x.labelOf[r.Instance] = r, label
+	}
+	for name, at := range x.changed {
+		if at <= since {
+			delete(x.changed, name)
+		}
+	}
+}
+
+// IngressEnabled says whether this service routes public ingress (an edge
+// base is configured).
+func (s *Service) IngressEnabled() bool { return s.cfg.IngressBase != nil }
+
+// IngressLookup is the edge's host-to-target map: the route of a routed
+// label, from memory alone.
+func (s *Service) IngressLookup(label string) (IngressRoute, bool) { return s.ingress.lookup(label) }
+
+// refreshIngress rebuilds the index from a list asked for after since.
+func (s *Service) refreshIngress(list []incus.Instance, since uint64) {
+	if s.IngressEnabled() {
+		s.ingress.rebuild(list, since)
+	}
+}
+
+// withIngress adds the endpoint to the observation of a routed target.
+func (s *Service) withIngress(inst *incus.Instance, o controller.Observation) controller.Observation {
+	if !s.IngressEnabled() || o.Phase == controller.PhaseClosing || o.Phase == controller.PhaseClosed {
+		return o
+	}
+	if label, _, ok := ingressOf(inst); ok {
+		o.Ingress = &controller.Ingress{Endpoint: s.cfg.IngressBase.Endpoint(label)}
+	}
+	return o
+}
+
+func ingressNotFound() error {
+	return jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+}
+
+// EnsureIngress routes the template's public ingress to the target, with
+// the label it keeps for life. Idempotent: a routed target is observed.
+func (s *Service) EnsureIngress(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	return s.changeIngress(ctx, ref, true)
+}
+
+// RemoveIngress stops routing public ingress to a target that stays; its
+// label is kept, so a later ensure answers the same endpoint. Idempotent.
+func (s *Service) RemoveIngress(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	return s.changeIngress(ctx, ref, false)
+}
+
+func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, route bool) (controller.Observation, error) {
+	if !s.IngressEnabled() {
+		return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "This provider serves no public ingress: no edge is configured.")
+	}
+	ctx, cancel := s.budget(ctx)
+	defer cancel()
+	name, inst, err := s.resolve(ctx, ref)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	if inst == nil {
+		return controller.Observation{}, ingressNotFound()
+	}
+	unlock, err := s.lockTarget(ctx, name)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	defer unlock()
+	cur, err := s.patchIf(ctx, name, func(cur *incus.Instance) (map[string]string, error) {
+		if unreadable(cur) {
+			return nil, jsonrpc.Unavailable(retryAfter, "Incus cannot read this target now (its cluster member does not answer); retry shortly.")
+		}
+		if err := checkOwned(cur, ref.Owner); err != nil {
+			return nil, err
+		}
+		if StateOf(cur).Phase == controller.PhaseClosing {
+			if route {
+				return nil, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target is being closed; a closing target serves no public ingress.")
+			}
+			return nil, nil
+		}
+		if !route {
+			if cur.Config[keyIngressRouted] == "" {
+				return nil, nil
+			}
+			return map[string]string{keyIngressRouted: ""}, nil
+		}
+		tmpl, ok := s.catalog.Load().Get(cur.Config[keyTemplate])
+		if !ok || !tmpl.Wire.PublicIngress {
+			return nil, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ingressUnsupported",
+				"The target's template %q does not serve public ingress; template/list says which do (publicIngress).", cur.Config[keyTemplate])
+		}
+		set := map[string]string{}
+		if !ingressurl.Valid(cur.Config[keyIngressLabel]) {
+			set[keyIngressLabel] = ingressurl.NewLabel()
+		}
+		if cur.Config[keyIngressRouted] != "true" {
+			set[keyIngressRouted] = "true"
+		}
+		if port := strconv.Itoa(tmpl.IngressPort); cur.Config[keyIngressPort] != port {
+			set[keyIngressPort] = port
+		}
+		if len(set) == 0 {
+			return nil, nil
+		}
+		return set, nil
+	})
+	switch {
+	case errors.Is(err, errGone):
+		return controller.Observation{}, ingressNotFound()
+	case err != nil:
+		var rpcErr *jsonrpc.Error
+		if errors.As(err, &rpcErr) {
+			return controller.Observation{}, err
+		}
+		return controller.Observation{}, s.incusError("recording public ingress", err)
+	}
+	if label, r, ok := ingressOf(cur); ok {
+		s.ingress.put(label, r)
+	} else {
+		s.ingress.drop(name)
+	}
+	return s.observe(cur, ref.Owner), nil
+}
+
+// patchIf writes the keys decide answers (none: nothing to write) to the
+// instance as read, conditional on its ETag, reading again when another
+// writer came first. It answers the instance as written.
+func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.Instance) (map[string]string, error)) (*incus.Instance, error) {
+	for attempt := 0; ; attempt++ {
+		inst, etag, err := s.incus.GetInstance(ctx, name)
+		if errors.Is(err, incus.ErrNotFound) {
+			return nil, errGone
+		}
+		if err != nil {
+			return nil, err
+		}
+		set, err := decide(inst)
+		if err != nil || set == nil {
+			return inst, err
+		}
+		err = s.incus.PatchInstanceConfigIf(ctx, name, set, etag)
+		s.listingChanged()
+		if err == nil {
+			written := *inst
+			written.Config = maps.Clone(inst.Config)
+			for k, v := range set {
+				if v == "" {
+					delete(written.Config, k)
+				} else {
+					written.Config[k] = v
+				}
+			}
+			return &written, nil
+		}
+		// Another writer came first (or Incus rewrote volatile keys), or an
+		// operation holds the instance: read again shortly, within ctx.
+		if (!errors.Is(err, incus.ErrPreconditionFailed) && !errors.Is(err, incus.ErrBusy)) || attempt >= 12 {
+			return nil, fmt.Errorf("write %d config keys: %w", len(set), err)
+		}
+		if !clock.Sleep(ctx, min(5*time.Millisecond<<attempt, 200*time.Millisecond)) {
+			return nil, fmt.Errorf("write %d config keys: %w", len(set), ctx.Err())
+		}
+	}
+}
