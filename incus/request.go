@@ -72,9 +72,18 @@ type response struct {
 func (c *Client) do(ctx context.Context, r request) (*response, error) {
 	start := time.Now()
 	resp, err := c.call(ctx, r)
-	if isLockRace(err) && ctx.Err() == nil {
-		// The server refused the call before doing anything, because the
-		// operation holding the instance ended just then: asked once more.
+	// The server refused the call before doing anything, because another
+	// operation held the instance until just then (LXD 5.0 takes such a
+	// lock for every change, so two writes to one instance at once meet
+	// it): asked again, a few times, a little later each time.
+	for pause := 5 * time.Millisecond; isLockRace(err) && pause <= 80*time.Millisecond; pause *= 2 {
+		t := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return resp, err
+		case <-t.C:
+		}
 		resp, err = c.call(ctx, r)
 	}
 	if c.observe != nil {
