@@ -60,7 +60,7 @@ if ! command -v haproxy >/dev/null 2>&1; then
 fi
 haproxy -v | sed -n 1p # sed reads it all: head would end the pipe early (SIGPIPE under pipefail)
 
-step "alert rules (promtool, from Debian's prometheus package)"
+step "alert rules (promtool, from Debian's prometheus package, whose server the live metrics test also runs)"
 if ! command -v promtool >/dev/null 2>&1; then
   # Only promtool is wanted: the daemon the package would start is kept
   # from starting (policy-rc.d), and nothing it recommends is installed.
