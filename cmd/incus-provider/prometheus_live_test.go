@@ -117,25 +117,35 @@ func TestLivePrometheus(t *testing.T) {
 	// Two scrapes after the last event.
 	time.Sleep(3 * time.Second)
 
-	// What the workload made, read as the dashboard reads it.
+	// What the workload made. Exactly, as the counters' rise over the run
+	// (max minus min: the series existed at zero before the first event,
+	// or the first would be lost); and as increase() reads it, which
+	// extrapolates to the window's edges by up to half a scrape interval
+	// on each side of a run of about 15 s.
 	for _, w := range []struct {
-		query string
-		want  float64
+		series string
+		want   float64
 	}{
-		{`sum(increase(incus_provider_route_wake_duration_seconds_count{job="incus-provider",from="paused"}[10m]))`, 3},
-		{`sum(increase(incus_provider_route_wake_duration_seconds_count{job="incus-provider",from="stopped"}[10m]))`, 1},
-		{`sum(increase(incus_provider_controller_requests_total{job="incus-provider",method="target/create",kind="ok"}[10m]))`, 1},
-		{`sum(increase(incus_provider_controller_requests_total{job="incus-provider",method="target/get",kind="notFound"}[10m]))`, 2},
-		{`sum(increase(incus_provider_controller_requests_total{job="incus-provider",method="target/close",kind="ok"}[10m])) > bool 0`, 1},
-		{`sum(increase(incus_provider_controller_requests_total{job="incus-provider",method="target/setPower",kind="ok"}[10m]))`, 4},
-		{`sum(incus_provider_targets{job="incus-provider"})`, 0},
+		{`incus_provider_route_wake_duration_seconds_count{job="incus-provider",from="paused"}`, 3},
+		{`incus_provider_route_wake_duration_seconds_count{job="incus-provider",from="stopped"}`, 1},
+		{`incus_provider_controller_requests_total{job="incus-provider",method="target/create",kind="ok"}`, 1},
+		{`incus_provider_controller_requests_total{job="incus-provider",method="target/get",kind="notFound"}`, 2},
+		{`incus_provider_controller_requests_total{job="incus-provider",method="target/setPower",kind="ok"}`, 4},
 	} {
-		got := prom.value(t, w.query)
-		// increase() extrapolates to the window's edges by at most half a
-		// scrape interval on each side: a few percent of a run this long.
-		if math.Round(got) != w.want {
-			t.Errorf("%s = %.3f, want %v", w.query, got, w.want)
+		exact := fmt.Sprintf("sum(max_over_time(%s[10m]) - min_over_time(%s[10m]))", w.series, w.series)
+		if got := prom.value(t, exact); got != w.want {
+			t.Errorf("%s = %v, want %v", exact, got, w.want)
 		}
+		inc := fmt.Sprintf("sum(increase(%s[10m]))", w.series)
+		if got := prom.value(t, inc); got < w.want || got > w.want*1.25+0.01 {
+			t.Errorf("%s = %.3f, want %v (at most a quarter more, by extrapolation)", inc, got, w.want)
+		}
+	}
+	if got := prom.value(t, `sum(incus_provider_targets{job="incus-provider"})`); got != 0 {
+		t.Errorf("incus_provider_targets sums to %v after the close, want 0", got)
+	}
+	if got := prom.value(t, `sum(increase(incus_provider_controller_requests_total{job="incus-provider",method="target/close",kind="ok"}[10m]))`); got < 1 {
+		t.Errorf("no close counted (%v)", got)
 	}
 
 	// Every alert expression and every dashboard query runs, with the
