@@ -33,11 +33,40 @@ if ! command -v lxd >/dev/null 2>&1; then
   # Not started by the package: this script starts it, in its namespace.
   printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
   trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  # The package gives root a second subordinate id range (the one it gives
+  # its _lxd user). An incusd started afterwards maps both into every
+  # container and none starts ("newuidmap: write to uid_map failed"), so
+  # root's ranges are put back as they were.
+  cp /etc/subuid "$STATE_DIR/subuid.before-lxd" 2>/dev/null || : > "$STATE_DIR/subuid.before-lxd"
+  cp /etc/subgid "$STATE_DIR/subgid.before-lxd" 2>/dev/null || : > "$STATE_DIR/subgid.before-lxd"
   DEBIAN_FRONTEND=noninteractive apt-get install -y lxd >>"$STATE_DIR/apt.log" 2>&1 ||
     { apt-get update >>"$STATE_DIR/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y lxd >>"$STATE_DIR/apt.log" 2>&1; } ||
     { say "apt-get install lxd failed; see $STATE_DIR/apt.log"; exit 1; }
   rm -f /usr/sbin/policy-rc.d
   trap - EXIT
+fi
+keep_root_ranges() {
+  local file=$1 before=$2
+  [ -s "$before" ] && grep -q '^root:' "$before" || return 0
+  { grep -v '^root:' "$file" || true; grep '^root:' "$before"; } > "$file.new"
+  if ! cmp -s "$file.new" "$file"; then
+    cat "$file.new" > "$file"
+    say "kept root's subordinate ids in $file as they were before LXD's package"
+  fi
+  rm -f "$file.new"
+}
+keep_root_ranges /etc/subuid "$STATE_DIR/subuid.before-lxd"
+keep_root_ranges /etc/subgid "$STATE_DIR/subgid.before-lxd"
+# A machine where the package already added it: root's second range is the
+# _lxd user's own.
+lxd_range=$(sed -n 's/^_lxd:\(.*\)$/\1/p' /etc/subuid | head -n1)
+if [ -n "$lxd_range" ]; then
+  for f in /etc/subuid /etc/subgid; do
+    if grep -q "^root:$lxd_range\$" "$f" && [ "$(grep -c '^root:' "$f")" -gt 1 ]; then
+      sed -i "/^root:$lxd_range\$/d" "$f"
+      say "removed root's second subordinate range ($lxd_range) from $f: an incusd started after it starts no container"
+    fi
+  done
 fi
 
 if ! answering; then
