@@ -119,6 +119,7 @@ func New(opts Options) (*Edge, error) {
 		Rewrite:       e.rewrite,
 		Transport:     e.tr,
 		FlushInterval: -1, // server-sent events and other streams go out as they come
+		BufferPool:    copyBuffers{},
 		ErrorHandler:  e.upstreamError,
 		// A stream cut by a power-down or a client that left is routine.
 		ErrorLog: mustStdLog(opts.Log.Named("proxy")),
@@ -511,3 +512,13 @@ func mustStdLog(log *zap.Logger) *stdlog.Logger {
 	}
 	return l
 }
+
+// copyBuffers lends the proxy 256 KiB buffers for answer bodies, eight
+// times its default: a 1 MiB answer takes 4 read and write calls each way
+// instead of 32.
+type copyBuffers struct{}
+
+var copyBufferPool = sync.Pool{New: func() any { b := make([]byte, 256<<10); return &b }}
+
+func (copyBuffers) Get() []byte  { return *copyBufferPool.Get().(*[]byte) }
+func (copyBuffers) Put(b []byte) { copyBufferPool.Put(&b) }
