@@ -139,6 +139,7 @@ grep -q '"kind":"member","member":"lsm1","clustered":true' "$work/cluster-provid
   echo "the provider on the cluster did not choose the member dialer:" >&2; grep 'guest dialer' "$work/cluster-provider.log" >&2; exit 1; }
 bin/lsconform -url ws://127.0.0.1:18481/control -credential-file "$work/credential" -universe u-conformance || {
   echo "provider log:" >&2; tail -n 50 "$work/cluster-provider.log" >&2; exit 1; }
+kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
 
 step "LXD 5.0 (deploy/dev/lxd-up.sh): lifecycle, power and route tests, and conformance, with both dialers"
 lxd_pid_before=$(cat "$STATE_DIR/lxd.pid" 2>/dev/null || true)
