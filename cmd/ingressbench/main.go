@@ -563,28 +563,12 @@ func loadAverage() string {
 	return "unknown"
 }
 
-// removeProject deletes the project's instances, then the project.
+// removeProject deletes the project with everything in it, in the one
+// call the server offers for that (instances are killed first).
 func removeProject(root *incus.Client, project string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	c := root.WithProject(project)
-	for ctx.Err() == nil {
-		insts, lerr := c.ListInstances(ctx)
-		for _, inst := range insts {
-			if inst.StatusCode != incus.StatusStopped {
-				if op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true}); err == nil {
-					_, _ = c.Wait(ctx, op)
-				}
-			}
-			if op, err := c.DeleteInstance(ctx, inst.Name); err == nil {
-				_, _ = c.Wait(ctx, op)
-			}
-		}
-		err := root.DeleteProject(ctx, project)
-		if err == nil || errors.Is(err, incus.ErrNotFound) {
-			return
-		}
-		progress("the project %s is not deleted yet (%v), again in 2 s", project, errors.Join(lerr, err))
-		clock.Sleep(ctx, 2*time.Second)
+	if err := root.ForceDeleteProject(ctx, project); err != nil && !errors.Is(err, incus.ErrNotFound) {
+		progress("could not delete the project %s: %v", project, err)
 	}
 }
