@@ -81,6 +81,24 @@ var errGone = errors.New("targets: the instance is gone")
 // by another process in between is never overwritten unseen. It answers
 // the instance as read, and whether it wrote.
 func (s *Service) want(ctx context.Context, name string, in Intent, extra map[string]string, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
+	return s.wantPatient(ctx, time.Time{}, name, in, extra, check)
+}
+
+// wantPatient is want with a bound on waiting only: its reads and writes
+// keep ctx's whole deadline (a loaded Incus may take a while to answer
+// one), but once patience has passed it stops waiting out an operation
+// that holds the instance or the ETag churn of one that moves it, and says
+// ErrBusy: nothing was recorded, and the caller may keep the request.
+func (s *Service) wantPatient(ctx context.Context, patience time.Time, name string, in Intent, extra map[string]string, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
+	wait := func(d time.Duration) bool {
+		if !patience.IsZero() {
+			d = min(d, time.Until(patience))
+			if d <= 0 {
+				return false
+			}
+		}
+		return clock.Sleep(ctx, d)
+	}
 	for attempt := 0; ; attempt++ {
 		inst, etag, err := s.incus.GetInstance(ctx, name)
 		if errors.Is(err, incus.ErrNotFound) {
@@ -122,7 +140,7 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 		if errors.Is(err, incus.ErrBusy) {
 			// Incus changes no config while an operation holds the
 			// instance (a start, a graceful stop): wait within ctx.
-			if !clock.Sleep(ctx, min(10*time.Millisecond<<min(attempt, 4), 200*time.Millisecond)) {
+			if !wait(min(10*time.Millisecond<<min(attempt, 4), 200*time.Millisecond)) {
 				return nil, false, fmt.Errorf("record power %s: %w", in.Power, err)
 			}
 			continue
@@ -140,8 +158,11 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 		}
 		// Incus itself rewrites volatile keys while an instance starts or
 		// stops, which changes the ETag: read again shortly.
-		if !clock.Sleep(ctx, min(5*time.Millisecond<<attempt, 100*time.Millisecond)) {
-			return nil, false, ctx.Err()
+		if !wait(min(5*time.Millisecond<<attempt, 100*time.Millisecond)) {
+			if ctx.Err() != nil {
+				return nil, false, ctx.Err()
+			}
+			return nil, false, fmt.Errorf("record power %s: Incus kept rewriting the instance as it moved: %w", in.Power, incus.ErrBusy)
 		}
 	}
 }

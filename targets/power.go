@@ -135,8 +135,8 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	in := Intent{Power: power, At: s.now(), By: BySetPower}
 	// Most of the answer bound may go to waiting out an Incus operation
 	// that holds the instance; the rest is for observing.
-	wctx, wcancel := context.WithTimeout(ctx, answerWait(ctx, s.cfg.AnswerWithin*2/3))
-	_, wrote, err := s.want(wctx, name, in, extra,
+	patience := time.Now().Add(answerWait(ctx, s.cfg.AnswerWithin*2/3))
+	_, wrote, err := s.wantPatient(ctx, patience, name, in, extra,
 		func(inst *incus.Instance, st State) error {
 			if err := checkOwned(inst, ref.Owner); err != nil {
 				return err
@@ -156,7 +156,6 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	if err == nil && s.pending.drop(name, in.At) {
 		wrote = true // an older request kept in memory is replaced: converge again
 	}
-	wcancel()
 	unlock()
 	var unknown *WriteUnknownError
 	switch {
