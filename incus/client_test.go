@@ -65,15 +65,23 @@ func TestGetInstanceDecodesEnvelopeAndETag(t *testing.T) {
 		t.Errorf("etag %q", etag)
 	}
 	if inst.Name != "c1" || inst.StatusCode != StatusRunning || inst.Config["user.x"] != "1" ||
-		inst.Devices["eth0"]["type"] != "nic" || inst.CreatedAt.IsZero() || inst.ExpandedConfig["user.x"] != "1" {
+		inst.Devices["eth0"]["type"] != "nic" || inst.CreatedAt.IsZero() {
 		t.Errorf("decoded %+v", inst)
+	}
+	ex, err := f.client.GetInstanceExpanded(t.Context(), "c1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ex.Name != "c1" || ex.Config["user.x"] != "1" || ex.ExpandedConfig["user.x"] != "1" {
+		t.Errorf("decoded expanded %+v", ex)
 	}
 	w := inst.Writable()
 	w.Config["user.y"] = "2"
 	if _, ok := inst.Config["user.y"]; ok {
 		t.Error("Writable must copy Config, not alias it")
 	}
-	if got := f.seen(); len(got) != 1 || got[0] != (observed{"instance.get", "ok"}) {
+	// GetInstance, then GetInstanceExpanded.
+	if got := f.seen(); len(got) != 2 || got[0] != (observed{"instance.get", "ok"}) || got[1] != got[0] {
 		t.Errorf("observed %v", got)
 	}
 }

@@ -102,8 +102,12 @@ func TestIntegrationLifecycle(t *testing.T) {
 		inst.Config["user.lsit"] != "1" || etag == "" || !slices.Contains(inst.Profiles, "default") {
 		t.Fatalf("created instance %+v etag %q", inst, etag)
 	}
-	if _, ok := inst.ExpandedDevices["root"]; !ok {
-		t.Errorf("default profile's root disk should apply in a features.profiles=false project: %v", inst.ExpandedDevices)
+	ex, err := c.GetInstanceExpanded(ctx, inst.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := ex.ExpandedDevices["root"]; !ok {
+		t.Errorf("default profile's root disk should apply in a features.profiles=false project: %v", ex.ExpandedDevices)
 	}
 
 	list, err := c.ListInstances(ctx)

@@ -50,13 +50,24 @@ type request struct {
 
 // envelope is the body of every Incus response.
 type envelope struct {
-	Type       string          `json:"type"` // sync, async or error
-	Status     string          `json:"status"`
-	StatusCode int             `json:"status_code"`
-	Operation  string          `json:"operation"`
-	ErrorCode  int             `json:"error_code"`
-	Error      string          `json:"error"`
-	Metadata   json.RawMessage `json:"metadata"`
+	Type       string      `json:"type"` // sync, async or error
+	Status     string      `json:"status"`
+	StatusCode int         `json:"status_code"`
+	Operation  string      `json:"operation"`
+	ErrorCode  int         `json:"error_code"`
+	Error      string      `json:"error"`
+	Metadata   metadataRef `json:"metadata"`
+}
+
+// metadataRef is the metadata's bytes within the body they were read
+// from, not a copy: at 10,000 instances a listing's metadata is tens of
+// MiB, and the body is neither reused nor changed once parsed.
+type metadataRef []byte
+
+// UnmarshalJSON keeps data, a slice of the body, which outlives it.
+func (m *metadataRef) UnmarshalJSON(data []byte) error {
+	*m = data
+	return nil
 }
 
 type response struct {
@@ -357,7 +368,7 @@ func (c *Client) tryEndpoint(callCtx context.Context, r request, body []byte, ep
 		return failed(err, false)
 	}
 	defer hresp.Body.Close()
-	raw, err := io.ReadAll(io.LimitReader(hresp.Body, maxResponse+1))
+	raw, err := readBody(hresp)
 	if err != nil {
 		return failed(fmt.Errorf("read response: %w", err), true)
 	}
@@ -366,6 +377,26 @@ func (c *Client) tryEndpoint(callCtx context.Context, r request, body []byte, ep
 		resp.via = ep
 	}
 	return attempt{kind: failoverKind(aerr, write), resp: resp, err: aerr, sent: true}
+}
+
+// readBody reads at most maxResponse+1 bytes of the body, into one buffer
+// of the announced length when there is one: a listing of 10,000 instances
+// read by doubling passed through twice its size in garbage.
+func readBody(hresp *http.Response) ([]byte, error) {
+	body := io.LimitReader(hresp.Body, maxResponse+1)
+	if n := hresp.ContentLength; n > 0 && n <= maxResponse {
+		buf := make([]byte, n)
+		if _, err := io.ReadFull(body, buf); err != nil {
+			return nil, err
+		}
+		// Nothing may follow what was announced; the transport refuses a
+		// longer body, so this reads only the end.
+		if m, err := body.Read(make([]byte, 1)); m > 0 || (err != nil && err != io.EOF) {
+			return nil, fmt.Errorf("body longer than its Content-Length %d", n)
+		}
+		return buf, nil
+	}
+	return io.ReadAll(body)
 }
 
 // failoverKind says whether an answer is one to try the next endpoint on.

@@ -95,7 +95,7 @@ func TestClusterGuestsOnEveryMember(t *testing.T) {
 	for i, member := range cl.Members {
 		local0, remote0 := halves[0].n.Load(), halves[1].n.Load()
 		route := r.create("on-"+member, "on-"+member)
-		inst, _, err := r.client.GetInstance(r.ctx(), route.TargetID)
+		inst, err := r.client.GetInstanceExpanded(r.ctx(), route.TargetID)
 		if err != nil {
 			t.Fatal(err)
 		}
