@@ -110,9 +110,10 @@ func Handshake(ctx context.Context, conn net.Conn, client ClientInfo) (*Session,
 		},
 		// The provider keeps one session per running target (the idle loop
 		// probes over it), so buffers are small and writes share a pool:
-		// 64 KiB each way cost 1.25 GiB at 10,000 targets. Handshake and
-		// getIdle messages are far below 4 KiB.
-		ReadBufferSize:  4 << 10,
+		// 64 KiB each way cost 1.25 GiB at 10,000 targets, and a 4 KiB read
+		// buffer still 40 MiB. A getIdle answer is a few hundred bytes; a
+		// larger message (the initialize answer) is read through in pieces.
+		ReadBufferSize:  1 << 10,
 		WriteBufferSize: 4 << 10,
 		WriteBufferPool: writeBuffers,
 	}

@@ -430,3 +430,87 @@ func TestClientTakesAResultAtTheDepthLimit(t *testing.T) {
 		t.Fatalf("result: %v", got)
 	}
 }
+
+// A call that waits long for its answer pings the server (the spec asks
+// for one at least every 20 seconds); a client with nothing in flight sends
+// none, and several calls waiting together do not each ping.
+func TestClientPingsOnlyWhileACallWaits(t *testing.T) {
+	defer jsonrpc.SetPingInterval(40 * time.Millisecond)()
+	var mu sync.Mutex
+	pings := 0
+	answer := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ws, err := (&websocket.Upgrader{}).Upgrade(w, r, nil)
+		if err != nil {
+			return
+		}
+		defer ws.Close()
+		var wmu sync.Mutex
+		ws.SetPingHandler(func(string) error {
+			mu.Lock()
+			pings++
+			mu.Unlock()
+			return nil
+		})
+		for {
+			_, data, err := ws.ReadMessage()
+			if err != nil {
+				return
+			}
+			var req struct {
+				ID json.RawMessage `json:"id"`
+			}
+			if err := json.Unmarshal(data, &req); err != nil {
+				t.Errorf("the client sent %q", data)
+				return
+			}
+			go func() {
+				<-answer
+				wmu.Lock()
+				defer wmu.Unlock()
+				_ = ws.WriteMessage(websocket.TextMessage, []byte(`{"jsonrpc":"2.0","id":`+string(req.ID)+`,"result":{}}`))
+			}()
+		}
+	}))
+	defer srv.Close()
+	c := dialClient(t, "ws"+strings.TrimPrefix(srv.URL, "http"))
+	count := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return pings
+	}
+	time.Sleep(200 * time.Millisecond)
+	if n := count(); n != 0 {
+		t.Fatalf("%d pings with no call in flight", n)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs <- c.Call(t.Context(), "slow", nil, nil)
+		}()
+	}
+	time.Sleep(400 * time.Millisecond)
+	close(answer)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// 400 ms at one ping per 20 to 40 ms from eight waiting calls: a
+	// handful, not eight per interval.
+	n := count()
+	t.Logf("%d pings while eight calls waited 400 ms (interval 40 ms)", n)
+	if n < 2 || n > 25 {
+		t.Fatalf("%d pings while eight calls waited 400 ms with a 40 ms interval; want some, and not one per call", n)
+	}
+	before := count()
+	time.Sleep(200 * time.Millisecond)
+	if after := count(); after != before {
+		t.Fatalf("%d pings after every call was answered", after-before)
+	}
+}

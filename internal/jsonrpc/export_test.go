@@ -2,6 +2,7 @@ package jsonrpc
 
 import (
 	"encoding/json"
+	"time"
 
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
@@ -18,4 +19,11 @@ type DecodedFrame struct {
 func DecodeFrame(data []byte) DecodedFrame {
 	f := decodeFrame(data)
 	return DecodedFrame{Notification: f.notification, ID: f.id, Method: f.method, Params: f.params, Refusal: f.refusal}
+}
+
+// SetPingInterval shortens the pings of waiting calls for a test.
+func SetPingInterval(d time.Duration) (restore func()) {
+	old := pingEvery
+	pingEvery = d
+	return func() { pingEvery = old }
 }
