@@ -63,6 +63,9 @@ type bench struct {
 	location string // the member holding the instance; empty off a cluster
 	routeURL string
 	pipeAddr string
+	// socatPort is the guest-namespace port of a socat byte relay to the
+	// daemon (see socat.go); 0 when the run has none.
+	socatPort int
 }
 
 func (s *session) header() http.Header {
@@ -389,6 +392,13 @@ func (b *bench) measure(ctx context.Context) (*report, error) {
 		}
 		rep.wakes = append(rep.wakes, w)
 	}
+	// After the last start: socat must run in the namespace of the init
+	// process that serves the measurements.
+	sr, err := b.startSocat(ctx, b.cfg.socat)
+	if err != nil {
+		return nil, err
+	}
+	defer sr.stop()
 	if err := b.measureRTT(ctx, rep); err != nil {
 		return nil, err
 	}
@@ -515,14 +525,16 @@ func roundTrips(ws *websocket.Conn, n, base int, out *[]time.Duration) error {
 	return nil
 }
 
-// The three paths to the daemon each measurement compares.
+// The paths to the daemon each measurement compares; socat only where the
+// run has one (not on a cluster's remote member).
 const (
 	pathDirect  = "direct"
 	pathRelayed = "relayed"
 	pathPipe    = "pipe"
+	pathSocat   = "socat"
 )
 
-var pathNames = []string{pathDirect, pathRelayed, pathPipe}
+var pathNames = []string{pathDirect, pathRelayed, pathPipe, pathSocat}
 
 // lane is one path to one target's daemon; a measurement interleaves
 // every lane of every target it compares.
@@ -575,6 +587,14 @@ func (b *bench) openPaths(ctx context.Context) (map[string]*websocket.Conn, func
 		return nil, nil, err
 	}
 	conns[pathPipe] = pipe
+	if b.socatPort != 0 {
+		sc, err := b.dialSocat(ctx)
+		if err != nil {
+			closeAll()
+			return nil, nil, err
+		}
+		conns[pathSocat] = sc
+	}
 	for _, ws := range conns {
 		if err := initializeData(ws); err != nil {
 			closeAll()
@@ -602,7 +622,9 @@ func openLanes(ctx context.Context, bs []*bench, reps []*report) ([]lane, func()
 		}
 		closers = append(closers, c)
 		for _, p := range pathNames {
-			lanes = append(lanes, lane{idx: len(lanes), b: b, rep: reps[i], path: p, ws: conns[p]})
+			if ws, ok := conns[p]; ok {
+				lanes = append(lanes, lane{idx: len(lanes), b: b, rep: reps[i], path: p, ws: ws})
+			}
 		}
 	}
 	return lanes, closeAll, nil
@@ -695,7 +717,9 @@ func measureThroughput(ctx context.Context, bs []*bench, reps []*report) error {
 		logf("measuring %s downloads and uploads, %s per path of %d target(s)", label, cfg.seconds, len(bs))
 		down := make(map[*report]*throughput, len(reps))
 		up := make(map[*report]*throughput, len(reps))
+		req := make(map[*report]*throughput, len(reps))
 		for _, rep := range reps {
+			req[rep] = &throughput{label: label, direction: "requests", messageBytes: size, bps: map[string]float64{}, msgs: map[string]int{}}
 			down[rep] = &throughput{label: label, direction: "download", bps: map[string]float64{}, msgs: map[string]int{}}
 			up[rep] = &throughput{label: label, direction: "upload", messageBytes: size, bps: map[string]float64{}, msgs: map[string]int{}}
 		}
@@ -719,10 +743,17 @@ func measureThroughput(ctx context.Context, bs []*bench, reps []*report) error {
 				u := up[l.rep]
 				u.bps[l.path] += ubps / float64(rounds)
 				u.msgs[l.path] += un
+				rn, rbps, err := requests(l.ws, size, slice)
+				if err != nil {
+					return fmt.Errorf("%s, %s: %w", l.b.label, l.path, err)
+				}
+				q := req[l.rep]
+				q.bps[l.path] += rbps / float64(rounds)
+				q.msgs[l.path] += rn
 			}
 		}
 		for _, rep := range reps {
-			rep.throughput = append(rep.throughput, *down[rep], *up[rep])
+			rep.throughput = append(rep.throughput, *down[rep], *up[rep], *req[rep])
 		}
 	}
 	return nil
@@ -778,6 +809,36 @@ func download(ws *websocket.Conn, path string, raw int, d time.Duration) (int, i
 		}
 	}
 	return n, size, float64(total) / time.Since(start).Seconds(), nil
+}
+
+// requests sends requests of exactly size bytes one at a time for d, each
+// answered by the daemon (an error: no such method) before the next goes:
+// the shape of an agent writing one large file after another, where every
+// hop's latency adds to each message's.
+func requests(ws *websocket.Conn, size int, d time.Duration) (int, float64, error) {
+	const head, tail = `{"jsonrpc":"2.0","id":7,"method":"routebench/discard","params":{"data":"`, `"}}`
+	msg := make([]byte, size)
+	copy(msg, head)
+	for i := len(head); i < size-len(tail); i++ {
+		msg[i] = 'a'
+	}
+	copy(msg[size-len(tail):], tail)
+	start := time.Now()
+	n := 0
+	for n == 0 || time.Since(start) < d {
+		if err := ws.WriteMessage(websocket.TextMessage, msg); err != nil {
+			return 0, 0, err
+		}
+		_, data, err := ws.ReadMessage()
+		if err != nil {
+			return 0, 0, err
+		}
+		if !bytes.Contains(data, []byte(`"error"`)) {
+			return 0, 0, fmt.Errorf("routebench/discard answered %.200s", data)
+		}
+		n++
+	}
+	return n, float64(n*size) / time.Since(start).Seconds(), nil
 }
 
 // upload sends notifications of exactly size bytes (the daemon reads and

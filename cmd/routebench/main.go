@@ -85,6 +85,7 @@ func main() {
 	flag.DurationVar(&cfg.seconds, "seconds", 4*time.Second, "time spent on each throughput measurement, per path")
 	flag.IntVar(&cfg.idleRelays, "idle-relays", 1000, "idle relays opened for the memory measurement")
 	flag.StringVar(&cfg.socket, "incus-socket", "/var/lib/incus/unix.socket", "Incus unix socket")
+	flag.StringVar(&cfg.socat, "socat", "socat", "socat binary for the relay floor (a C byte relay in the guest's namespace); empty to measure without it")
 	flag.StringVar(&cfg.image, "image", "lightspeed-dev-guest", "image alias of the development guest")
 	flag.StringVar(&cfg.cluster, "cluster", "", "settings file of the cluster rig (deploy/dev/incus-cluster-up.sh): measure on the cluster instead of -incus-socket")
 	flag.StringVar(&cfg.member, "member", "", "with -cluster: the member the provider runs on (its guests through netns, the others through exec)")
@@ -109,6 +110,7 @@ type benchConfig struct {
 	wakes, rtt, idleRelays int
 	seconds                time.Duration
 	socket, image          string
+	socat                  string
 
 	cluster, member, remote string
 	owners                  int

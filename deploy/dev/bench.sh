@@ -6,11 +6,15 @@ cd "$(dirname "$0")/../.."
 export GOFLAGS=${GOFLAGS:--mod=mod}
 deploy/dev/incus-up.sh
 deploy/guest/build-image.sh >/dev/null
+# The relay's floor in routebench is Debian's socat, a C byte relay.
+command -v socat >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q socat >/dev/null
 printf '\n== target lifecycle: create → active, close → closed (20 owners)\n'
 INCUS_PROVIDER_REQUIRE_INCUS=1 go test -count=1 -run '^$' -bench Lifecycle -benchtime 20x ./targets/ | grep -E 'Benchmark|ok'
 printf '\n== data routes: wake latency, relayed vs direct, memory per idle relay\n'
 go run ./cmd/routebench
 printf '\n== public ingress: edge vs direct, a 1 GiB download, wake on request, unknown hosts\n'
 go run ./cmd/ingressbench
-printf '\n== idle loop: 10,000 in-process fake daemons\n'
+printf '\n== idle loop: 10,000 fake daemons in a process of their own, the default 25 s ceiling\n'
 go run ./cmd/idlebench
+printf '\n== idle loop: the same with every target probed at least every 10 s\n'
+go run ./cmd/idlebench -max-interval 10s

@@ -255,6 +255,22 @@ func (f *Fleet) DialContext(ctx context.Context, t guest.Target) (net.Conn, erro
 	return client, nil
 }
 
+// ServeConn serves the named daemon on conn, a connection accepted
+// elsewhere (the benchmark's fleet in a process of its own): conn is the
+// daemon's side of a dial of that instance. The fleet owns conn from here.
+func (f *Fleet) ServeConn(ctx context.Context, name string, conn net.Conn) error {
+	if f.Get(name) == nil {
+		_ = conn.Close()
+		return fmt.Errorf("idletest: no daemon %q", name)
+	}
+	if err := f.ln.push(ctx, &namedConn{Conn: conn, name: name}); err != nil {
+		_ = conn.Close()
+		return err
+	}
+	f.Dials.Add(1)
+	return nil
+}
+
 func (f *Fleet) pair() (net.Conn, net.Conn, error) {
 	if f.pipes {
 		a, b := net.Pipe()
