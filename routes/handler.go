@@ -121,6 +121,7 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 	if opts.MaxHeld <= 0 {
 		opts.MaxHeld = DefaultMaxHeld
 	}
+	opts.Metrics.setHeldMax(opts.MaxHeld)
 	if opts.WakeBudget <= 0 {
 		opts.WakeBudget = 30 * time.Second
 	}

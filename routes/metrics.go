@@ -39,6 +39,7 @@ type Metrics struct {
 	dialLatency   *prometheus.HistogramVec
 	wakes         *prometheus.HistogramVec
 	held          prometheus.Gauge
+	heldMax       prometheus.Gauge
 	open          prometheus.Gauge
 	closed        *prometheus.CounterVec
 	relayBytes    *prometheus.CounterVec
@@ -50,7 +51,7 @@ type Metrics struct {
 // NewMetrics registers the data routes' collectors on reg.
 func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := newMetrics()
-	reg.MustRegister(m.dials, m.dialLatency, m.wakes, m.held, m.open, m.closed, m.relayBytes, m.relayMessages)
+	reg.MustRegister(m.dials, m.dialLatency, m.wakes, m.held, m.heldMax, m.open, m.closed, m.relayBytes, m.relayMessages)
 	return m
 }
 
@@ -73,6 +74,10 @@ func newMetrics() *Metrics {
 		held: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "incus_provider_route_dials_held",
 			Help: "Data route dials held now while their target wakes or its daemon starts.",
+		}),
+		heldMax: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "incus_provider_route_dials_held_max",
+			Help: "The most data route dials held at once; a dial beyond it is refused at once (PROVIDER_ROUTE_MAX_HELD).",
 		}),
 		open: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "incus_provider_relays_open",
@@ -125,6 +130,12 @@ func (m *Metrics) wake(from, outcome string, d time.Duration) {
 		return
 	}
 	m.wakes.WithLabelValues(from, outcome).Observe(d.Seconds())
+}
+
+func (m *Metrics) setHeldMax(n int) {
+	if m != nil {
+		m.heldMax.Set(float64(n))
+	}
 }
 
 func (m *Metrics) heldAdd(n int) {

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/internal/incusfault"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/routes"
@@ -43,7 +45,14 @@ func TestLivePrometheus(t *testing.T) {
 		t.Skipf("prometheus is not installed: %v", err)
 	}
 	edge := freePort(t)
-	c := startProvider(t, "PROVIDER_INGRESS_LISTEN="+edge, "PROVIDER_INGRESS_BASE_URL=http://{label}.localhost:"+edge[strings.LastIndexByte(edge, ':')+1:])
+	// Incus through a proxy the workload cuts for an outage.
+	fault, err := incusfault.Start(t.Context(), incusfault.Config{Upstream: incustest.Socket(), Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fault.Close() })
+	c := startProvider(t, "INCUS_SOCKET="+fault.Socket(),
+		"PROVIDER_INGRESS_LISTEN="+edge, "PROVIDER_INGRESS_BASE_URL=http://{label}.localhost:"+edge[strings.LastIndexByte(edge, ':')+1:])
 	prom := startPrometheus(t, promBin, strings.TrimSuffix(strings.TrimPrefix(c.metrics, "http://"), "/metrics"))
 	// The first scrape sees every series at zero.
 	prom.await(t, "the provider scraped", `up{job="incus-provider"} == 1`, 30*time.Second)
@@ -99,6 +108,25 @@ func TestLivePrometheus(t *testing.T) {
 		wake(controller.PowerPaused)
 	}
 	wake(controller.PowerStopped)
+	// An Incus outage: the socket refuses, every open connection is cut.
+	// Each read of the target in it is answered unavailable (and counted
+	// so), and everything works again once Incus is back.
+	transport0 := prom.value(t, `sum(incus_provider_incus_requests_total{job="incus-provider",status="transport"})`)
+	if err := fault.RefuseAll(true); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		_, err := call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: owner}})
+		var e *jsonrpc.Error
+		if !errors.As(err, &e) || e.Kind != jsonrpc.KindUnavailable {
+			_ = fault.RefuseAll(false)
+			t.Fatalf("target/get while Incus refuses: want unavailable, got %v", err)
+		}
+	}
+	if err := fault.RefuseAll(false); err != nil {
+		t.Fatal(err)
+	}
+	until("readable again after the outage", func(o controller.Observation) bool { return o.Phase == controller.PhaseActive })
 	stranger := controller.Owner{UniverseID: "u-prom", EnvironmentID: "nobody"}
 	for range 2 {
 		if _, err := call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: stranger}}); err == nil {
@@ -131,6 +159,7 @@ func TestLivePrometheus(t *testing.T) {
 		{`incus_provider_controller_requests_total{job="incus-provider",method="target/create",kind="ok"}`, 1},
 		{`incus_provider_controller_requests_total{job="incus-provider",method="target/get",kind="notFound"}`, 2},
 		{`incus_provider_controller_requests_total{job="incus-provider",method="target/setPower",kind="ok"}`, 4},
+		{`incus_provider_controller_requests_total{job="incus-provider",method="target/get",kind="unavailable"}`, 2},
 	} {
 		exact := fmt.Sprintf("sum(max_over_time(%s[10m]) - min_over_time(%s[10m]))", w.series, w.series)
 		if got := prom.value(t, exact); got != w.want {
@@ -140,6 +169,11 @@ func TestLivePrometheus(t *testing.T) {
 		if got := prom.value(t, inc); got < w.want || got > w.want*1.25+0.01 {
 			t.Errorf("%s = %.3f, want %v (at most a quarter more, by extrapolation)", inc, got, w.want)
 		}
+	}
+	// The outage's failed Incus calls: at least the two reads (the
+	// reconciler and the idle loop may have tried too).
+	if got := prom.value(t, `sum(incus_provider_incus_requests_total{job="incus-provider",status="transport"})`) - transport0; got < 2 {
+		t.Errorf("Incus calls failed in transport during the outage: %v, want at least 2", got)
 	}
 	if got := prom.value(t, `sum(incus_provider_targets{job="incus-provider"})`); got != 0 {
 		t.Errorf("incus_provider_targets sums to %v after the close, want 0", got)
