@@ -204,6 +204,22 @@ func TestLivePrometheus(t *testing.T) {
 			t.Errorf("%s shows nothing after four wakes", where)
 		}
 	}
+	// The wake panels show all the wakes the workload made: their queries
+	// over the whole run, rate times the window, add up to them (before
+	// the series existed from zero, three wakes from paused read as two,
+	// one from stopped as none).
+	whole := strings.NewReplacer(`$job`, `incus-provider`, `$instance`, `.+`, `$__rate_interval`, `10m`)
+	for _, from := range []struct {
+		power string
+		want  float64
+	}{{"paused", 3}, {"stopped", 1}} {
+		// The panel's own series, kept where from is this power.
+		q := fmt.Sprintf(`sum((%s) and on (from) count by (from) (incus_provider_route_wake_duration_seconds_count{from=%q})) * 600`,
+			whole.Replace(queries(t)["panel Wakes by outcome #0"]), from.power)
+		if got := prom.value(t, q); got < from.want || got > from.want*1.25+0.01 {
+			t.Errorf("panel Wakes by outcome over the run shows %.3f wakes from %s, want %v", got, from.power, from.want)
+		}
+	}
 	// No alert fires on this healthy workload.
 	if firing := prom.query(t, `ALERTS{alertstate="firing"}`); len(firing) > 0 {
 		t.Errorf("alerts firing after a healthy workload: %v", firing)
