@@ -7,7 +7,7 @@ GO ?= go
 BIN := bin
 export GOFLAGS ?= -mod=mod
 
-.PHONY: run run-cluster test build lint unit bench fuzz clean-test-projects
+.PHONY: run run-cluster test test-image build lint unit bench fuzz clean-test-projects
 
 build:
 	@mkdir -p $(BIN)
@@ -30,6 +30,12 @@ run-cluster:
 # against a running provider.
 test:
 	@deploy/dev/test.sh
+
+# The production-shaped guest image (deploy/guest/build-debian-image.sh),
+# built from the Debian mirror and booted through the provider; CI runs it
+# after make test.
+test-image:
+	@deploy/dev/test-image.sh
 
 lint:
 	@deploy/dev/lint.sh

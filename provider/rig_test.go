@@ -96,6 +96,9 @@ type rigOptions struct {
 	// member is the cluster member the provider runs on (default the
 	// first); with after, a second replica on another member.
 	member string
+	// templates and image replace testTemplates and the dev guest image
+	// on a single host (the production-shaped image's test).
+	templates, image string
 }
 
 func (o rigOptions) memberOr(def string) string {
@@ -120,6 +123,9 @@ func newRig(t *testing.T, o rigOptions) *rig {
 		client = o.cluster.Client(t)
 		catalog = testrig.Catalog(t, client, incustest.DefaultImage, clusterTemplates)
 		dialer = newMemberDialer(t, o.memberOr(o.cluster.Members[0]), client)
+	case o.templates != "":
+		client = incustest.Client(t)
+		catalog = testrig.Catalog(t, client, o.image, o.templates)
 	default:
 		client = incustest.Client(t)
 		catalog = testrig.Catalog(t, client, incustest.Image(t), testTemplates)

@@ -10,9 +10,12 @@ if [ -n "$unformatted" ]; then
   exit 1
 fi
 go vet ./...
+# The production image's test is built only by make test-image.
+go vet -tags imagetest ./provider
 bin=$(go env GOPATH)/bin/golangci-lint
 if ! [ -x "$bin" ] || ! "$bin" version 2>/dev/null | grep -q "${GOLANGCI_VERSION#v}"; then
   echo "lint: installing golangci-lint $GOLANGCI_VERSION (a few minutes, once)" >&2
   GOFLAGS= go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$GOLANGCI_VERSION"
 fi
 "$bin" run ./...
+"$bin" run --build-tags imagetest ./provider

@@ -43,33 +43,13 @@ fail() {
 	exit 1
 }
 
-incus_p() {
-	if [ -n "$project" ]; then
-		incus --project "$project" "$@"
-	else
-		incus "$@"
-	fi
-}
-
-# query_path appends the project to a REST path for `incus query`.
-query_path() {
-	local path=$1
-	if [ -n "$project" ]; then
-		case $path in
-		*\?*) path="$path&project=$project" ;;
-		*) path="$path?project=$project" ;;
-		esac
-	fi
-	printf '%s' "$path"
-}
+# shellcheck source=deploy/guest/image-lib.sh
+. "$here/image-lib.sh"
 
 for tool in incus tar gzip sha256sum "$go_cmd"; do
 	command -v "$tool" >/dev/null 2>&1 || fail "the command $tool is needed but not installed."
 done
-incus query /1.0 >/dev/null 2>&1 || fail "Incus does not answer (is incusd running, and may this user use its socket?)."
-if [ -n "$project" ]; then
-	incus query "/1.0/projects/$project" >/dev/null 2>&1 || fail "the Incus project $project (INCUS_PROJECT) does not exist."
-fi
+image_check_incus
 
 is_static() {
 	if command -v readelf >/dev/null 2>&1; then
@@ -111,19 +91,15 @@ content_hash=$(
 		sha256sum <"$here/init.sh"
 		sha256sum <"$busybox"
 		sha256sum <"$here/build-image.sh"
+		sha256sum <"$here/image-lib.sh"
 	} | sha256sum | cut -d' ' -f1
 )
 echo "content hash $content_hash" >&2
 
-current=""
-if current_json=$(incus query "$(query_path "/1.0/images/aliases/$alias_name")" 2>/dev/null); then
-	current=$(printf '%s\n' "$current_json" | sed -n 's/^[[:space:]]*"target": "\([0-9a-f]*\)".*/\1/p')
-	[ -n "$current" ] || fail "cannot read the target of the alias $alias_name."
-	if [ "$(incus_p image get-property "$current" "$hash_property" 2>/dev/null || true)" = "$content_hash" ]; then
-		echo "the alias $alias_name already points at an image with this content" >&2
-		echo "$alias_name $current" >&3
-		exit 0
-	fi
+if image_current "$alias_name" "$content_hash"; then
+	echo "the alias $alias_name already points at an image with this content" >&2
+	echo "$alias_name $image_target" >&3
+	exit 0
 fi
 
 echo "assembling the root filesystem" >&2
@@ -164,43 +140,5 @@ EOF
 tar -C "$img" --numeric-owner --owner=0 --group=0 -czf "$work/guest.tar.gz" metadata.yaml rootfs ||
 	fail "packing the image tarball failed."
 
-echo "importing into Incus${project:+ (project $project)}" >&2
-import_out=$(incus_p image import "$work/guest.tar.gz" 2>&1) || fail "incus image import failed: $import_out"
-echo "$import_out" >&2
-fingerprint=$(printf '%s\n' "$import_out" | sed -n 's/.*fingerprint: \([0-9a-f]\{64\}\).*/\1/p' | tail -n1)
-[ -n "$fingerprint" ] || fail "cannot find the fingerprint in the output of incus image import."
-
-# An image left without an alias after a failure here would be garbage nobody owns.
-drop_new_image() {
-	incus_p image delete "$fingerprint" >&2 || true
-}
-body="{\"target\": \"$fingerprint\", \"description\": \"Lightspeed development guest\"}"
-if [ -n "$current" ]; then
-	# One request moves the alias: there is no moment without it.
-	incus query -X PUT "$(query_path "/1.0/images/aliases/$alias_name")" -d "$body" >/dev/null ||
-		{ drop_new_image; fail "cannot point the alias $alias_name at $fingerprint."; }
-else
-	incus query -X POST "$(query_path /1.0/images/aliases)" -d "{\"name\": \"$alias_name\", ${body#\{}" >/dev/null ||
-		{ drop_new_image; fail "cannot create the alias $alias_name for $fingerprint."; }
-fi
-echo "the alias $alias_name now points at $fingerprint" >&2
-
-# Remove the superseded image only when it is ours and nothing else uses it.
-if [ -n "$current" ] && [ "$current" != "$fingerprint" ]; then
-	old_hash=$(incus_p image get-property "$current" "$hash_property" 2>/dev/null || true)
-	old_aliases=$(incus query "$(query_path "/1.0/images/$current")" 2>/dev/null | grep -c '"name":' || true)
-	users=$(incus query "/1.0/instances?recursion=1&all-projects=true" 2>/dev/null |
-		grep -c "\"volatile.base_image\": \"$current\"" || true)
-	if [ -z "$old_hash" ]; then
-		echo "kept the superseded image $current: this script did not build it" >&2
-	elif [ "${old_aliases:-0}" != 0 ]; then
-		echo "kept the superseded image $current: another alias names it" >&2
-	elif [ "${users:-0}" != 0 ]; then
-		echo "kept the superseded image $current: instances were created from it" >&2
-	else
-		incus_p image delete "$current" >&2 || echo "could not delete the superseded image $current" >&2
-		echo "deleted the superseded image $current" >&2
-	fi
-fi
-
-echo "$alias_name $fingerprint" >&3
+image_import "$work/guest.tar.gz" "$alias_name" "Lightspeed development guest"
+echo "$alias_name $image_fingerprint" >&3
