@@ -587,7 +587,7 @@ func TestSystemdUnitHardenedAndValid(t *testing.T) {
 	if !regexp.MustCompile(`(?m)^RestartPreventExitStatus=2$`).MatchString(unit) {
 		t.Errorf("%s does not stop restarting on exit 2", unitFile)
 	}
-	if !regexp.MustCompile(`(?m)^ExecReload=/bin/kill -HUP \$MAINPID$`).MatchString(unit) {
+	if !regexp.MustCompile(`(?m)^ExecReload=/bin/sh -c 'kill -HUP "\$\$MAINPID"'$`).MatchString(unit) {
 		t.Errorf("%s does not reload with SIGHUP", unitFile)
 	}
 	if !regexp.MustCompile(`(?m)^CapabilityBoundingSet=CAP_SYS_ADMIN CAP_SYS_PTRACE$`).MatchString(unit) {

@@ -4,7 +4,8 @@
 # Debian mirror, systemd as PID 1, the daemon as a service on the guest's
 # loopback) and boots it through the provider: the image's own test
 # (go test -tags imagetest) and the conformance suite against a provider
-# whose templates use it. Slower than make test by the debootstrap of a
+# whose templates use it; then the systemd unit under the image's own
+# systemd (deploy/dev/unit-in-systemd.sh). Slower than make test by the debootstrap of a
 # first run (about 1.5 minutes here; later runs reuse the cached base).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -60,4 +61,8 @@ provider_pid=$!
 for _ in $(seq 1 100); do grep -q '^controller URL' "$work/provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/provider.log" >&2; exit 1; }; sleep 0.1; done
 bin/lsconform -url ws://127.0.0.1:18490/control -credential-file "$work/credential" -universe u-image || {
   echo "provider log:" >&2; tail -n 50 "$work/provider.log" >&2; exit 1; }
+kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
+
+step "the systemd unit under systemd 252 (a privileged container of the image)"
+deploy/dev/unit-in-systemd.sh "$alias"
 echo "test-image: passed"
