@@ -22,6 +22,9 @@ func (s *Service) Run(ctx context.Context) error {
 	leasesDone := make(chan struct{})
 	go func() { defer close(leasesDone); s.runLeases(ctx) }()
 	defer func() { <-leasesDone }()
+	warmDone := make(chan struct{})
+	go func() { defer close(warmDone); s.runWarm(ctx) }()
+	defer func() { <-warmDone }()
 	t := time.NewTicker(s.cfg.ReconcileInterval)
 	defer t.Stop()
 	for {
@@ -92,6 +95,9 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 	}
 	if _, ok := ownerOf(inst); !ok {
 		return 0
+	}
+	if hasWarmKeys(inst) {
+		s.stripWarmKeys(ctx, name) // a hand-out that stopped after its rename
 	}
 	if _, ok := s.pending.get(name); ok {
 		if !s.flushPending(ctx, name) {
