@@ -153,6 +153,10 @@ type warmPool struct {
 	delay   map[string]time.Duration
 	kickc   chan struct{}
 	sem     chan struct{}
+	// surveyed: a survey has listed the project once; seen: the last one
+	// found warm instances. Without a pool in the catalog and none seen,
+	// a survey has nothing to do and does not list.
+	surveyed, seen bool
 }
 
 func (p *warmPool) init() {
@@ -403,6 +407,13 @@ func (s *Service) warmWanted() map[string]*templates.Template {
 func (s *Service) warmSurvey(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
+	want := s.warmWanted()
+	s.warm.mu.Lock()
+	idle := len(want) == 0 && s.warm.surveyed && !s.warm.seen
+	s.warm.mu.Unlock()
+	if idle {
+		return
+	}
 	list, err := s.instances(ctx)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -410,7 +421,6 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		}
 		return
 	}
-	want := s.warmWanted()
 	recipes := map[string]string{}
 	known := map[string]bool{}
 	var drop, ready []incus.Instance
@@ -443,6 +453,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		known[w.Name] = w.Config[keyWarmReady] != "" && w.Config[keyWarmClaim] == ""
 	}
 	s.warm.known = known
+	s.warm.surveyed, s.warm.seen = true, len(known) > 0
 	s.warm.mu.Unlock()
 	for _, w := range drop {
 		claim := w.Config[keyWarmClaim]
