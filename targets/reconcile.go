@@ -96,9 +96,6 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 	if _, ok := ownerOf(inst); !ok {
 		return 0
 	}
-	if hasWarmKeys(inst) {
-		s.stripWarmKeys(ctx, name) // a hand-out that stopped after its rename
-	}
 	if _, ok := s.pending.get(name); ok {
 		if !s.flushPending(ctx, name) {
 			return 100 * time.Millisecond

@@ -334,7 +334,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		if err := checkOwned(inst, p.Owner); err != nil {
 			return controller.Observation{}, err
 		}
-		if hasWarmKeys(inst) {
+		if unfinishedHandout(inst) {
 			return s.answerHandout(ctx, name, p)
 		}
 		return s.observe(inst, p.Owner), nil
@@ -542,12 +542,12 @@ func (s *Service) answerHandout(ctx context.Context, name string, p controller.C
 	if err := checkOwned(inst, p.Owner); err != nil {
 		return controller.Observation{}, err
 	}
-	if hasWarmKeys(inst) {
+	if unfinishedHandout(inst) {
 		tmpl, ok := s.catalog.Load().Get(inst.Config[keyWarm])
 		if !ok {
 			tmpl, ok = s.catalog.Load().Get(p.TemplateID)
 		}
-		if !ok && unfinishedHandout(inst) {
+		if !ok {
 			return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q is offered; template/list names the ones this provider serves.", p.TemplateID)
 		}
 		if err := s.finishHandout(ctx, inst, p, tmpl); err != nil {

@@ -39,24 +39,23 @@ import (
 // A hand-out (target/create of a new owner, under the owner's lock):
 //
 //  1. claim: one ETag-conditional PATCH writes the owner's metadata and the
-//     claim (the owner's name) onto a ready warm instance; of several
-//     claimants of one instance, the first write wins and the others are
-//     refused (412) and try another.
+//     claim (the owner's name) onto a ready warm instance and takes the
+//     pool's keys off; of several claimants of one instance, the first
+//     write wins and the others are refused (412) and try another.
 //  2. rename the warm instance to the owner's name. Incus renames in one
 //     transaction and refuses a name in use, so the owner's name is still
 //     the lock: a normal create, or another replica's hand-out, that holds
 //     the name first makes the rename fail, and then the claimed instance
 //     is deleted (it carries this owner's ids, so it never returns to the
 //     pool).
-//  3. remove the warm keys; the reconciler starts the target like any
-//     created one.
+//  3. nothing more: the instance is the owner's target (the claim stays on
+//     it as the record of its hand-out), and the reconciler starts it like
+//     any created one.
 //
 // A crash after 1 leaves a claimed warm instance that is neither in the
 // pool nor a target: the pool deletes it once the claim is older than
 // WarmStale, and the owner's retried create takes another warm instance or
-// creates one. A crash after 2 leaves the owner's target with the owner's
-// metadata (written in 1) and leftover warm keys, which converge removes.
-// Either way the owner's name ends on exactly one instance. Should two
+// creates one. A crash after 2 leaves the owner's whole target. Either way the owner's name ends on exactly one instance. Should two
 // claims of one instance both have landed (replicas racing inside Incus's
 // ETag check), the instance at an owner's name may carry the other owner's
 // metadata: that unfinished hand-out belongs to whoever's name it has, and
@@ -79,8 +78,8 @@ const (
 	keyWarmClaimAt = "user.lightspeed.warm_claim_ms"
 )
 
-// warmKeys are removed from a target once its hand-out is done.
-var warmKeys = []string{keyWarm, keyWarmRecipe, keyWarmReady, keyWarmClaim, keyWarmClaimAt}
+// poolKeys mark an instance of the pool; a claim takes them off.
+var poolKeys = []string{keyWarm, keyWarmRecipe, keyWarmReady}
 
 // warmCreates bounds the pool's creates in flight across all templates:
 // on a dir pool a create is mostly disk writes, which the owners' own
@@ -96,22 +95,12 @@ func warmName(templateID string, slot int) string {
 // isWarmName says a name is one of the pool's, of any template.
 func isWarmName(name string) bool { return strings.HasPrefix(name, warmPrefix) }
 
-// hasWarmKeys says an instance still carries any pool key.
-func hasWarmKeys(inst *incus.Instance) bool {
-	for _, k := range warmKeys {
-		if inst.Config[k] != "" {
-			return true
-		}
-	}
-	return false
-}
-
 // unfinishedHandout says an instance under an owner's name came from the
 // pool and does not carry that owner's metadata: a hand-out that has not
 // finished. It belongs to the owner whose name it has; it is never anyone
 // else's target, and never an orphan.
 func unfinishedHandout(inst *incus.Instance) bool {
-	if !looksLikeTargetID(inst.Name) || inst.Config[keyWarm] == "" {
+	if !looksLikeTargetID(inst.Name) || inst.Config[keyWarm] == "" && inst.Config[keyWarmClaim] == "" {
 		return false
 	}
 	_, ok := ownerOf(inst)
@@ -173,27 +162,30 @@ func (p *warmPool) kick() {
 	}
 }
 
-// take marks the ready warm instances of a template as being handed out by
-// the caller, in random order (claimants on several replicas then rarely
-// pick the same one); release gives back those not used.
-func (p *warmPool) take(t *templates.Template) (names []string, release func()) {
+// take marks one ready warm instance of a template, not tried yet, as
+// being handed out by the caller, chosen at random (claimants on several
+// replicas then rarely pick the same one); ok is false when there is none.
+// release gives it back.
+func (p *warmPool) take(t *templates.Template, tried map[string]bool) (name string, release func(), ok bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	var names []string
 	for slot := range t.Warm {
 		n := warmName(t.Wire.TemplateID, slot)
-		if p.known[n] && !p.taken[n] && !p.filling[n] {
-			p.taken[n] = true
+		if p.known[n] && !p.taken[n] && !p.filling[n] && !tried[n] {
 			names = append(names, n)
 		}
 	}
-	rand.Shuffle(len(names), func(i, j int) { names[i], names[j] = names[j], names[i] })
-	return names, func() {
-		p.mu.Lock()
-		for _, n := range names {
-			delete(p.taken, n)
-		}
-		p.mu.Unlock()
+	if len(names) == 0 {
+		return "", nil, false
 	}
+	name = names[rand.IntN(len(names))]
+	p.taken[name] = true
+	return name, func() {
+		p.mu.Lock()
+		delete(p.taken, name)
+		p.mu.Unlock()
+	}, true
 }
 
 func (p *warmPool) forget(name string) {
@@ -225,18 +217,21 @@ func (s *Service) handout(ctx context.Context, name string, p controller.CreateP
 	if t.Warm == 0 {
 		return warmMiss
 	}
-	cands, release := s.warm.take(t)
-	defer release()
 	owner, err := s.ownerConfig(p, t)
 	if err != nil {
 		return warmMiss
 	}
 	recipe := recipeOf(templateRequest("", t))
-	for _, wn := range cands {
-		if answerWait(ctx, time.Second) < 200*time.Millisecond {
-			break // too little left of the budget: create as usual
+	tried := map[string]bool{}
+	for answerWait(ctx, time.Second) >= 200*time.Millisecond { // else too little is left of the budget: create as usual
+		wn, release, ok := s.warm.take(t, tried)
+		if !ok {
+			break
 		}
-		if r := s.handoutOne(ctx, name, wn, owner, recipe, t); r != warmMiss {
+		tried[wn] = true
+		r := s.handoutOne(ctx, name, wn, owner, recipe, t)
+		release()
+		if r != warmMiss {
 			return r
 		}
 	}
@@ -254,9 +249,12 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 	if err != nil || !handable(w, t.Wire.TemplateID, recipe) {
 		return warmMiss
 	}
-	claim := make(map[string]string, len(owner)+2)
+	claim := make(map[string]string, len(owner)+len(poolKeys)+2)
 	for k, v := range owner {
 		claim[k] = v
+	}
+	for _, k := range poolKeys {
+		claim[k] = ""
 	}
 	claim[keyWarmClaim], claim[keyWarmClaimAt] = name, msString(s.now())
 	devices := s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort})
@@ -304,40 +302,22 @@ func handable(w *incus.Instance, templateID, recipe string) bool {
 		w.Config[keyWarmReady] != "" && w.Config[keyWarmClaim] == "" && w.Status == incus.InstanceStopped
 }
 
-// finishHandout removes the warm keys from the owner's instance; an
-// unfinished hand-out (at the owner's name without the owner's metadata)
-// gets the owner's metadata first. Idempotent.
+// finishHandout gives an unfinished hand-out (at the owner's name without
+// the owner's metadata) the owner's metadata and devices, and takes the
+// pool's keys off. Idempotent.
 func (s *Service) finishHandout(ctx context.Context, inst *incus.Instance, p controller.CreateParams, t *templates.Template) error {
-	set := map[string]string{}
-	for _, k := range warmKeys {
+	set, err := s.ownerConfig(p, t)
+	if err != nil {
+		return err
+	}
+	for _, k := range poolKeys {
 		set[k] = ""
 	}
-	var devices map[string]map[string]string
-	if unfinishedHandout(inst) {
-		owner, err := s.ownerConfig(p, t)
-		if err != nil {
-			return err
-		}
-		for k, v := range owner {
-			set[k] = v
-		}
-		devices = s.dialer.Devices(guest.Target{Instance: inst.Name, Port: t.DaemonPort})
-	}
-	err := s.incus.PatchInstanceIf(ctx, inst.Name, set, devices, "")
+	set[keyWarmClaim] = inst.Name
+	devices := s.dialer.Devices(guest.Target{Instance: inst.Name, Port: t.DaemonPort})
+	err = s.incus.PatchInstanceIf(ctx, inst.Name, set, devices, "")
 	s.listingChanged()
 	return err
-}
-
-// stripWarmKeys removes leftover warm keys from one of the owner's targets
-// (a hand-out that stopped after its rename).
-func (s *Service) stripWarmKeys(ctx context.Context, name string) {
-	set := map[string]string{}
-	for _, k := range warmKeys {
-		set[k] = ""
-	}
-	if err := s.patch(ctx, name, set); err != nil && ctx.Err() == nil {
-		s.log.Debug("removing leftover warm keys failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
-	}
 }
 
 // discardWarm deletes, in the background, a warm instance that a hand-out

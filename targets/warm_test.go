@@ -174,8 +174,8 @@ func (h *harness) checkOnePerOwner(t *testing.T, owners []controller.Owner) {
 			continue
 		}
 		seen[inst.Name]++
-		if got, ok := ownerOf(&inst); !ok || got != o || hasWarmKeys(&inst) {
-			t.Errorf("instance %s: owner %v (%v), warm keys %v; want %v and none", inst.Name, got, ok, hasWarmKeys(&inst), o)
+		if got, ok := ownerOf(&inst); !ok || got != o || poolKeysOn(&inst) || !oneOf(inst.Config[keyWarmClaim], "", inst.Name) {
+			t.Errorf("instance %s: owner %v (%v), config %v; want %v, no pool keys, no other's claim", inst.Name, got, ok, inst.Config, o)
 		}
 	}
 	for n, o := range want {
@@ -209,7 +209,7 @@ func TestWarmHandoutBecomesActiveAndThePoolRefills(t *testing.T) {
 	if !uuids[inst.Config["volatile.uuid"]] {
 		t.Fatal("the target is not one of the warm instances")
 	}
-	if got, ok := ownerOf(inst); !ok || got != o || hasWarmKeys(inst) || inst.Config[keyDisplayName] != "warm one" || inst.Config[keyTemplate] != "w" {
+	if got, ok := ownerOf(inst); !ok || got != o || poolKeysOn(inst) || inst.Config[keyWarmClaim] != Name(o) || inst.Config[keyDisplayName] != "warm one" || inst.Config[keyTemplate] != "w" {
 		t.Fatalf("the handed-out target's config: %v", inst.Config)
 	}
 	if hits := testutil.ToFloat64(svc.cfg.WarmMetrics.handouts.WithLabelValues("w", "hit")); hits != 1 {
@@ -220,10 +220,22 @@ func TestWarmHandoutBecomesActiveAndThePoolRefills(t *testing.T) {
 	if n := testutil.ToFloat64(svc.cfg.WarmMetrics.size.WithLabelValues("w")); n != 2 {
 		t.Errorf("the pool size gauge says %v after the refill, want 2", n)
 	}
+	// Two owners at once, a pool of two: each is handed one.
+	pair := []controller.Owner{owner("warm-pair-0"), owner("warm-pair-1")}
+	var wg sync.WaitGroup
+	for _, po := range pair {
+		wg.Go(func() { createUntilID(t, svc, controller.CreateParams{Owner: po, TemplateID: "w"}) })
+	}
+	wg.Wait()
+	if hits := testutil.ToFloat64(svc.cfg.WarmMetrics.handouts.WithLabelValues("w", "hit")); hits != 3 {
+		t.Errorf("warm hits after two owners at once: %v, want 3", hits)
+	}
+	h.awaitPool(t, 2)
+	h.checkOnePerOwner(t, append(pair, o))
 	// The pool is not counted as targets.
 	list, err := svc.IdleTargets(ctx)
-	if err != nil || len(list) != 1 {
-		t.Fatalf("idle inventory: %d targets (%v), want the owner's alone", len(list), err)
+	if err != nil || len(list) != 3 {
+		t.Fatalf("idle inventory: %d targets (%v), want the three owners' alone", len(list), err)
 	}
 }
 
@@ -425,4 +437,22 @@ func TestWarmInstancesNeverCarryAnOwnersData(t *testing.T) {
 			t.Fatalf("warm instance %s holds the owner's file (%v)", w.Name, err)
 		}
 	}
+}
+
+func poolKeysOn(inst *incus.Instance) bool {
+	for _, k := range poolKeys {
+		if inst.Config[k] != "" {
+			return true
+		}
+	}
+	return false
+}
+
+func oneOf(s string, among ...string) bool {
+	for _, a := range among {
+		if s == a {
+			return true
+		}
+	}
+	return false
 }
