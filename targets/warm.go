@@ -86,6 +86,10 @@ var poolKeys = []string{keyWarm, keyWarmRecipe, keyWarmReady}
 // creates share.
 const warmCreates = 2
 
+// warmRefillDelay is how long a refill waits after a hand-out, so the
+// target handed out starts before the pool's create competes with it.
+const warmRefillDelay = time.Second
+
 // warmName is the name of one slot of a template's pool.
 func warmName(templateID string, slot int) string {
 	h := sha256.Sum256([]byte("lightspeed/warm/" + templateID))
@@ -362,6 +366,11 @@ func (s *Service) runWarm(ctx context.Context) {
 		case <-t.C:
 			s.warmSurvey(ctx)
 		case <-s.warm.kickc:
+			// A hand-out just took an instance, and its start is under
+			// way: a refill's create (disk writes, mostly) would slow it.
+			if !clock.Sleep(ctx, warmRefillDelay) {
+				return
+			}
 		}
 	}
 }

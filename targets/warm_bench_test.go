@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 )
@@ -145,4 +146,64 @@ func BenchmarkWarmCreate(b *testing.B) {
 	b.ReportMetric(allHits, "warm-at-once-hits")
 	b.ReportMetric(0, "ns/op")
 	b.Logf("image %s, %d owners per phase, pool of %d", image, n, pool)
+}
+
+// BenchmarkWarmStoppedVersusStarted measures what handing out a warm
+// instance costs through the Incus API, for the two ways a pool could keep
+// it: created and never started (rename, then start), or started ahead
+// (Incus renames only a stopped instance: a forced stop, rename, start).
+// b.N rounds of each, p50 and p95.
+//
+//	INCUS_PROVIDER_REQUIRE_INCUS=1 go test -run '^$' -bench WarmStoppedVersusStarted -benchtime 10x ./targets/
+func BenchmarkWarmStoppedVersusStarted(b *testing.B) {
+	client := incustest.Client(b)
+	image := incustest.Image(b)
+	if alias := os.Getenv("INCUS_PROVIDER_BENCH_IMAGE"); alias != "" {
+		image = alias
+	}
+	ctx := context.Background()
+	fp, err := client.GetImageAlias(ctx, image)
+	if err != nil {
+		b.Fatal(err)
+	}
+	do := func(op *incus.Operation, err error) {
+		b.Helper()
+		if err == nil {
+			_, err = client.Wait(ctx, op)
+		}
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	state := func(name, action string) {
+		do(client.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: action, Force: action == "stop"}))
+	}
+	var stopped, started []time.Duration
+	for i := range b.N {
+		for _, ahead := range []bool{false, true} {
+			name := fmt.Sprintf("warm-bench-%d-%v", i, ahead)
+			do(client.CreateInstance(ctx, incus.InstancesPost{Name: name, Source: incus.InstanceSource{Type: "image", Fingerprint: fp}}))
+			if ahead {
+				state(name, "start")
+			}
+			start := time.Now()
+			if ahead {
+				state(name, "stop")
+			}
+			do(client.RenameInstance(ctx, name, name+"-owner"))
+			state(name+"-owner", "start")
+			if ahead {
+				started = append(started, time.Since(start))
+			} else {
+				stopped = append(stopped, time.Since(start))
+			}
+			state(name+"-owner", "stop")
+			do(client.DeleteInstance(ctx, name+"-owner"))
+		}
+	}
+	b.ReportMetric(ms(median(stopped)), "stopped-rename-start-p50-ms")
+	b.ReportMetric(ms(pct(stopped, 95)), "stopped-rename-start-p95-ms")
+	b.ReportMetric(ms(median(started)), "started-stop-rename-start-p50-ms")
+	b.ReportMetric(ms(pct(started, 95)), "started-stop-rename-start-p95-ms")
+	b.ReportMetric(0, "ns/op")
 }
