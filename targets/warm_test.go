@@ -429,7 +429,9 @@ func TestWarmInstancesNeverCarryAnOwnersData(t *testing.T) {
 		if w.Config["volatile.uuid"] == target.Config["volatile.uuid"] {
 			t.Fatalf("warm instance %s is the closed target", w.Name)
 		}
-		root := filepath.Join("/var/lib/incus/storage-pools/default/containers", h.client.Project()+"_"+w.Name, "rootfs")
+		// The dir pool "default" of the server whose socket the tests use
+		// (/var/lib/incus or /var/lib/lxd).
+		root := filepath.Join(filepath.Dir(incustest.Socket()), "storage-pools/default/containers", h.client.Project()+"_"+w.Name, "rootfs")
 		if _, err := os.Stat(root); err != nil {
 			t.Fatalf("cannot read warm instance %s's root filesystem on the dir pool: %v", w.Name, err)
 		}
