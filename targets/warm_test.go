@@ -458,3 +458,37 @@ func oneOf(s string, among ...string) bool {
 	}
 	return false
 }
+
+// A reload that changes the template's recipe rebuilds its pool; one that
+// drops the pool empties it.
+func TestWarmPoolFollowsTheCatalog(t *testing.T) {
+	h := warmHarness(t, 1)
+	svc, _ := h.startWarm(h.catalog, nil, nil)
+	old := h.awaitPool(t, 1)[0]
+	changed := testrig.Catalog(t, h.client, incustest.Image(t), `templates:
+  - templateId: w
+    displayName: warm guest
+    powerStates: [running, paused, stopped]
+    resources: {vcpus: 1}
+    imageAlias: {{image}}
+    warm: 1
+`)
+	svc.SetCatalog(changed)
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ready := h.warmReady()
+		if len(ready) == 1 && ready[0].Config["volatile.uuid"] != old.Config["volatile.uuid"] && ready[0].Config["limits.cpu"] == "1" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the pool was not rebuilt for the new recipe: %d ready", len(ready))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	svc.SetCatalog(warmCatalog(t, h.client, incustest.Image(t), 0))
+	for deadline = time.Now().Add(time.Minute); len(h.instances()) != 0; time.Sleep(200 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("a catalog without a pool left %d instances", len(h.instances()))
+		}
+	}
+}
