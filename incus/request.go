@@ -525,7 +525,7 @@ func contextual(callCtx context.Context, err error) error {
 func Operations() []string {
 	return []string{"cluster.group.get", "cluster.members.list", "image.alias.get", "image.get",
 		"instance.create", "instance.delete", "instance.exec", "instance.find", "instance.get", "instance.list", "instance.located",
-		"instance.patch", "instance.put", "instance.state.get", "instance.state.put",
+		"instance.patch", "instance.put", "instance.rename", "instance.state.get", "instance.state.put",
 		"operation.get", "operation.list", "operation.wait", "project.create", "project.delete", "project.get", "server.get"}
 }
 

@@ -83,6 +83,10 @@ func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
 	switch t.Phase {
 	case controller.PhaseProvisioning:
 		t.PhaseSince = inst.CreatedAt
+		if at, ok := parseMs(inst.Config[keyCreatedAt]); ok {
+			// A warm instance handed out was created long before its owner.
+			t.PhaseSince = at
+		}
 	case controller.PhaseClosing:
 		if since, ok := parseMs(inst.Config[keyClosing]); ok {
 			t.PhaseSince = since

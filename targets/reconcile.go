@@ -22,6 +22,9 @@ func (s *Service) Run(ctx context.Context) error {
 	leasesDone := make(chan struct{})
 	go func() { defer close(leasesDone); s.runLeases(ctx) }()
 	defer func() { <-leasesDone }()
+	warmDone := make(chan struct{})
+	go func() { defer close(warmDone); s.runWarm(ctx) }()
+	defer func() { <-warmDone }()
 	t := time.NewTicker(s.cfg.ReconcileInterval)
 	defer t.Stop()
 	for {

@@ -44,6 +44,11 @@ type Config struct {
 	// IngressBase is the public base of the ingress edge; nil serves no
 	// public ingress (the methods answer capabilityUnavailable).
 	IngressBase *ingressurl.Base
+	// WarmMetrics counts the warm pools' work (see warm.go); nil counts nothing.
+	WarmMetrics *WarmMetrics
+	// WarmStale is how old a warm instance's claim grows before the pool
+	// deletes it as a hand-out that stopped half-way (default 1 min).
+	WarmStale time.Duration
 }
 
 func (c *Config) defaults() {
@@ -61,6 +66,9 @@ func (c *Config) defaults() {
 	}
 	if c.MethodBudget <= 0 {
 		c.MethodBudget = c.AnswerWithin + time.Second
+	}
+	if c.WarmStale <= 0 {
+		c.WarmStale = time.Minute
 	}
 }
 
@@ -96,6 +104,11 @@ type Service struct {
 	leases leaseTable
 	// ingress maps the edge's labels to routed targets (see ingress.go).
 	ingress ingressIndex
+	// warm is this process's view of the warm pools (see warm.go).
+	warm warmPool
+	// warmHook, set by tests only, is called at each step of a hand-out;
+	// true stops it there as a crash would.
+	warmHook func(stage string) bool
 }
 
 // New builds the service. Call Run to start its reconciler. The relay
@@ -119,8 +132,10 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 		startFailures: map[string]int{}}
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
 	s.ingress.init()
+	s.warm.init()
 	s.work = newWorker(s.converge)
 	s.catalog.Store(catalog)
+	cfg.WarmMetrics.Start(catalog)
 	return s, nil
 }
 
@@ -130,6 +145,8 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 func (s *Service) SetCatalog(c *templates.Catalog) {
 	if c != nil {
 		s.catalog.Store(c)
+		s.cfg.WarmMetrics.Start(c)
+		s.warm.kick()
 	}
 }
 
@@ -242,7 +259,7 @@ func ownerMismatch(id string) error {
 
 // checkOwned refuses an instance whose recorded owner is not the caller.
 func checkOwned(inst *incus.Instance, owner controller.Owner) error {
-	if unreadable(inst) && inst.Name == Name(owner) {
+	if (unreadable(inst) || unfinishedHandout(inst)) && inst.Name == Name(owner) {
 		return nil
 	}
 	got, ok := ownerOf(inst)
@@ -317,6 +334,9 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		if err := checkOwned(inst, p.Owner); err != nil {
 			return controller.Observation{}, err
 		}
+		if unfinishedHandout(inst) {
+			return s.answerHandout(ctx, name, p)
+		}
 		return s.observe(inst, p.Owner), nil
 	}
 	tmpl, ok := s.catalog.Load().Get(p.TemplateID)
@@ -326,6 +346,18 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	if tmpl.Wire.Deprecated {
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated",
 			"The template %q is deprecated and creates no new targets; choose another from template/list.", p.TemplateID)
+	}
+	switch s.handout(ctx, name, p, tmpl) {
+	case warmHit:
+		s.warmMetrics().handout(tmpl.Wire.TemplateID, true)
+		return s.answerHandout(ctx, name, p)
+	case warmLost:
+		return s.answerHandout(ctx, name, p)
+	case warmCrashed:
+		return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "The provider stopped while handing out a warm instance; retry shortly.")
+	}
+	if tmpl.Warm > 0 {
+		s.warmMetrics().handout(tmpl.Wire.TemplateID, false)
 	}
 	req, err := s.instanceRequest(name, p, tmpl)
 	if err != nil {
@@ -494,7 +526,64 @@ func (t *createTable) closeAsked(name string) bool {
 	return t.m[name]
 }
 
+// answerHandout answers the create of an owner whose name holds an
+// instance from the pool (or one another create put there meanwhile):
+// the hand-out is finished, the instance started within the answer bound,
+// and what Incus then shows is the answer.
+func (s *Service) answerHandout(ctx context.Context, name string, p controller.CreateParams) (controller.Observation, error) {
+	inst, err := s.lookup(ctx, name)
+	if err != nil {
+		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	if inst == nil {
+		// The rename is still under way: no id yet, and the runtime asks again.
+		return controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Handing out a warm instance."}, nil
+	}
+	if err := checkOwned(inst, p.Owner); err != nil {
+		return controller.Observation{}, err
+	}
+	if unfinishedHandout(inst) {
+		tmpl, ok := s.catalog.Load().Get(inst.Config[keyWarm])
+		if !ok {
+			tmpl, ok = s.catalog.Load().Get(p.TemplateID)
+		}
+		if !ok {
+			return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q is offered; template/list names the ones this provider serves.", p.TemplateID)
+		}
+		if err := s.finishHandout(ctx, inst, p, tmpl); err != nil {
+			return controller.Observation{}, s.incusError("finishing the hand-out of a warm instance", err)
+		}
+	}
+	s.changes.note(name)
+	s.kickAndWait(ctx, name)
+	after, err := s.lookup(ctx, name)
+	if err != nil {
+		return controller.Observation{}, s.incusError("observing the owner's target", err)
+	}
+	if after == nil {
+		return controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Handing out a warm instance."}, nil
+	}
+	return s.observe(after, p.Owner), nil
+}
+
 func (s *Service) instanceRequest(name string, p controller.CreateParams, t *templates.Template) (incus.InstancesPost, error) {
+	req := templateRequest(name, t)
+	owner, err := s.ownerConfig(p, t)
+	if err != nil {
+		return incus.InstancesPost{}, err
+	}
+	for k, v := range owner {
+		req.Config[k] = v
+	}
+	for k, d := range s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort}) {
+		req.Devices[k] = d
+	}
+	req.Start = true
+	return req, nil
+}
+
+// ownerConfig is the owner's metadata and first intent for a new target.
+func (s *Service) ownerConfig(p controller.CreateParams, t *templates.Template) (map[string]string, error) {
 	config := map[string]string{
 		keyPower:       string(controller.PowerRunning),
 		keyPowerAt:     msString(s.now()),
@@ -517,10 +606,19 @@ func (s *Service) instanceRequest(name string, p controller.CreateParams, t *tem
 	if policy != nil {
 		raw, err := json.Marshal(policy)
 		if err != nil {
-			return incus.InstancesPost{}, fmt.Errorf("encode idle policy: %w", err)
+			return nil, fmt.Errorf("encode idle policy: %w", err)
 		}
 		config[keyIdle] = string(raw)
 	}
+	return config, nil
+}
+
+// templateRequest is the template's part of an instance create: what every
+// instance of it is built from, apart from its owner (and the guest
+// dialer's devices, which are named for the instance). The warm pool
+// builds its instances from it.
+func templateRequest(name string, t *templates.Template) incus.InstancesPost {
+	config := map[string]string{}
 	devices := map[string]map[string]string{}
 	if r := t.Wire.Resources; r != nil {
 		if r.VCPUs != nil {
@@ -539,9 +637,6 @@ func (s *Service) instanceRequest(name string, p controller.CreateParams, t *tem
 			config["migration.stateful"] = "true"
 		}
 	}
-	for k, d := range s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort}) {
-		devices[k] = d
-	}
 	return incus.InstancesPost{
 		Name:     name,
 		Type:     t.InstanceType,
@@ -549,9 +644,8 @@ func (s *Service) instanceRequest(name string, p controller.CreateParams, t *tem
 		Config:   config,
 		Devices:  devices,
 		Profiles: t.Profiles,
-		Start:    true,
 		Target:   t.Placement,
-	}, nil
+	}
 }
 
 // CloseTarget records the close in the instance's metadata and lets the
@@ -611,8 +705,14 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	// Public ingress goes first: the edge answers the host 404 from now on,
 	// whatever the stop and delete take.
 	s.ingress.drop(name)
-	if inst.Config[keyClosing] == "" {
+	if inst.Config[keyClosing] == "" || unfinishedHandout(inst) {
 		set := map[string]string{keyClosing: msString(s.now())}
+		if unfinishedHandout(inst) {
+			// The owner's name holds a hand-out that stopped before the
+			// owner's metadata: it gets what makes it the owner's target,
+			// so the reconciler deletes it like one.
+			set[keySchema], set[keyUniverse], set[keyEnvironment] = schemaVersion, ref.Owner.UniverseID, ref.Owner.EnvironmentID
+		}
 		if inst.Config[keyIngressRouted] != "" {
 			set[keyIngressRouted] = ""
 		}

@@ -42,7 +42,16 @@ type Entry struct {
 	// ("lsm2") or a cluster group ("@gpu"), Incus's target parameter; empty
 	// lets Incus's scheduler place each one.
 	Placement string `json:"placement,omitempty" wire:"opaque"`
+	// Warm is how many instances of the template are kept created ahead,
+	// stopped and without an owner, for target/create to hand out.
+	Warm uint32 `json:"warm,omitempty"`
 }
+
+// MaxWarm bounds a template's warm pool: each warm instance holds a root
+// filesystem and an Incus record while nobody uses it, and refilling a
+// larger pool would contend with the creates it is meant to speed up. A
+// bigger pool is capacity planning, not a head start.
+const MaxWarm = 32
 
 // CheckWire states the rules that span members.
 func (e *Entry) CheckWire() *wire.FieldError {
@@ -68,6 +77,12 @@ func (e *Entry) CheckWire() *wire.FieldError {
 	}
 	if e.Resources != nil && e.Resources.DiskBytes != nil && e.StoragePool == "" {
 		return &wire.FieldError{Path: "storagePool", Problem: "is required when resources.diskBytes sizes the root disk"}
+	}
+	if e.Warm > MaxWarm {
+		return &wire.FieldError{Path: "warm", Problem: fmt.Sprintf("must be from 0 to %d: a warm pool holds idle instances, and a larger one is capacity planning", MaxWarm)}
+	}
+	if e.Warm > 0 && e.Deprecated {
+		return &wire.FieldError{Path: "warm", Problem: "must be 0 for a deprecated template, which creates no new targets to hand a warm instance to"}
 	}
 	if e.Placement != "" && !placement.MatchString(e.Placement) {
 		return &wire.FieldError{Path: "placement", Problem: "must name a cluster member (such as m2) or a cluster group after an @ (such as @gpu)"}
@@ -125,6 +140,7 @@ type Template struct {
 	IngressPort  int
 	StoragePool  string
 	Placement    string // Incus's target: a member, @group, or empty
+	Warm         int    // instances kept created ahead (see Entry.Warm)
 }
 
 // Catalog is the loaded, validated set of templates.
@@ -177,6 +193,7 @@ func build(path string, f file) (*Catalog, error) {
 			IngressPort:  int(e.IngressPort),
 			StoragePool:  e.StoragePool,
 			Placement:    e.Placement,
+			Warm:         int(e.Warm),
 		}
 		c.byID[e.TemplateID] = t
 		c.list = append(c.list, t)

@@ -36,6 +36,13 @@ func TestLoadGoodFileInYAMLAndJSON(t *testing.T) {
 	if !ok || tm.DaemonPort != guest.DefaultPort || tm.InstanceType != "container" || tm.Profiles[0] != "default" {
 		t.Fatalf("defaults not applied: %+v", tm)
 	}
+	w, err := Load(write(t, "w.yaml", strings.Replace(good, "imageAlias: img", "imageAlias: img\n    warm: 32", 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tw, _ := w.Get("a"); tw.Warm != 32 || tm.Warm != 0 {
+		t.Fatalf("warm: got %d (and %d without the member), want 32 and 0", tw.Warm, tm.Warm)
+	}
 	j := `{"templates": [{"templateId": "j", "displayName": "J", "imageFingerprint": "` + strings.Repeat("ab", 32) + `"}]}`
 	if _, err := Load(write(t, "t.json", j)); err != nil {
 		t.Fatal(err)
@@ -59,6 +66,9 @@ func TestLoadRefusesWithOneSentenceNamingFileTemplateAndMember(t *testing.T) {
 		"duplicate id":      {good + strings.TrimPrefix(good, "templates:\n"), `template "a" (templates[1]) repeats a templateId`},
 		"null":              {strings.Replace(good, "displayName: A", "displayName: null", 1), `templates[0].displayName must not be null`},
 		"empty":             {"templates: []\n", "lists no templates"},
+		"warm too big":      {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    warm: 33", 1), `template "a": member templates[0].warm must be from 0 to 32`},
+		"warm negative":     {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    warm: -1", 1), `template "a": member templates[0].warm`},
+		"warm deprecated":   {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    deprecated: true\n    warm: 2", 1), `template "a": member templates[0].warm must be 0 for a deprecated template`},
 	}
 	for name, c := range cases {
 		path := write(t, "templates.yaml", c.body)

@@ -33,7 +33,7 @@ type config struct {
 	TLSKey            string        `env:"PROVIDER_TLS_KEY" allowed:"a readable PEM file; set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither" help:"the private key of PROVIDER_TLS_CERT"`
 	CredentialFile    string        `env:"PROVIDER_CREDENTIAL_FILE" allowed:"a readable file holding the bearer credential" help:"when set, /control and every route answer 401 without Authorization: Bearer <credential>"`
 	MetricsListen     string        `env:"PROVIDER_METRICS_LISTEN" envDefault:"127.0.0.1:9480" allowed:"host:port (such as 127.0.0.1:9480), or off" help:"Prometheus /metrics, /healthz and /readyz"`
-	Templates         string        `env:"PROVIDER_TEMPLATES" envDefault:"/etc/incus-provider/templates.yaml" allowed:"a readable templates file (YAML or JSON)" help:"the templates offered (reloaded on SIGHUP)"`
+	Templates         string        `env:"PROVIDER_TEMPLATES" envDefault:"/etc/incus-provider/templates.yaml" allowed:"a readable templates file (YAML or JSON)" help:"the templates offered, each with an optional warm pool (warm: 0-32 instances created ahead); reloaded on SIGHUP"`
 	MaxInFlight       int           `env:"PROVIDER_MAX_IN_FLIGHT" envDefault:"64" allowed:"a whole number from 16 (the protocol's floor) to 4096" help:"requests in flight per controller connection; past it, busy/requestLimit"`
 	GracefulStop      time.Duration `env:"PROVIDER_GRACEFUL_STOP" envDefault:"10s" allowed:"a duration from 1s to 10m (Incus caps a graceful stop at 10 minutes)" help:"how long a close or stop waits for a graceful shutdown before forcing it"`
 	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s" allowed:"a duration from 1s to 1h" help:"period of the full reconcile pass"`

@@ -10,6 +10,14 @@ deploy/guest/build-image.sh >/dev/null
 command -v socat >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q socat >/dev/null
 printf '\n== target lifecycle: create → active, close → closed (20 owners)\n'
 INCUS_PROVIDER_REQUIRE_INCUS=1 go test -count=1 -run '^$' -bench Lifecycle -benchtime 20x ./targets/ | grep -E 'Benchmark|ok'
+printf '\n== warm pools: create → active with and without a warm instance, one at a time and 20 at once, dev image\n'
+INCUS_PROVIDER_REQUIRE_INCUS=1 go test -count=1 -timeout 30m -run '^$' -bench WarmCreate -benchtime 20x ./targets/ | grep -E 'Benchmark|ok'
+printf '\n== warm pools: a hand-out through the Incus API, kept stopped (rename, start) vs started (stop, rename, start)\n'
+INCUS_PROVIDER_REQUIRE_INCUS=1 go test -count=1 -run '^$' -bench WarmStoppedVersusStarted -benchtime 10x ./targets/ | grep -E 'Benchmark|ok'
+printf '\n== warm pools: the same with an image of 40,000 small files\n'
+GUEST_IMAGE_ALIAS=lightspeed-dev-guest-40k GUEST_EXTRA_FILES=40000 deploy/guest/build-image.sh >/dev/null
+INCUS_PROVIDER_BENCH_IMAGE=lightspeed-dev-guest-40k INCUS_PROVIDER_REQUIRE_INCUS=1 \
+  go test -count=1 -timeout 30m -run '^$' -bench WarmCreate -benchtime 20x ./targets/ | grep -E 'Benchmark|ok'
 printf '\n== data routes: wake latency, relayed vs direct, memory per idle relay\n'
 go run ./cmd/routebench
 printf '\n== public ingress: edge vs direct, a 1 GiB download, wake on request, unknown hosts\n'

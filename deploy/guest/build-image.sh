@@ -13,6 +13,10 @@
 #   BUSYBOX            static BusyBox binary to use (default /bin/busybox; when it
 #                      is missing and this runs as root, busybox-static is installed)
 #   GO                 Go toolchain command (default go)
+#   GUEST_EXTRA_FILES  add this many small files under /opt/filler (default 0):
+#                      the warm pool benchmark's stand-in for a distribution image,
+#                      whose tens of thousands of files make a create slow on a dir
+#                      pool (GUEST_IMAGE_ALIAS=lightspeed-dev-guest-40k GUEST_EXTRA_FILES=40000)
 #
 # Re-runs are cheap: the image carries the SHA-256 of everything that went
 # into it (daemon binary, init, BusyBox, this script) as the property
@@ -31,6 +35,7 @@ alias_name=${GUEST_IMAGE_ALIAS:-lightspeed-dev-guest}
 project=${INCUS_PROJECT:-}
 busybox=${BUSYBOX:-/bin/busybox}
 go_cmd=${GO:-go}
+extra_files=${GUEST_EXTRA_FILES:-0}
 hash_property=lightspeed.content_hash
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -92,6 +97,7 @@ content_hash=$(
 		sha256sum <"$busybox"
 		sha256sum <"$here/build-image.sh"
 		sha256sum <"$here/image-lib.sh"
+		echo "extra files $extra_files"
 	} | sha256sum | cut -d' ' -f1
 )
 echo "content hash $content_hash" >&2
@@ -126,6 +132,22 @@ printf 'root:*:0:0:99999:7:::\n' >"$root/etc/shadow"
 chmod 0600 "$root/etc/shadow"
 printf 'root:x:0:\n' >"$root/etc/group"
 printf '127.0.0.1\tlocalhost\n::1\tlocalhost\n' >"$root/etc/hosts"
+case $extra_files in
+'' | *[!0-9]*) fail "GUEST_EXTRA_FILES=$extra_files is not a whole number." ;;
+esac
+if [ "$extra_files" -gt 0 ]; then
+	echo "adding $extra_files small files under /opt/filler" >&2
+	made=0
+	while [ "$made" -lt "$extra_files" ]; do
+		dir=$root/opt/filler/d$((made / 200))
+		mkdir -p "$dir"
+		for _ in $(seq 1 200); do
+			[ "$made" -lt "$extra_files" ] || break
+			printf 'filler file %d of the benchmark image\n' "$made" >"$dir/f$made"
+			made=$((made + 1))
+		done
+	done
+fi
 
 cat >"$img/metadata.yaml" <<EOF
 architecture: $arch

@@ -1,0 +1,578 @@
+package targets
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"math/rand/v2"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+// Warm pools. A template with warm: N keeps N instances created ahead,
+// stopped and never started, under slot names warm-<template digest>-<slot>
+// that Name can never produce (it always answers ls- and hex digits). A
+// warm instance carries the template it was built for, a digest of its
+// recipe and, once its create finished, a ready mark; it has no owner
+// metadata, so nothing that looks for targets (listing, idle loop, gauge,
+// reconciler) ever takes it for one.
+//
+// Stopped, not started: Incus renames only a stopped instance, so a started
+// warm instance would have to be stopped before its hand-out (measured on
+// the dev image: a forced stop 640 ms, a start 150 ms, a rename 45 ms), and
+// its guest daemon would have run, and may have made an identity, before
+// any owner existed; the contract forbids handing such a state on.
+//
+// A hand-out (target/create of a new owner, under the owner's lock):
+//
+//  1. claim: one ETag-conditional PATCH writes the owner's metadata and the
+//     claim (the owner's name) onto a ready warm instance and takes the
+//     pool's keys off; of several claimants of one instance, the first
+//     write wins and the others are refused (412) and try another.
+//  2. rename the warm instance to the owner's name. Incus renames in one
+//     transaction and refuses a name in use, so the owner's name is still
+//     the lock: a normal create, or another replica's hand-out, that holds
+//     the name first makes the rename fail, and then the claimed instance
+//     is deleted (it carries this owner's ids, so it never returns to the
+//     pool).
+//  3. nothing more: the instance is the owner's target (the claim stays on
+//     it as the record of its hand-out), and the reconciler starts it like
+//     any created one.
+//
+// A crash after 1 leaves a claimed warm instance that is neither in the
+// pool nor a target: the pool deletes it once the claim is older than
+// WarmStale, and the owner's retried create takes another warm instance or
+// creates one. A crash after 2 leaves the owner's whole target. Either way the owner's name ends on exactly one instance. Should two
+// claims of one instance both have landed (replicas racing inside Incus's
+// ETag check), the instance at an owner's name may carry the other owner's
+// metadata: that unfinished hand-out belongs to whoever's name it has, and
+// the owner's create (or close) finishes it (see unfinishedHandout).
+//
+// Refill: each slot is a name, so the pool is filled by creating missing
+// slots, and replicas racing for a slot are settled by Incus's name lock:
+// the pool never holds more than N, whatever the number of replicas.
+const (
+	warmPrefix = "warm-"
+	// keyWarm is the template a warm instance was built for.
+	keyWarm = "user.lightspeed.warm"
+	// keyWarmRecipe is the digest of what the instance was built from: a
+	// template whose image or resources changed no longer hands it out.
+	keyWarmRecipe = "user.lightspeed.warm_recipe"
+	// keyWarmReady is set once Incus finished creating the instance.
+	keyWarmReady = "user.lightspeed.warm_ready_ms"
+	// keyWarmClaim names the owner's instance a hand-out renames it to.
+	keyWarmClaim   = "user.lightspeed.warm_claim"
+	keyWarmClaimAt = "user.lightspeed.warm_claim_ms"
+)
+
+// poolKeys mark an instance of the pool; a claim takes them off.
+var poolKeys = []string{keyWarm, keyWarmRecipe, keyWarmReady}
+
+// warmCreates bounds the pool's creates in flight across all templates:
+// on a dir pool a create is mostly disk writes, which the owners' own
+// creates share.
+const warmCreates = 2
+
+// warmRefillDelay is how long a refill waits after a hand-out, so the
+// target handed out starts before the pool's create competes with it.
+const warmRefillDelay = time.Second
+
+// warmName is the name of one slot of a template's pool.
+func warmName(templateID string, slot int) string {
+	h := sha256.Sum256([]byte("lightspeed/warm/" + templateID))
+	return warmPrefix + hex.EncodeToString(h[:6]) + "-" + strconv.Itoa(slot)
+}
+
+// isWarmName says a name is one of the pool's, of any template.
+func isWarmName(name string) bool { return strings.HasPrefix(name, warmPrefix) }
+
+// unfinishedHandout says an instance under an owner's name came from the
+// pool and does not carry that owner's metadata: a hand-out that has not
+// finished. It belongs to the owner whose name it has; it is never anyone
+// else's target, and never an orphan.
+func unfinishedHandout(inst *incus.Instance) bool {
+	if !looksLikeTargetID(inst.Name) || inst.Config[keyWarm] == "" && inst.Config[keyWarmClaim] == "" {
+		return false
+	}
+	_, ok := ownerOf(inst)
+	return !ok
+}
+
+// recipeOf digests what a template's instances are built from, apart from
+// the owner and the name.
+func recipeOf(req incus.InstancesPost) string {
+	config := map[string]string{}
+	for k, v := range req.Config {
+		if !strings.HasPrefix(k, "user.") {
+			config[k] = v
+		}
+	}
+	raw, _ := json.Marshal(struct {
+		Type, Image, Target string
+		Config              map[string]string
+		Devices             map[string]map[string]string
+		Profiles            []string
+	}{req.Type, req.Source.Fingerprint, req.Target, config, req.Devices, req.Profiles})
+	h := sha256.Sum256(raw)
+	return hex.EncodeToString(h[:8])
+}
+
+// warmPool is this process's view of the pools.
+type warmPool struct {
+	mu sync.Mutex
+	// known are the warm instances believed to exist, and whether each
+	// is ready, from the last listing and this process's own changes.
+	known map[string]bool
+	// filling are the slots this process is creating.
+	filling map[string]bool
+	// taken are the warm instances a create of this process is handing
+	// out: no two of its creates claim the same one.
+	taken map[string]bool
+	// retryAt backs a template's refill off after Incus refused it.
+	retryAt map[string]time.Time
+	delay   map[string]time.Duration
+	kickc   chan struct{}
+	sem     chan struct{}
+	// surveyed: a survey has listed the project once; seen: the last one
+	// found warm instances. Without a pool in the catalog and none seen,
+	// a survey has nothing to do and does not list.
+	surveyed, seen bool
+}
+
+func (p *warmPool) init() {
+	p.known, p.filling, p.taken = map[string]bool{}, map[string]bool{}, map[string]bool{}
+	p.retryAt, p.delay = map[string]time.Time{}, map[string]time.Duration{}
+	p.kickc = make(chan struct{}, 1)
+	p.sem = make(chan struct{}, warmCreates)
+}
+
+func (p *warmPool) kick() {
+	select {
+	case p.kickc <- struct{}{}:
+	default:
+	}
+}
+
+// take marks one ready warm instance of a template, not tried yet, as
+// being handed out by the caller, chosen at random (claimants on several
+// replicas then rarely pick the same one); ok is false when there is none.
+// release gives it back.
+func (p *warmPool) take(t *templates.Template, tried map[string]bool) (name string, release func(), ok bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var names []string
+	for slot := range t.Warm {
+		n := warmName(t.Wire.TemplateID, slot)
+		if p.known[n] && !p.taken[n] && !p.filling[n] && !tried[n] {
+			names = append(names, n)
+		}
+	}
+	if len(names) == 0 {
+		return "", nil, false
+	}
+	name = names[rand.IntN(len(names))]
+	p.taken[name] = true
+	return name, func() {
+		p.mu.Lock()
+		delete(p.taken, name)
+		p.mu.Unlock()
+	}, true
+}
+
+func (p *warmPool) forget(name string) {
+	p.mu.Lock()
+	delete(p.known, name)
+	p.mu.Unlock()
+}
+
+// handoutResult is what a hand-out did.
+type handoutResult int
+
+const (
+	// warmMiss: no warm instance could be handed out; nothing changed at
+	// the owner's name.
+	warmMiss handoutResult = iota
+	// warmHit: a warm instance is now at the owner's name (or its rename
+	// is under way).
+	warmHit
+	// warmLost: the owner's name was taken by another create meanwhile.
+	warmLost
+	// warmCrashed: a test's hook stopped the hand-out where a crash
+	// would, and nothing more may be written.
+	warmCrashed
+)
+
+// handout gives the owner's name one ready warm instance of the template.
+// The caller holds the owner's lock and has seen no instance at name.
+func (s *Service) handout(ctx context.Context, name string, p controller.CreateParams, t *templates.Template) handoutResult {
+	if t.Warm == 0 {
+		return warmMiss
+	}
+	owner, err := s.ownerConfig(p, t)
+	if err != nil {
+		return warmMiss
+	}
+	recipe := recipeOf(templateRequest("", t))
+	tried := map[string]bool{}
+	for answerWait(ctx, time.Second) >= 200*time.Millisecond { // else too little is left of the budget: create as usual
+		wn, release, ok := s.warm.take(t, tried)
+		if !ok {
+			break
+		}
+		tried[wn] = true
+		r := s.handoutOne(ctx, name, wn, owner, recipe, t)
+		release()
+		if r != warmMiss {
+			return r
+		}
+	}
+	return warmMiss
+}
+
+// handoutOne tries one warm instance: claim, then rename (see the top of
+// this file).
+func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[string]string, recipe string, t *templates.Template) handoutResult {
+	w, etag, err := s.incus.GetInstance(ctx, wn)
+	if errors.Is(err, incus.ErrNotFound) {
+		s.warm.forget(wn)
+		return warmMiss
+	}
+	if err != nil || !handable(w, t.Wire.TemplateID, recipe) {
+		return warmMiss
+	}
+	claim := make(map[string]string, len(owner)+len(poolKeys)+2)
+	for k, v := range owner {
+		claim[k] = v
+	}
+	for _, k := range poolKeys {
+		claim[k] = ""
+	}
+	claim[keyWarmClaim], claim[keyWarmClaimAt] = name, msString(s.now())
+	devices := s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort})
+	err = s.incus.PatchInstanceIf(ctx, wn, claim, devices, etag)
+	s.listingChanged()
+	s.warm.forget(wn) // claimed, refused or unknown: not handable any more as far as this process knows
+	s.warm.kick()
+	if err != nil {
+		// Another claimant came first (412), an operation holds it, or the
+		// write's fate is unknown: a claim that landed unseen is swept.
+		return warmMiss
+	}
+	if s.warmHook != nil && s.warmHook("claimed") {
+		return warmCrashed
+	}
+	op, err := s.incus.RenameInstance(ctx, wn, name)
+	if err == nil {
+		_, err = s.wait(ctx, op, answerWait(ctx, 2*time.Second))
+	}
+	s.listingChanged()
+	switch {
+	case err == nil:
+	case errors.Is(err, incus.ErrConflict):
+		// The owner's name is held by another create: this claimed
+		// instance carries the owner's ids and never returns to the pool.
+		s.discardWarm(wn, name)
+		return warmLost
+	default:
+		// Gone (another claimant renamed it), refused, or the rename's
+		// fate is unknown: what is at the owner's name now decides.
+		if at, lerr := s.lookup(ctx, name); lerr == nil && at != nil {
+			return warmHit
+		}
+		return warmMiss
+	}
+	if s.warmHook != nil && s.warmHook("renamed") {
+		return warmCrashed
+	}
+	return warmHit
+}
+
+// handable says a warm instance may be handed out for the template.
+func handable(w *incus.Instance, templateID, recipe string) bool {
+	return isWarmName(w.Name) && w.Config[keyWarm] == templateID && w.Config[keyWarmRecipe] == recipe &&
+		w.Config[keyWarmReady] != "" && w.Config[keyWarmClaim] == "" && w.Status == incus.InstanceStopped
+}
+
+// finishHandout gives an unfinished hand-out (at the owner's name without
+// the owner's metadata) the owner's metadata and devices, and takes the
+// pool's keys off. Idempotent.
+func (s *Service) finishHandout(ctx context.Context, inst *incus.Instance, p controller.CreateParams, t *templates.Template) error {
+	set, err := s.ownerConfig(p, t)
+	if err != nil {
+		return err
+	}
+	for _, k := range poolKeys {
+		set[k] = ""
+	}
+	set[keyWarmClaim] = inst.Name
+	devices := s.dialer.Devices(guest.Target{Instance: inst.Name, Port: t.DaemonPort})
+	err = s.incus.PatchInstanceIf(ctx, inst.Name, set, devices, "")
+	s.listingChanged()
+	return err
+}
+
+// discardWarm deletes, in the background, a warm instance that a hand-out
+// claimed and could not use, after checking that it still is that claim.
+func (s *Service) discardWarm(wn, claimedFor string) {
+	s.work.spawn(func(ctx context.Context) {
+		ctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == claimedFor })
+	})
+}
+
+// deleteWarm deletes a stopped warm instance that still passes check.
+func (s *Service) deleteWarm(ctx context.Context, wn string, check func(*incus.Instance) bool) {
+	w, _, err := s.incus.GetInstance(ctx, wn)
+	if err != nil || !isWarmName(w.Name) || !check(w) || w.Status != incus.InstanceStopped {
+		return
+	}
+	op, err := s.incus.DeleteInstance(ctx, wn)
+	if err == nil {
+		_, err = s.wait(ctx, op, time.Minute)
+	}
+	s.listingChanged()
+	s.warm.forget(wn)
+	if err != nil && !errors.Is(err, incus.ErrNotFound) {
+		s.log.Warn("deleting a warm instance failed; the pool retries", zap.String("instance", wn), zap.Error(err))
+	}
+}
+
+// runWarm keeps the pools full until ctx ends: a full look at the
+// project's listing every ReconcileInterval, and a refill from memory
+// whenever a hand-out took an instance.
+func (s *Service) runWarm(ctx context.Context) {
+	t := time.NewTicker(s.cfg.ReconcileInterval)
+	defer t.Stop()
+	s.warmSurvey(ctx)
+	for {
+		s.warmFill()
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			s.warmSurvey(ctx)
+		case <-s.warm.kickc:
+			// A hand-out just took an instance, and its start is under
+			// way: a refill's create (disk writes, mostly) would slow it.
+			if !clock.Sleep(ctx, warmRefillDelay) {
+				return
+			}
+		}
+	}
+}
+
+// warmWanted maps every slot the catalog wants to its template.
+func (s *Service) warmWanted() map[string]*templates.Template {
+	want := map[string]*templates.Template{}
+	for _, t := range s.catalog.Load().All() {
+		if t.Wire.Deprecated {
+			continue
+		}
+		for slot := range t.Warm {
+			want[warmName(t.Wire.TemplateID, slot)] = t
+		}
+	}
+	return want
+}
+
+// warmSurvey reads the project's listing: what exists, what is ready, and
+// what must go (a stale claim, a slot the catalog no longer wants, an
+// instance built from another recipe); a create that ended with its
+// process finishes here.
+func (s *Service) warmSurvey(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	want := s.warmWanted()
+	s.warm.mu.Lock()
+	idle := len(want) == 0 && s.warm.surveyed && !s.warm.seen
+	s.warm.mu.Unlock()
+	if idle {
+		return
+	}
+	list, err := s.instances(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Debug("warm pool: listing failed; retrying on the next round", zap.Error(err))
+		}
+		return
+	}
+	recipes := map[string]string{}
+	known := map[string]bool{}
+	var drop, ready []incus.Instance
+	s.warm.mu.Lock()
+	busy := func(n string) bool { return s.warm.filling[n] || s.warm.taken[n] }
+	for i := range list {
+		w := list[i]
+		if !isWarmName(w.Name) {
+			continue
+		}
+		if busy(w.Name) {
+			known[w.Name] = s.warm.known[w.Name]
+			continue
+		}
+		t := want[w.Name]
+		if t != nil && recipes[t.Wire.TemplateID] == "" {
+			recipes[t.Wire.TemplateID] = recipeOf(templateRequest("", t))
+		}
+		switch {
+		case w.Config[keyWarmClaim] != "":
+			if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) > s.cfg.WarmStale {
+				drop = append(drop, w)
+			}
+			continue // claimed: not the pool's
+		case t == nil || w.Config[keyWarm] != t.Wire.TemplateID || w.Config[keyWarmRecipe] != recipes[t.Wire.TemplateID]:
+			drop = append(drop, w)
+		case w.Config[keyWarmReady] == "":
+			ready = append(ready, w)
+		}
+		known[w.Name] = w.Config[keyWarmReady] != "" && w.Config[keyWarmClaim] == ""
+	}
+	s.warm.known = known
+	s.warm.surveyed, s.warm.seen = true, len(known) > 0
+	s.warm.mu.Unlock()
+	for _, w := range drop {
+		claim := w.Config[keyWarmClaim]
+		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return now.Config[keyWarmClaim] == claim })
+	}
+	for _, w := range ready {
+		// Listed without its ready mark and created by no one here: a
+		// create whose process ended. Ready once Incus has finished it.
+		if op, err := s.operationOn(ctx, w.Name); err != nil || op != nil {
+			continue
+		}
+		if err := s.patch(ctx, w.Name, map[string]string{keyWarmReady: msString(s.now())}); err == nil {
+			s.warm.mu.Lock()
+			s.warm.known[w.Name] = true
+			s.warm.mu.Unlock()
+		}
+	}
+	s.warmGauge()
+}
+
+// warmFill starts a create for every slot not known to exist, within the
+// bound on creates in flight and each template's backoff.
+func (s *Service) warmFill() {
+	want := s.warmWanted()
+	names := make([]string, 0, len(want))
+	for n := range want {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		t := want[n]
+		s.warm.mu.Lock()
+		skip := s.warm.filling[n] || s.warm.taken[n] || s.now().Before(s.warm.retryAt[t.Wire.TemplateID])
+		_, exists := s.warm.known[n]
+		s.warm.mu.Unlock()
+		if skip || exists {
+			continue
+		}
+		select {
+		case s.warm.sem <- struct{}{}:
+		default:
+			return // at the bound: the next round goes on
+		}
+		s.warm.mu.Lock()
+		s.warm.filling[n] = true
+		s.warm.mu.Unlock()
+		if !s.work.spawn(func(wctx context.Context) { s.warmCreate(wctx, n, t) }) {
+			<-s.warm.sem
+			s.warm.mu.Lock()
+			delete(s.warm.filling, n)
+			s.warm.mu.Unlock()
+			return
+		}
+	}
+}
+
+// warmCreate creates one slot and marks it ready.
+func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Template) {
+	id := t.Wire.TemplateID
+	ok, exists := false, false
+	defer func() {
+		s.warm.mu.Lock()
+		delete(s.warm.filling, name)
+		if ok || exists {
+			s.warm.known[name] = ok
+			delete(s.warm.delay, id)
+			delete(s.warm.retryAt, id)
+		} else {
+			d := min(max(2*s.warm.delay[id], time.Second), time.Minute)
+			s.warm.delay[id], s.warm.retryAt[id] = d, s.now().Add(d)
+		}
+		s.warm.mu.Unlock()
+		<-s.warm.sem
+		s.warmMetrics().refill(id, ok)
+		s.warmGauge()
+		s.warm.kick()
+	}()
+	req := templateRequest(name, t)
+	req.Config[keyWarm] = id
+	req.Config[keyWarmRecipe] = recipeOf(templateRequest("", t))
+	req.Start = false
+	op, err := s.incus.CreateInstance(ctx, req)
+	if err == nil {
+		_, err = s.wait(ctx, op, 5*time.Minute)
+	}
+	s.listingChanged()
+	if errors.Is(err, incus.ErrConflict) {
+		exists = true // another replica filled the slot
+		return
+	}
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Warn("warm pool: creating a warm instance failed; backing off", zap.String("template", id), zap.String("instance", name), zap.Error(err))
+		}
+		return
+	}
+	for attempt := 0; ; attempt++ {
+		err = s.patch(ctx, name, map[string]string{keyWarmReady: msString(s.now())})
+		if err == nil || attempt >= 5 || !clock.Sleep(ctx, 200*time.Millisecond) {
+			break
+		}
+	}
+	if err != nil {
+		exists = true // the survey marks it ready
+		return
+	}
+	ok = true
+}
+
+// warmGauge sets the pool size per template from what this process knows.
+func (s *Service) warmGauge() {
+	m := s.warmMetrics()
+	if m == nil {
+		return
+	}
+	sizes := map[string]int{}
+	for _, t := range s.catalog.Load().All() {
+		if t.Warm > 0 {
+			sizes[t.Wire.TemplateID] = 0
+		}
+	}
+	want := s.warmWanted()
+	s.warm.mu.Lock()
+	for n, ready := range s.warm.known {
+		if t := want[n]; t != nil && ready {
+			sizes[t.Wire.TemplateID]++
+		}
+	}
+	s.warm.mu.Unlock()
+	m.sizes(sizes)
+}
+
+func (s *Service) warmMetrics() *WarmMetrics { return s.cfg.WarmMetrics }

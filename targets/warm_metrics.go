@@ -1,0 +1,111 @@
+package targets
+
+import (
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+// WarmMetrics counts the warm pools' work. The template label is bounded by
+// the catalog: only templates with a warm pool have series, each from zero.
+// A nil *WarmMetrics counts nothing.
+type WarmMetrics struct {
+	handouts *prometheus.CounterVec
+	refills  *prometheus.CounterVec
+	size     *prometheus.GaugeVec
+
+	mu   sync.Mutex
+	last map[string]bool // the templates the size gauge has a series for
+}
+
+// The outcomes of a new owner's create of a template with a warm pool, and
+// of a refill.
+const (
+	warmOutcomeHit    = "hit"
+	warmOutcomeMiss   = "miss"
+	warmOutcomeOK     = "ok"
+	warmOutcomeFailed = "failed"
+)
+
+// NewWarmMetrics registers the warm pool metrics on reg.
+func NewWarmMetrics(reg prometheus.Registerer) *WarmMetrics {
+	m := &WarmMetrics{
+		handouts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "incus_provider_warm_handouts_total",
+			Help: "Creates of a new owner's target from a template with a warm pool, by outcome: hit (a warm instance was handed out) or miss (created from the image).",
+		}, []string{"template", "outcome"}),
+		refills: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "incus_provider_warm_refills_total",
+			Help: "Warm instances this process created to refill a pool, by outcome (ok, failed).",
+		}, []string{"template", "outcome"}),
+		size: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "incus_provider_warm_instances",
+			Help: "Warm instances ready to be handed out, per template, as this process last saw them.",
+		}, []string{"template"}),
+	}
+	reg.MustRegister(m.handouts, m.refills, m.size)
+	return m
+}
+
+// Start makes every series of the catalog's pools exist at zero, so that
+// increase() counts the first hit, miss or refill.
+func (m *WarmMetrics) Start(c *templates.Catalog) {
+	if m == nil || c == nil {
+		return
+	}
+	for _, t := range c.All() {
+		if t.Warm == 0 {
+			continue
+		}
+		id := t.Wire.TemplateID
+		m.handouts.WithLabelValues(id, warmOutcomeHit)
+		m.handouts.WithLabelValues(id, warmOutcomeMiss)
+		m.refills.WithLabelValues(id, warmOutcomeOK)
+		m.refills.WithLabelValues(id, warmOutcomeFailed)
+		m.size.WithLabelValues(id)
+	}
+}
+
+func (m *WarmMetrics) handout(template string, hit bool) {
+	if m == nil {
+		return
+	}
+	outcome := warmOutcomeMiss
+	if hit {
+		outcome = warmOutcomeHit
+	}
+	m.handouts.WithLabelValues(template, outcome).Inc()
+}
+
+func (m *WarmMetrics) refill(template string, ok bool) {
+	if m == nil {
+		return
+	}
+	outcome := warmOutcomeFailed
+	if ok {
+		outcome = warmOutcomeOK
+	}
+	m.refills.WithLabelValues(template, outcome).Inc()
+}
+
+// sizes sets the gauge for the templates given and removes the series of
+// templates that no longer keep a pool.
+func (m *WarmMetrics) sizes(by map[string]int) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for id := range m.last {
+		if _, ok := by[id]; !ok {
+			m.size.DeleteLabelValues(id)
+		}
+	}
+	m.last = make(map[string]bool, len(by))
+	for id, n := range by {
+		m.size.WithLabelValues(id).Set(float64(n))
+		m.last[id] = true
+	}
+}
