@@ -89,6 +89,7 @@ func (c *Client) do(ctx context.Context, r request) (*response, error) {
 	if c.observe != nil {
 		c.observe(r.op, outcome(err), time.Since(start))
 	}
+	c.writes.tell(c.project, wroteInstances(r))
 	return resp, err
 }
 

@@ -22,6 +22,11 @@ func (s *Service) Run(ctx context.Context) error {
 	leasesDone := make(chan struct{})
 	go func() { defer close(leasesDone); s.runLeases(ctx) }()
 	defer func() { <-leasesDone }()
+	if s.cache != nil {
+		cacheDone := make(chan struct{})
+		go func() { defer close(cacheDone); s.cache.run(ctx) }()
+		defer func() { <-cacheDone }()
+	}
 	t := time.NewTicker(s.cfg.ReconcileInterval)
 	defer t.Stop()
 	for {
@@ -236,6 +241,12 @@ type listing struct {
 // the reconcile interval. Callers only read it: every step that acts reads
 // its instance again first, so a listing this old is never acted on blindly.
 func (s *Service) instances(ctx context.Context) ([]incus.Instance, error) {
+	if s.cache != nil {
+		// Confirmed, the cache is at least as new as any listing.
+		if list, ok := s.cache.listing(); ok {
+			return list, nil
+		}
+	}
 	s.listing.mu.Lock()
 	defer s.listing.mu.Unlock()
 	if s.listing.list != nil && s.now().Sub(s.listing.at) < s.cfg.ReconcileInterval {

@@ -44,6 +44,10 @@ type Config struct {
 	// IngressBase is the public base of the ingress edge; nil serves no
 	// public ingress (the methods answer capabilityUnavailable).
 	IngressBase *ingressurl.Base
+	// NoCache turns the observation cache off (see cache.go): every read
+	// goes to Incus. CacheMetrics, when set, records the cache's work.
+	NoCache      bool
+	CacheMetrics *CacheMetrics
 }
 
 func (c *Config) defaults() {
@@ -96,6 +100,9 @@ type Service struct {
 	leases leaseTable
 	// ingress maps the edge's labels to routed targets (see ingress.go).
 	ingress ingressIndex
+	// cache answers reads while Incus's event stream keeps it current; nil
+	// when turned off (see cache.go).
+	cache *obsCache
 }
 
 // New builds the service. Call Run to start its reconciler. The relay
@@ -121,6 +128,9 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s.ingress.init()
 	s.work = newWorker(s.converge)
 	s.catalog.Store(catalog)
+	if !cfg.NoCache {
+		s.cache = newObsCache(client, log.Named("cache"), cfg.CacheMetrics, cfg.ReconcileInterval, s.changes.note)
+	}
 	return s, nil
 }
 
@@ -256,10 +266,17 @@ func checkOwned(inst *incus.Instance, owner controller.Owner) error {
 // name is checked for another owner's target (ownerMismatch) before anything
 // else, and is otherwise not the owner's: notFound.
 func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name string, inst *incus.Instance, err error) {
+	return s.resolveWith(ctx, ref, s.lookup)
+}
+
+// resolveWith is resolve reading instances with read (lookup, or the
+// cache's read for a pure read).
+func (s *Service) resolveWith(ctx context.Context, ref controller.TargetRef,
+	read func(context.Context, string) (*incus.Instance, error)) (name string, inst *incus.Instance, err error) {
 	name = Name(ref.Owner)
 	if ref.TargetID != "" && ref.TargetID != name {
 		if looksLikeTargetID(ref.TargetID) {
-			other, err := s.lookup(ctx, ref.TargetID)
+			other, err := read(ctx, ref.TargetID)
 			if err != nil {
 				return "", nil, s.incusError("looking up a target", err)
 			}
@@ -271,7 +288,7 @@ func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name s
 		}
 		return "", nil, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target %q for this owner.", ref.TargetID)
 	}
-	inst, err = s.lookup(ctx, name)
+	inst, err = read(ctx, name)
 	if err != nil {
 		return "", nil, s.incusError("looking up the owner's target", err)
 	}
@@ -287,7 +304,7 @@ func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name s
 func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
-	_, inst, err := s.resolve(ctx, ref)
+	_, inst, err := s.resolveWith(ctx, ref, s.read)
 	if err != nil {
 		return controller.Observation{}, err
 	}
