@@ -25,6 +25,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/ingress"
 	"github.com/lightspeed-dev/incus-provider/internal/serve"
 	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
 const (
@@ -207,6 +208,7 @@ func registered(t *testing.T) map[string]family {
 	routes.NewMetrics(r)
 	idle.NewMetrics(r)
 	ingress.NewMetrics(r)
+	targets.NewCacheMetrics(r)
 	for _, f := range incusMetrics(t) {
 		if _, dup := r.families[f.name]; dup {
 			t.Fatalf("%s is registered twice", f.name)

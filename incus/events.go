@@ -167,7 +167,8 @@ func decodeEvent(raw []byte, types []string) (Event, error) {
 // shown no sign of life (a frame or a pong) for eventSilence is taken for
 // dead, since a connection cut without a FIN would otherwise leave Next
 // waiting forever.
-const (
+// Variables so that tests can shrink them.
+var (
 	eventPing    = 10 * time.Second
 	eventSilence = 30 * time.Second
 )
@@ -182,6 +183,7 @@ type EventStream struct {
 	done      chan struct{}
 	closeOnce sync.Once
 	pinger    sync.WaitGroup
+	ping      time.Duration
 	silence   time.Duration
 }
 
@@ -206,7 +208,8 @@ func (c *Client) ListenEvents(ctx context.Context, types ...string) (*EventStrea
 		conn, err := c.dialEvents(ctx, p.ep, types)
 		p.release()
 		if err == nil {
-			s := &EventStream{conn: conn, types: types, endpoint: p.ep.label, done: make(chan struct{}), silence: eventSilence}
+			s := &EventStream{conn: conn, types: types, endpoint: p.ep.label, done: make(chan struct{}),
+				ping: eventPing, silence: eventSilence}
 			s.start()
 			return s, nil
 		}
@@ -249,7 +252,7 @@ func (s *EventStream) start() {
 	s.pinger.Add(1)
 	go func() {
 		defer s.pinger.Done()
-		t := time.NewTicker(eventPing)
+		t := time.NewTicker(s.ping)
 		defer t.Stop()
 		for {
 			select {
@@ -257,7 +260,7 @@ func (s *EventStream) start() {
 				return
 			case <-t.C:
 				// WriteControl may be called concurrently with the reader.
-				if err := s.conn.WriteControl(websocket.PingMessage, nil, time.Now().Add(eventPing)); err != nil {
+				if err := s.conn.WriteControl(websocket.PingMessage, nil, time.Now().Add(s.ping)); err != nil {
 					_ = s.conn.Close() // Next sees it and reports the stream dead
 					return
 				}

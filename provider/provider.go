@@ -102,9 +102,13 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		closeWait = 4 * time.Second
 	}
 	reg := relays.New(closeWait)
+	var cacheMetrics *targets.CacheMetrics
+	if cfg.Metrics != nil {
+		cacheMetrics = targets.NewCacheMetrics(cfg.Metrics)
+	}
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
-		IngressBase: cfg.IngressBase,
+		IngressBase: cfg.IngressBase, CacheMetrics: cacheMetrics,
 	})
 	if err != nil {
 		return nil, err
