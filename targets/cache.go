@@ -608,3 +608,14 @@ func (m *CacheMetrics) corrected(n int) {
 		m.fixes.Add(float64(n))
 	}
 }
+
+// CacheConfirmed says the observation cache is confirmed and answers
+// reads (false when it is turned off).
+func (s *Service) CacheConfirmed() bool {
+	if s.cache == nil {
+		return false
+	}
+	s.cache.mu.Lock()
+	defer s.cache.mu.Unlock()
+	return s.cache.confirmed
+}
