@@ -113,6 +113,34 @@ func (r *cacheRig) create(ctx context.Context, o controller.Owner, image bool) {
 	if err != nil {
 		r.t.Fatalf("create %s: %v", Name(o), err)
 	}
+	if image {
+		// LXD 5.0 does not start on create (the provider's reconciler
+		// does), and a start holds the instance in an operation of its
+		// own: wait for it, so that the next change is not refused.
+		if inst, _, err := r.other.GetInstance(ctx, Name(o)); err == nil && inst.Status == incus.InstanceStopped {
+			r.state(ctx, Name(o), "start")
+		}
+		r.settled(ctx, Name(o), incus.InstanceRunning)
+	}
+}
+
+// settled waits until the instance has the status and no operation on it
+// is under way.
+func (r *cacheRig) settled(ctx context.Context, name string, want incus.InstanceStatus) {
+	r.t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		inst, _, err := r.other.GetInstance(ctx, name)
+		if err == nil && inst.Status == want {
+			if op, err := r.svc.operationOn(ctx, name); err == nil && op == nil {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("%s never settled at %s: %+v, %v", name, want, inst, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 func (r *cacheRig) state(ctx context.Context, name, action string) {

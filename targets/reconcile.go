@@ -244,6 +244,9 @@ func (s *Service) instances(ctx context.Context) ([]incus.Instance, error) {
 	if s.cache != nil {
 		// Confirmed, the cache is at least as new as any listing.
 		if list, ok := s.cache.listing(); ok {
+			// The listing is not needed while the cache answers: at
+			// 10,000 targets it is 40 MiB of decoded instances.
+			s.listingChanged()
 			return list, nil
 		}
 	}

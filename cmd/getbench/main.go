@@ -24,6 +24,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -72,7 +73,7 @@ func run(fakes string, real, gets int) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("%-22s %-6s %10s %10s %16s\n", "row", "cache", "p50", "p95", "Incus req/get")
+	fmt.Printf("%-22s %-6s %10s %10s %14s %10s\n", "row", "cache", "p50", "p95", "Incus req/get", "heap")
 	for _, f := range strings.Split(fakes, ",") {
 		if f = strings.TrimSpace(f); f == "" {
 			continue
@@ -240,8 +241,13 @@ func measure(label string, cfg incus.Config, catalog *templates.Catalog, owners 
 	}
 	perGet := float64(calls.Load()-before) / float64(gets)
 	slices.Sort(took)
-	fmt.Printf("%-22s %-6s %10s %10s %16.3f\n", label, map[bool]string{true: "on", false: "off"}[cache],
-		fmtDur(took[len(took)/2]), fmtDur(took[len(took)*95/100]), perGet)
+	// The process's live heap with the service at rest: with the cache,
+	// the instances it holds.
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	fmt.Printf("%-22s %-6s %10s %10s %14.3f %6.1f MiB\n", label, map[bool]string{true: "on", false: "off"}[cache],
+		fmtDur(took[len(took)/2]), fmtDur(took[len(took)*95/100]), perGet, float64(ms.HeapAlloc)/(1<<20))
 	return nil
 }
 
