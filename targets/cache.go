@@ -130,12 +130,17 @@ func (c *obsCache) get(name string) (inst *incus.Instance, hit bool) {
 // mark is taken before a read of name from Incus; offer stores what that
 // read found unless the instance was touched (or the cache unconfirmed)
 // meanwhile.
-type readMark struct{ gen, epoch uint64 }
+// A read begun while the stream was down may be older than a change no
+// event will tell of, so only a mark taken while connected can store.
+type readMark struct {
+	gen, epoch uint64
+	connected  bool
+}
 
 func (c *obsCache) mark(name string) readMark {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	m := readMark{epoch: c.epoch}
+	m := readMark{epoch: c.epoch, connected: c.connected}
 	if e, ok := c.entries[name]; ok {
 		m.gen = e.gen
 	}
@@ -151,7 +156,7 @@ func (c *obsCache) offer(name string, at readMark, inst *incus.Instance) {
 	if ok {
 		gen = e.gen
 	}
-	if gen != at.gen || c.epoch != at.epoch || !c.connected {
+	if gen != at.gen || c.epoch != at.epoch || !at.connected || !c.connected {
 		return
 	}
 	c.store(name, e, inst)
@@ -380,7 +385,9 @@ func (c *obsCache) session(ctx context.Context) (confirmed bool) {
 		cancel()
 	}()
 	c.mu.Lock()
+	// A new epoch: nothing read before the stream was up may be stored.
 	c.connected = true
+	c.epoch++
 	c.mu.Unlock()
 	defer func() {
 		c.mu.Lock()

@@ -14,3 +14,5 @@ printf '\n== public ingress: edge vs direct, a 1 GiB download, wake on request, 
 go run ./cmd/ingressbench
 printf '\n== idle loop: 10,000 in-process fake daemons\n'
 go run ./cmd/idlebench
+printf '\n== target/get: observation cache on and off, 10 and 10,000 targets (fake Incus in a child process), 20 on the real Incus\n'
+go run ./cmd/getbench
