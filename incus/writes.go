@@ -8,27 +8,38 @@ import (
 	"sync"
 )
 
+// Write is what a client tells its write watchers: an instance of Project
+// that a write may have changed. Op is the operation the write started,
+// when it started one; Done says the operation has ended (a Wait on it
+// returned), and then Op names it.
+type Write struct {
+	Project  string
+	Instance string
+	Op       string
+	Done     bool
+}
+
 // writeWatchers are told of every instance a client's write may have
 // changed. They are shared by a client and its WithProject copies.
 type writeWatchers struct {
 	mu   sync.Mutex
 	next int
-	fns  map[int]func(project, instance string)
+	fns  map[int]func(Write)
 }
 
 // WatchWrites has fn told, after every write this client (or a WithProject
 // copy) makes to an instance, whatever its outcome, which instance of which
-// project it was: the one the path names, the name a create or rename
-// gives, and when an operation Wait follows ends, every instance it lists.
-// It is how a cache of what Incus holds never answers older than a change
-// its own process just made. fn must be cheap and must not call the
-// client. The returned func stops the watching.
-func (c *Client) WatchWrites(fn func(project, instance string)) (stop func()) {
+// project it was (the one the path names, and the name a create or rename
+// gives) and the operation it started, and again when a Wait on that
+// operation ends. It is how a cache of what Incus holds never answers
+// older than a change its own process just made. fn must be cheap and
+// must not call the client. The returned func stops the watching.
+func (c *Client) WatchWrites(fn func(Write)) (stop func()) {
 	w := c.writes
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.fns == nil {
-		w.fns = map[int]func(string, string){}
+		w.fns = map[int]func(Write){}
 	}
 	id := w.next
 	w.next++
@@ -40,21 +51,29 @@ func (c *Client) WatchWrites(fn func(project, instance string)) (stop func()) {
 	}
 }
 
-func (w *writeWatchers) tell(project string, names []string) {
+func (w *writeWatchers) tell(project string, names []string, op string, done bool) {
 	if len(names) == 0 {
 		return
 	}
 	w.mu.Lock()
-	fns := make([]func(string, string), 0, len(w.fns))
+	fns := make([]func(Write), 0, len(w.fns))
 	for _, fn := range w.fns {
 		fns = append(fns, fn)
 	}
 	w.mu.Unlock()
 	for _, fn := range fns {
 		for _, n := range names {
-			fn(project, n)
+			fn(Write{Project: project, Instance: n, Op: op, Done: done})
 		}
 	}
+}
+
+// startedOp is the ID of the operation an answer started, if any.
+func startedOp(resp *response) string {
+	if resp == nil || resp.Type != "async" {
+		return ""
+	}
+	return operationID(resp.Operation)
 }
 
 // wroteInstances names the instances a write request may change. An exec

@@ -3,8 +3,10 @@ package targets
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -59,6 +61,16 @@ type obsCache struct {
 	entries map[string]*cacheEntry
 	// view is the listing built from entries, reused until one changes.
 	view []incus.Instance
+	// suspects are the instances the last full list found different from
+	// the confirmed cache, by their entry's gen then. A change's event may
+	// still be on its way when the list shows the change; one that never
+	// came by the next list was missed, and is counted as a correction.
+	suspects map[string]uint64
+	// finished are operations whose end was heard of, by when: Incus may
+	// deliver an operation's events out of order (Running after Success),
+	// and this process's own write may tell of its operation after its
+	// end's event, neither of which must mark the instance busy again.
+	finished map[string]time.Time
 
 	queue   chan string
 	pending map[string]bool // names queued for a re-read
@@ -70,6 +82,23 @@ type cacheEntry struct {
 	inst  *incus.Instance // nil: touched, not yet read (a create under way)
 	gen   uint64
 	stale bool
+	// ops are the Incus operations on the instance still under way, as its
+	// events and this process's own writes tell, by when they were first
+	// heard of: while one is, the instance is in transition and its reads
+	// go to Incus.
+	ops map[string]time.Time
+}
+
+// busy says an operation on the instance is under way. One heard of longer
+// than opBound ago is taken for ended (its end was missed), so that a lost
+// event cannot send an instance's reads to Incus for ever.
+func (e *cacheEntry) busy(now time.Time) bool {
+	for _, at := range e.ops {
+		if now.Sub(at) < opBound {
+			return true
+		}
+	}
+	return false
 }
 
 // read is lookup through the cache: answered from it when it can, else
@@ -81,12 +110,7 @@ func (s *Service) read(ctx context.Context, name string) (*incus.Instance, error
 	if inst, hit := s.cache.get(name); hit {
 		return inst, nil
 	}
-	at := s.cache.mark(name)
-	inst, err := s.lookup(ctx, name)
-	if err == nil && (inst == nil || inst.Status != incus.InstanceError) {
-		s.cache.offer(name, at, inst)
-	}
-	return inst, err
+	return s.lookup(ctx, name)
 }
 
 // Bounds of the cache's own work.
@@ -97,6 +121,7 @@ const (
 	reconnectMin       = 100 * time.Millisecond
 	reconnectMax       = 30 * time.Second
 	cacheCallTimeout   = 10 * time.Second
+	opBound            = 10 * time.Minute
 )
 
 func newObsCache(client *incus.Client, log *zap.Logger, m *CacheMetrics, refresh time.Duration, changed func(string)) *obsCache {
@@ -119,7 +144,7 @@ func (c *obsCache) get(name string) (inst *incus.Instance, hit bool) {
 	case !ok:
 		c.m.read(true)
 		return nil, true
-	case e.stale || e.inst == nil || e.inst.Status == incus.InstanceError:
+	case e.stale || e.inst == nil || e.inst.Status == incus.InstanceError || e.busy(time.Now()):
 		c.m.read(false)
 		return nil, false
 	}
@@ -138,6 +163,9 @@ type readMark struct {
 }
 
 func (c *obsCache) mark(name string) readMark {
+	if c == nil {
+		return readMark{}
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	m := readMark{epoch: c.epoch, connected: c.connected}
@@ -147,8 +175,13 @@ func (c *obsCache) mark(name string) readMark {
 	return m
 }
 
-// offer stores a read of name (inst nil: not found) taken after mark.
+// offer stores a read of name (inst nil: not found) taken after mark. An
+// instance in status Error is stored too, and get then sends its reads to
+// Incus.
 func (c *obsCache) offer(name string, at readMark, inst *incus.Instance) {
+	if c == nil {
+		return
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e, ok := c.entries[name]
@@ -165,6 +198,15 @@ func (c *obsCache) offer(name string, at readMark, inst *incus.Instance) {
 // store sets name's entry from a fresh read; the lock is held.
 func (c *obsCache) store(name string, e *cacheEntry, inst *incus.Instance) {
 	if inst == nil {
+		if e != nil && len(e.ops) > 0 {
+			// Absent for now, with an operation under way (a create).
+			if e.inst != nil {
+				c.view = nil
+				c.tellChanged(name)
+			}
+			e.inst, e.stale = nil, false
+			return
+		}
 		if e != nil {
 			delete(c.entries, name)
 			c.view = nil
@@ -192,8 +234,9 @@ func (c *obsCache) tellChanged(name string) {
 }
 
 // touch marks name as changed, so reads of it go to Incus until a re-read
-// begun after now lands, and queues that re-read.
-func (c *obsCache) touch(name string) {
+// begun after now lands, and queues that re-read. op, when set, is an
+// operation on the instance that began (done false) or ended.
+func (c *obsCache) touch(name, op string, done bool) {
 	c.mu.Lock()
 	c.seq++
 	e, ok := c.entries[name]
@@ -202,6 +245,24 @@ func (c *obsCache) touch(name string) {
 		c.entries[name] = e
 	}
 	e.gen, e.stale = c.seq, true
+	switch {
+	case op != "" && done:
+		delete(e.ops, op)
+		if c.finished == nil {
+			c.finished = map[string]time.Time{}
+		}
+		c.finished[op] = time.Now()
+	case op != "":
+		if _, ended := c.finished[op]; ended {
+			break
+		}
+		if e.ops == nil {
+			e.ops = map[string]time.Time{}
+		}
+		if _, seen := e.ops[op]; !seen {
+			e.ops[op] = time.Now()
+		}
+	}
 	queued := c.pending[name]
 	c.pending[name] = true
 	c.mu.Unlock()
@@ -247,9 +308,20 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 	c.mu.Lock()
 	epoch, seq := c.epoch, c.seq
 	c.mu.Unlock()
+	began := time.Now()
 	lctx, cancel := context.WithTimeout(ctx, 3*cacheCallTimeout)
+	defer cancel()
+	// The operations first: one heard of before they were listed and not
+	// among them has ended, and its end may have been missed.
+	ops, err := c.client.ListOperations(lctx)
+	if err != nil {
+		return err
+	}
+	running := make(map[string]bool, len(ops))
+	for _, op := range ops {
+		running[op.ID] = true
+	}
 	list, err := c.client.ListInstances(lctx)
-	cancel()
 	if err != nil {
 		return err
 	}
@@ -258,8 +330,26 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 		c.mu.Unlock()
 		return nil
 	}
-	seen := make(map[string]bool, len(list))
+	for _, e := range c.entries {
+		for id, at := range e.ops {
+			if !running[id] && at.Before(began) {
+				delete(e.ops, id)
+			}
+		}
+	}
+	for id, at := range c.finished {
+		if began.Sub(at) > opBound {
+			delete(c.finished, id)
+		}
+	}
 	corrections := 0
+	for name, gen := range c.suspects {
+		if e, ok := c.entries[name]; (ok && e.gen == gen) || (!ok && gen == 0) {
+			corrections++
+		}
+	}
+	suspects := map[string]uint64{}
+	seen := make(map[string]bool, len(list))
 	for i := range list {
 		inst := &list[i]
 		seen[inst.Name] = true
@@ -268,21 +358,24 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 			continue // touched since the list began: its re-read decides
 		}
 		if ok && c.confirmed && !e.stale && e.inst != nil && !sameInstance(e.inst, inst) {
-			corrections++
+			suspects[inst.Name] = e.gen
+			c.log.Debug("observation cache: the full list differs from the cache", zap.String("instance", inst.Name),
+				zap.String("cached", describe(e.inst)), zap.String("listed", describe(inst)))
 		}
 		if !ok && c.confirmed {
-			corrections++
+			suspects[inst.Name] = 0
 		}
 		c.store(inst.Name, e, inst)
 	}
 	for name, e := range c.entries {
 		if !seen[name] && e.gen <= seq {
 			if c.confirmed && !e.stale && e.inst != nil {
-				corrections++
+				suspects[name] = 0
 			}
 			c.store(name, e, nil)
 		}
 	}
+	c.suspects = suspects
 	was := c.confirmed
 	if confirm {
 		c.confirmed = true
@@ -333,9 +426,9 @@ func (c *obsCache) listing() (list []incus.Instance, ok bool) {
 
 // run keeps the stream connected and the cache current until ctx ends.
 func (c *obsCache) run(ctx context.Context) {
-	stopWrites := c.client.WatchWrites(func(project, name string) {
-		if project == c.project {
-			c.touch(name)
+	stopWrites := c.client.WatchWrites(func(w incus.Write) {
+		if w.Project == c.project {
+			c.touch(w.Instance, w.Op, w.Done)
 		}
 	})
 	defer stopWrites()
@@ -402,8 +495,12 @@ func (c *obsCache) session(ctx context.Context) (confirmed bool) {
 
 	ended := make(chan error, 1)
 	go func() { ended <- c.follow(stream) }()
-	settle := time.NewTimer(c.settle)
-	defer settle.Stop()
+	// retry lists again soon after a list that left the cache unconfirmed
+	// (it failed, or something unconfirmed the cache while it ran), rather
+	// than a whole period later.
+	retry := time.NewTimer(c.settle)
+	defer retry.Stop()
+	pause := time.Second
 	tick := time.NewTicker(c.refresh)
 	defer tick.Stop()
 	for {
@@ -413,13 +510,16 @@ func (c *obsCache) session(ctx context.Context) (confirmed bool) {
 				c.log.Info("observation cache: the event stream ended; reconnecting", zap.Error(err))
 			}
 			return confirmed
-		case <-settle.C:
-			confirmed = c.relistLogged(sctx, true) || confirmed
+		case <-retry.C:
 		case <-c.relist:
-			confirmed = c.relistLogged(sctx, true) || confirmed
 		case <-tick.C:
-			c.relistLogged(sctx, true)
 		}
+		if c.relistLogged(sctx, true) {
+			confirmed, pause = true, time.Second
+			continue
+		}
+		retry.Reset(pause)
+		pause = min(pause*2, reconnectMax)
 	}
 }
 
@@ -457,8 +557,12 @@ func (c *obsCache) follow(stream *incus.EventStream) error {
 			c.askRelist()
 			continue
 		}
+		op, done := "", false
+		if ev.Operation != nil {
+			op, done = ev.Operation.ID, ev.Operation.Final()
+		}
 		for _, n := range names {
-			c.touch(n)
+			c.touch(n, op, done)
 		}
 	}
 }
@@ -625,4 +729,15 @@ func (s *Service) CacheConfirmed() bool {
 	s.cache.mu.Lock()
 	defer s.cache.mu.Unlock()
 	return s.cache.confirmed
+}
+
+// describe is what sameInstance compares, for a log line.
+func describe(i *incus.Instance) string {
+	keys := slices.Sorted(maps.Keys(i.Config))
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s/%d stateful=%v location=%s", i.Status, i.StatusCode, i.Stateful, i.Location)
+	for _, k := range keys {
+		fmt.Fprintf(&b, " %s=%q", k, i.Config[k])
+	}
+	return b.String()
 }

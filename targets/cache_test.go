@@ -185,6 +185,11 @@ func (r *cacheRig) agrees(ctx context.Context, o controller.Owner, what string) 
 			}
 		}
 		if time.Now().After(deadline) {
+			r.svc.cache.mu.Lock()
+			if e := r.svc.cache.entries[name]; e != nil {
+				r.t.Logf("entry: stale %v, ops %v, gen %d", e.stale, e.ops, e.gen)
+			}
+			r.svc.cache.mu.Unlock()
 			r.t.Fatalf("%s: the cache never agreed with Incus: get %+v (%v), hit %v, cached %+v, direct %+v", what, got, gerr, hit, cached, direct)
 		}
 		time.Sleep(20 * time.Millisecond)
@@ -205,8 +210,12 @@ func TestCacheFollowsEveryTransition(t *testing.T) {
 	for _, step := range []struct{ what, action string }{
 		{"paused", "freeze"}, {"resumed", "unfreeze"}, {"stopped", "stop"}, {"started", "start"},
 	} {
+		drain(r.svc.Changes())
 		r.state(ctx, name, step.action)
 		r.agrees(ctx, o, step.what)
+		// The idle loop (and the targets gauge with it) hears of a change
+		// another client made as soon as the cache has read it.
+		awaitChange(t, r.svc.Changes(), name, step.what)
 	}
 	if err := r.other.PatchInstanceConfig(ctx, name, map[string]string{"user.cache-test": "1"}); err != nil {
 		t.Fatal(err)
@@ -342,5 +351,30 @@ func TestCacheManyOwners(t *testing.T) {
 	}
 	if list, ok := r.svc.cache.listing(); !ok || len(list) != n {
 		t.Fatalf("the cache lists %d instances (confirmed %v), want %d", len(list), ok, n)
+	}
+}
+
+func drain(ch <-chan string) {
+	for {
+		select {
+		case <-ch:
+		default:
+			return
+		}
+	}
+}
+
+func awaitChange(t *testing.T, ch <-chan string, name, what string) {
+	t.Helper()
+	timeout := time.After(30 * time.Second)
+	for {
+		select {
+		case got := <-ch:
+			if got == name {
+				return
+			}
+		case <-timeout:
+			t.Fatalf("%s: the change feed never named %s", what, name)
+		}
 	}
 }

@@ -34,7 +34,7 @@ func TestCacheStoresOnlyReadsNewerThanEveryTouch(t *testing.T) {
 	}
 
 	at := c.mark("a")
-	c.touch("a") // an event or a write of this process, while the read is out
+	c.touch("a", "", false) // an event or a write of this process, while the read is out
 	c.offer("a", at, running("a", "2"))
 	if _, hit := c.get("a"); hit {
 		t.Fatal("a touched entry is served before it was read again")
@@ -53,7 +53,7 @@ func TestCacheStoresOnlyReadsNewerThanEveryTouch(t *testing.T) {
 		t.Fatalf("a read begun while the stream was down was stored: %v %+v", hit, inst)
 	}
 
-	c.touch("gone")
+	c.touch("gone", "", false)
 	c.offer("gone", c.mark("gone"), nil)
 	if inst, hit := c.get("gone"); !hit || inst != nil {
 		t.Fatalf("an instance read as not found is not answered as absent: %v %+v", hit, inst)
@@ -76,7 +76,7 @@ func TestCacheStoresOnlyReadsNewerThanEveryTouch(t *testing.T) {
 func TestCacheOverflowingQueueAsksForAList(t *testing.T) {
 	c := newTestCache(t)
 	for i := range rereadQueue + 1 {
-		c.touch("i" + string(rune('a'+i%26)) + string(rune(i)))
+		c.touch("i"+string(rune('a'+i%26))+string(rune(i)), "", false)
 	}
 	select {
 	case <-c.relist:

@@ -201,8 +201,19 @@ func (s *Service) ListTemplates(_ context.Context, _ string) ([]controller.Templ
 	return s.catalog.Load().Wire(), nil
 }
 
-// lookup reads the instance at name; nil without error when there is none.
+// lookup reads the instance at name from Incus; nil without error when
+// there is none. What it reads is offered to the observation cache, so the
+// cache never answers older than what this process has seen.
 func (s *Service) lookup(ctx context.Context, name string) (*incus.Instance, error) {
+	at := s.cache.mark(name)
+	inst, err := s.lookupIncus(ctx, name)
+	if err == nil {
+		s.cache.offer(name, at, inst)
+	}
+	return inst, err
+}
+
+func (s *Service) lookupIncus(ctx context.Context, name string) (*incus.Instance, error) {
 	gctx, cancel := context.WithTimeout(ctx, getAttempt(ctx))
 	inst, _, err := s.incus.GetInstance(gctx, name)
 	cancel()
