@@ -76,6 +76,9 @@ type obsCache struct {
 	pending map[string]bool // names queued for a re-read
 	relist  chan struct{}
 	changed func(name string) // told of every instance whose entry changed
+	// onConfirm is called when the cache becomes confirmed: the
+	// reconciler's own listing is then no longer read, and is dropped.
+	onConfirm func()
 }
 
 type cacheEntry struct {
@@ -388,6 +391,9 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 		c.m.setConfirmed(true)
 		if !was {
 			c.log.Info("observation cache confirmed", zap.Int("instances", n))
+			if c.onConfirm != nil {
+				c.onConfirm()
+			}
 		}
 	}
 	if corrections > 0 {

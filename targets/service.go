@@ -130,6 +130,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s.catalog.Store(catalog)
 	if !cfg.NoCache {
 		s.cache = newObsCache(client, log.Named("cache"), cfg.CacheMetrics, cfg.ReconcileInterval, s.changes.note)
+		s.cache.onConfirm = s.listingChanged
 	}
 	return s, nil
 }
