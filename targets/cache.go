@@ -557,6 +557,12 @@ func (c *obsCache) follow(stream *incus.EventStream) error {
 			return err
 		}
 		c.m.event(ev.Type)
+		if ev.Operation != nil && ev.Operation.Class != "" && ev.Operation.Class != "task" {
+			// An exec or a console (class websocket) runs for as long as
+			// its streams, and changes nothing of the instance record: the
+			// exec dialer holds one per relayed connection.
+			continue
+		}
 		names, ok := ev.Instances(c.project)
 		if !ok {
 			c.unconfirm("unnamed")
