@@ -209,6 +209,7 @@ func registered(t *testing.T) map[string]family {
 	idle.NewMetrics(r)
 	ingress.NewMetrics(r)
 	targets.NewWarmMetrics(r)
+	targets.NewCacheMetrics(r)
 	for _, f := range incusMetrics(t) {
 		if _, dup := r.families[f.name]; dup {
 			t.Fatalf("%s is registered twice", f.name)

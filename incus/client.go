@@ -117,6 +117,7 @@ type Client struct {
 	attemptTO   time.Duration
 	observe     func(op, status string, d time.Duration)
 	observeEP   func(endpoint, op, status string, d time.Duration)
+	writes      *writeWatchers
 
 	// Wait pacing; fields so that unit tests can shrink them.
 	waitSlice   time.Duration // server-side wait per round (timeout=N)
@@ -134,6 +135,7 @@ func New(cfg Config) (*Client, error) {
 		attemptTO:   cfg.AttemptTimeout,
 		observe:     cfg.Observe,
 		observeEP:   cfg.ObserveEndpoint,
+		writes:      &writeWatchers{},
 		waitSlice:   5 * time.Second,
 		waitGrace:   5 * time.Second,
 		waitBackoff: 50 * time.Millisecond,

@@ -213,6 +213,8 @@ func (c *Client) wait(ctx context.Context, op *Operation) (*Operation, error) {
 	if op == nil {
 		return nil, errors.New("nil operation")
 	}
+	// However the wait ends, what the operation changed is now to be read.
+	defer c.writes.tell(c.project, opInstances(op, c.project), op.ID, true)
 	if op.Final() {
 		return op, finalError(op)
 	}

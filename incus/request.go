@@ -100,6 +100,9 @@ func (c *Client) do(ctx context.Context, r request) (*response, error) {
 	if c.observe != nil {
 		c.observe(r.op, outcome(err), time.Since(start))
 	}
+	if names := wroteInstances(r); names != nil {
+		c.writes.tell(c.project, names, startedOp(resp), false)
+	}
 	return resp, err
 }
 

@@ -103,12 +103,14 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	}
 	reg := relays.New(closeWait)
 	var warmMetrics *targets.WarmMetrics
+	var cacheMetrics *targets.CacheMetrics
 	if cfg.Metrics != nil {
 		warmMetrics = targets.NewWarmMetrics(cfg.Metrics)
+		cacheMetrics = targets.NewCacheMetrics(cfg.Metrics)
 	}
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
-		IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics,
+		IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics, CacheMetrics: cacheMetrics,
 	})
 	if err != nil {
 		return nil, err

@@ -233,7 +233,7 @@ func policyOf(raw string) (*idlepolicy.Policy, error) {
 // IdleTarget reads one target as IdleTargets lists it; ok is false when the
 // provider holds no target of that name.
 func (s *Service) IdleTarget(ctx context.Context, name string) (t idle.Target, ok bool, err error) {
-	inst, err := s.lookup(ctx, name)
+	inst, err := s.read(ctx, name)
 	if err != nil || inst == nil {
 		return idle.Target{}, false, err
 	}

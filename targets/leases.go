@@ -116,7 +116,10 @@ func (s *Service) leaseRound(ctx context.Context) {
 // power is an explicit power-down, has this replica carry that out (which
 // closes its relays) instead.
 func (s *Service) leaseOne(ctx context.Context, name string) {
-	inst, err := s.lookup(ctx, name)
+	// From the observation cache when it answers: another replica's
+	// power-down is a config write, whose event sends this read to Incus
+	// until the cache has read it again.
+	inst, err := s.read(ctx, name)
 	if err != nil || inst == nil {
 		return
 	}

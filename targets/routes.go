@@ -33,7 +33,8 @@ var (
 // not the owner's own derived name is refused without asking Incus anything
 // (another owner's id: ErrRouteOwner, anything else: ErrRouteGone), so a
 // route of the wrong owner reaches nothing, whatever that target's state.
-// Otherwise the owner's instance is read once; a missing one is
+// Otherwise the owner's instance is read once (from the observation cache
+// when it is confirmed, see cache.go); a missing one is
 // ErrRouteGone, one whose recorded owner differs ErrRouteOwner. Any other
 // error is Incus's, unchanged. Nothing is ever changed.
 func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error) {
@@ -44,7 +45,7 @@ func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targ
 		}
 		return nil, controller.Observation{}, ErrRouteGone
 	}
-	inst, err := s.lookup(ctx, name)
+	inst, err := s.read(ctx, name)
 	if err != nil {
 		return nil, controller.Observation{}, err
 	}

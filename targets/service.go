@@ -49,6 +49,10 @@ type Config struct {
 	// WarmStale is how old a warm instance's claim grows before the pool
 	// deletes it as a hand-out that stopped half-way (default 1 min).
 	WarmStale time.Duration
+	// NoCache turns the observation cache off (see cache.go): every read
+	// goes to Incus. CacheMetrics, when set, records the cache's work.
+	NoCache      bool
+	CacheMetrics *CacheMetrics
 }
 
 func (c *Config) defaults() {
@@ -109,6 +113,9 @@ type Service struct {
 	// warmHook, set by tests only, is called at each step of a hand-out;
 	// true stops it there as a crash would.
 	warmHook func(stage string) bool
+	// cache answers reads while Incus's event stream keeps it current; nil
+	// when turned off (see cache.go).
+	cache *obsCache
 }
 
 // New builds the service. Call Run to start its reconciler. The relay
@@ -136,6 +143,10 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s.work = newWorker(s.converge)
 	s.catalog.Store(catalog)
 	cfg.WarmMetrics.Start(catalog)
+	if !cfg.NoCache {
+		s.cache = newObsCache(client, log.Named("cache"), cfg.CacheMetrics, cfg.ReconcileInterval, s.changes.note)
+		s.cache.onConfirm = s.listingChanged
+	}
 	return s, nil
 }
 
@@ -208,8 +219,19 @@ func (s *Service) ListTemplates(_ context.Context, _ string) ([]controller.Templ
 	return s.catalog.Load().Wire(), nil
 }
 
-// lookup reads the instance at name; nil without error when there is none.
+// lookup reads the instance at name from Incus; nil without error when
+// there is none. What it reads is offered to the observation cache, so the
+// cache never answers older than what this process has seen.
 func (s *Service) lookup(ctx context.Context, name string) (*incus.Instance, error) {
+	at := s.cache.mark(name)
+	inst, err := s.lookupIncus(ctx, name)
+	if err == nil {
+		s.cache.offer(name, at, inst)
+	}
+	return inst, err
+}
+
+func (s *Service) lookupIncus(ctx context.Context, name string) (*incus.Instance, error) {
 	gctx, cancel := context.WithTimeout(ctx, getAttempt(ctx))
 	inst, _, err := s.incus.GetInstance(gctx, name)
 	cancel()
@@ -273,10 +295,17 @@ func checkOwned(inst *incus.Instance, owner controller.Owner) error {
 // name is checked for another owner's target (ownerMismatch) before anything
 // else, and is otherwise not the owner's: notFound.
 func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name string, inst *incus.Instance, err error) {
+	return s.resolveWith(ctx, ref, s.lookup)
+}
+
+// resolveWith is resolve reading instances with read (lookup, or the
+// cache's read for a pure read).
+func (s *Service) resolveWith(ctx context.Context, ref controller.TargetRef,
+	read func(context.Context, string) (*incus.Instance, error)) (name string, inst *incus.Instance, err error) {
 	name = Name(ref.Owner)
 	if ref.TargetID != "" && ref.TargetID != name {
 		if looksLikeTargetID(ref.TargetID) {
-			other, err := s.lookup(ctx, ref.TargetID)
+			other, err := read(ctx, ref.TargetID)
 			if err != nil {
 				return "", nil, s.incusError("looking up a target", err)
 			}
@@ -288,7 +317,7 @@ func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name s
 		}
 		return "", nil, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target %q for this owner.", ref.TargetID)
 	}
-	inst, err = s.lookup(ctx, name)
+	inst, err = read(ctx, name)
 	if err != nil {
 		return "", nil, s.incusError("looking up the owner's target", err)
 	}
@@ -304,7 +333,7 @@ func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name s
 func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
-	_, inst, err := s.resolve(ctx, ref)
+	_, inst, err := s.resolveWith(ctx, ref, s.read)
 	if err != nil {
 		return controller.Observation{}, err
 	}

@@ -26,3 +26,5 @@ printf '\n== idle loop: 10,000 fake daemons in a process of their own, the defau
 go run ./cmd/idlebench
 printf '\n== idle loop: the same with every target probed at least every 10 s\n'
 go run ./cmd/idlebench -max-interval 10s
+printf '\n== target/get: observation cache on and off, 10 and 10,000 targets (fake Incus in a child process), 20 on the real Incus\n'
+go run ./cmd/getbench

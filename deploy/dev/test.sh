@@ -148,7 +148,7 @@ lxd_pid_after=$(cat "$STATE_DIR/lxd.pid" 2>/dev/null || true)
 if [ -n "$lxd_pid_after" ] && [ "$lxd_pid_after" != "$lxd_pid_before" ]; then started_lxd=1; fi
 # The tests that hold for any Incus-API server; the rest rely on Incus's own
 # behaviour (its fault injection, the cluster) and run on Incus above.
-lxd_tests='^(TestRoutes|TestActiveMeansStartedAndClosesAtOnce|TestManyOwnersCreateAndObserveAtOnce|TestPowerDownRightAfterAWakingConnection|TestCreateBecomesActiveAndCloseRemovesIt|TestConcurrentCreatesLeaveOneInstance|TestOwnerFencing|TestSetPowerPauseResumeStopStart|TestSetPowerRefusals|TestSetPowerOfAProvisioningTarget|TestIdleActOnIncus|TestWarmHandoutBecomesActiveAndThePoolRefills|TestWarmCrashMidHandout)$'
+lxd_tests='^(TestCacheFollowsEveryTransition|TestCacheStreamCutGoesToIncus|TestCacheManyOwners|TestRoutes|TestActiveMeansStartedAndClosesAtOnce|TestManyOwnersCreateAndObserveAtOnce|TestPowerDownRightAfterAWakingConnection|TestCreateBecomesActiveAndCloseRemovesIt|TestConcurrentCreatesLeaveOneInstance|TestOwnerFencing|TestSetPowerPauseResumeStopStart|TestSetPowerRefusals|TestSetPowerOfAProvisioningTarget|TestIdleActOnIncus|TestWarmHandoutBecomesActiveAndThePoolRefills|TestWarmCrashMidHandout)$'
 lxd_project="lsx-conform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc project create "$lxd_project" -c features.images=false -c features.profiles=false >/dev/null
 for dialer in netns proxy; do
