@@ -121,14 +121,22 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 	case st.Failure != "":
 		return 0
 	case !st.Booted:
-		s.bringUp(ctx, inst)
-		return 0
+		return s.bringUp(ctx, inst)
 	}
 	return s.drivePower(ctx, inst)
 }
 
 // bringUp starts a created instance that never ran and marks it booted.
-func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
+// bringUpRecheck is how soon a new instance that could not be brought up
+// yet (an operation holds it, or it is in transition) is looked at again.
+// The reconciler's pass would too, but the pass reads the observation
+// cache, which may not have the new instance yet: a create must not depend
+// on it (found in CI: a target left provisioning for 90 s).
+const bringUpRecheck = 500 * time.Millisecond
+
+// bringUp starts a new instance and marks it booted, and answers when to
+// look again (0: done, or failed for good).
+func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Duration {
 	name := inst.Name
 	switch inst.Status {
 	case incus.InstanceRunning, incus.InstanceReady, incus.InstanceFrozen, incus.InstanceFreezing, incus.InstanceThawed:
@@ -137,20 +145,22 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
 		// about a second), and refuses every change to it until then. A
 		// target is active only once no operation holds it.
 		if pending, err := s.createPending(ctx, name); err != nil || pending {
-			return
+			return bringUpRecheck
 		}
-		s.markBooted(ctx, name)
-		return
+		if !s.markBooted(ctx, name) {
+			return bringUpRecheck
+		}
+		return 0
 	case incus.InstanceStopped:
 	default:
-		return // in transition; the next pass looks again
+		return bringUpRecheck // in transition
 	}
 	if pending, err := s.createPending(ctx, name); err != nil || pending {
-		return // Incus is still creating (and starting) it
+		return bringUpRecheck // Incus is still creating (and starting) it
 	}
 	if err := s.act(ctx, name, incus.InstanceStatePut{Action: "start"}, time.Minute); err != nil {
 		if ctx.Err() != nil {
-			return
+			return 0
 		}
 		s.failMu.Lock()
 		s.startFailures[name]++
@@ -161,22 +171,29 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) {
 			msg := "The instance could not be started after several attempts; the provider's log has the details."
 			if perr := s.patch(ctx, name, map[string]string{keyFailure: msg}); perr != nil {
 				s.log.Warn("recording the failure failed", zap.String("instance", name), zap.Error(perr))
+				return 2 * time.Second
 			}
+			return 0
 		}
-		return
+		return 2 * time.Second
 	}
 	s.failMu.Lock()
 	delete(s.startFailures, name)
 	s.failMu.Unlock()
-	s.markBooted(ctx, name)
+	if !s.markBooted(ctx, name) {
+		return bringUpRecheck
+	}
+	return 0
 }
 
-func (s *Service) markBooted(ctx context.Context, name string) {
+// markBooted records the first boot; false when Incus did not take it.
+func (s *Service) markBooted(ctx context.Context, name string) bool {
 	if err := s.patch(ctx, name, map[string]string{keyBooted: msString(s.now())}); err != nil {
 		s.log.Warn("marking the instance booted failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
-		return
+		return false
 	}
 	s.changes.note(name)
+	return true
 }
 
 // closeInstance stops the instance gracefully within what is left of the
