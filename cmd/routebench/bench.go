@@ -811,18 +811,30 @@ func download(ws *websocket.Conn, path string, raw int, d time.Duration) (int, i
 	return n, size, float64(total) / time.Since(start).Seconds(), nil
 }
 
-// requests sends requests of exactly size bytes one at a time for d, each
-// answered by the daemon (an error: no such method) before the next goes:
-// the shape of an agent writing one large file after another, where every
-// hop's latency adds to each message's.
-func requests(ws *websocket.Conn, size int, d time.Duration) (int, float64, error) {
-	const head, tail = `{"jsonrpc":"2.0","id":7,"method":"routebench/discard","params":{"data":"`, `"}}`
+// discardMessage is a routebench/discard message of exactly size bytes,
+// a request (which the daemon answers with an error: no such method) or a
+// notification (read and dropped).
+func discardMessage(size int, request bool) []byte {
+	head := `{"jsonrpc":"2.0","method":"routebench/discard","params":{"data":"`
+	if request {
+		head = `{"jsonrpc":"2.0","id":7,"method":"routebench/discard","params":{"data":"`
+	}
+	const tail = `"}}`
 	msg := make([]byte, size)
 	copy(msg, head)
 	for i := len(head); i < size-len(tail); i++ {
 		msg[i] = 'a'
 	}
 	copy(msg[size-len(tail):], tail)
+	return msg
+}
+
+// requests sends requests of exactly size bytes one at a time for d, each
+// answered by the daemon (an error: no such method) before the next goes:
+// the shape of an agent writing one large file after another, where every
+// hop's latency adds to each message's.
+func requests(ws *websocket.Conn, size int, d time.Duration) (int, float64, error) {
+	msg := discardMessage(size, true)
 	start := time.Now()
 	n := 0
 	for n == 0 || time.Since(start) < d {
@@ -845,13 +857,7 @@ func requests(ws *websocket.Conn, size int, d time.Duration) (int, float64, erro
 // drops them: no such notification method) for d, then one request whose
 // answer proves they were all read.
 func upload(ws *websocket.Conn, size int, d time.Duration) (int, float64, error) {
-	const head, tail = `{"jsonrpc":"2.0","method":"routebench/discard","params":{"data":"`, `"}}`
-	msg := make([]byte, size)
-	copy(msg, head)
-	for i := len(head); i < size-len(tail); i++ {
-		msg[i] = 'a'
-	}
-	copy(msg[size-len(tail):], tail)
+	msg := discardMessage(size, false)
 	start := time.Now()
 	n := 0
 	for time.Since(start) < d {

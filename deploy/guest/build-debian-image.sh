@@ -110,21 +110,15 @@ for tool in incus tar sha256sum; do
 done
 image_check_incus
 
-case $(uname -m) in
-x86_64) goarch=amd64 arch=x86_64 debarch=amd64 ;;
-aarch64 | arm64) goarch=arm64 arch=aarch64 debarch=arm64 ;;
-*) fail "this script knows no architecture for $(uname -m)." ;;
-esac
+image_arch
+debarch=$goarch # Debian names them as Go does
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/lightspeed-debian-guest.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
 if [ -z "$daemon" ]; then
 	command -v "$go_cmd" >/dev/null 2>&1 || fail "Go ($go_cmd) is needed to build lsenvd-dev; or set DAEMON."
-	echo "building lsenvd-dev (static, linux/$goarch) as the daemon" >&2
-	(cd "$repo" && CGO_ENABLED=0 GOOS=linux GOARCH=$goarch "$go_cmd" build -trimpath -buildvcs=false \
-		-ldflags '-s -w' -o "$work/daemon" ./cmd/lsenvd-dev) >&2 ||
-		fail "go build of cmd/lsenvd-dev failed (output above)."
+	build_lsenvd_dev "$work/daemon"
 	daemon=$work/daemon
 	daemon_name=lsenvd-dev
 else

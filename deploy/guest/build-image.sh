@@ -76,19 +76,12 @@ if [ ! -x "$busybox" ] || ! is_static "$busybox"; then
 	is_static "$busybox" || fail "$busybox is linked dynamically; the guest needs a static BusyBox (Debian: busybox-static)."
 fi
 
-case $(uname -m) in
-x86_64) goarch=amd64 arch=x86_64 ;;
-aarch64 | arm64) goarch=arm64 arch=aarch64 ;;
-*) fail "this script knows no Go architecture for $(uname -m)." ;;
-esac
+image_arch
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/lightspeed-guest.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-echo "building lsenvd-dev (static, linux/$goarch)" >&2
-(cd "$repo" && CGO_ENABLED=0 GOOS=linux GOARCH=$goarch "$go_cmd" build -trimpath -buildvcs=false \
-	-ldflags '-s -w' -o "$work/lsenvd-dev" ./cmd/lsenvd-dev) >&2 ||
-	fail "go build of cmd/lsenvd-dev failed (output above)."
+build_lsenvd_dev "$work/lsenvd-dev"
 
 content_hash=$(
 	cd "$work" && {

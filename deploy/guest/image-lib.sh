@@ -5,6 +5,7 @@
 #   project        the Incus project, or empty for the default one
 #   hash_property  the image property that carries the content hash
 #   fail           a function that prints a sentence and exits
+#   repo, go_cmd   the repository's root and the Go command (for build_lsenvd_dev)
 # Everything it prints goes to stderr; the result line is the caller's.
 
 incus_p() {
@@ -92,4 +93,23 @@ image_import() {
 # An image left without an alias after a failure would be garbage nobody owns.
 image_drop() {
 	incus_p image delete "$1" >&2 || true
+}
+
+# image_arch sets goarch (Go's and Debian's name of this machine's
+# architecture) and arch (Incus's).
+image_arch() {
+	case $(uname -m) in
+	x86_64) goarch=amd64 arch=x86_64 ;;
+	aarch64 | arm64) goarch=arm64 arch=aarch64 ;;
+	*) fail "this script knows no architecture for $(uname -m)." ;;
+	esac
+}
+
+# build_lsenvd_dev DEST builds the development daemon (cmd/lsenvd-dev),
+# static, for goarch.
+build_lsenvd_dev() {
+	echo "building lsenvd-dev (static, linux/$goarch)" >&2
+	(cd "$repo" && CGO_ENABLED=0 GOOS=linux GOARCH=$goarch "$go_cmd" build -trimpath -buildvcs=false \
+		-ldflags '-s -w' -o "$1" ./cmd/lsenvd-dev) >&2 ||
+		fail "go build of cmd/lsenvd-dev failed (output above)."
 }
