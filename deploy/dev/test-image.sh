@@ -13,6 +13,8 @@ export GOFLAGS=${GOFLAGS:--mod=mod}
 export PATH=$PATH:/usr/local/go/bin
 STATE_DIR=${STATE_DIR:-/run/incus-provider-dev}
 step() { printf '\n== %s\n' "$*"; }
+# shellcheck source=deploy/dev/lib.sh
+. deploy/dev/lib.sh
 
 pid_before=$(cat "$STATE_DIR/incusd.pid" 2>/dev/null || true)
 started_incus=0
@@ -22,10 +24,7 @@ work=$(mktemp -d)
 cleanup() {
   status=$?
   if [ -n "$provider_pid" ]; then kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; fi
-  if incus project show "$project" >/dev/null 2>&1; then
-    for i in $(incus list --project "$project" --format csv -c n); do incus delete --force --project "$project" "$i" >/dev/null 2>&1 || true; done
-    incus project delete "$project" >/dev/null 2>&1 || true
-  fi
+  drop_incus_project "$project"
   rm -rf "$work"
   if [ "$started_incus" = 1 ] && [ -f "$STATE_DIR/incusd.pid" ]; then deploy/dev/incus-down.sh || true; fi
   exit $status
@@ -58,9 +57,8 @@ PROVIDER_LISTEN=127.0.0.1:18490 PROVIDER_METRICS_LISTEN=127.0.0.1:19490 \
   INCUS_PROJECT="$project" PROVIDER_GRACEFUL_STOP=10s \
   bin/incus-provider >"$work/provider.out" 2>"$work/provider.log" &
 provider_pid=$!
-for _ in $(seq 1 100); do grep -q '^controller URL' "$work/provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/provider.log" >&2; exit 1; }; sleep 0.1; done
-bin/lsconform -url ws://127.0.0.1:18490/control -credential-file "$work/credential" -universe u-image || {
-  echo "provider log:" >&2; tail -n 50 "$work/provider.log" >&2; exit 1; }
+await_provider "$provider_pid" "$work/provider.out" "$work/provider.log"
+conform ws://127.0.0.1:18490/control "$work/credential" u-image "$work/provider.log"
 kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
 
 step "the systemd unit under systemd 252 (a privileged container of the image)"

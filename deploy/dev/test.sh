@@ -8,6 +8,8 @@ cd "$(dirname "$0")/../.."
 export GOFLAGS=${GOFLAGS:--mod=mod}
 STATE_DIR=${STATE_DIR:-/run/incus-provider-dev}
 step() { printf '\n== %s\n' "$*"; }
+# shellcheck source=deploy/dev/lib.sh
+. deploy/dev/lib.sh
 
 # We stop incusd at the end only if this run started it: incus-up.sh
 # writes a new PID file exactly when it starts the daemon.
@@ -21,14 +23,10 @@ work=$(mktemp -d)
 cleanup() {
   status=$?
   if [ -n "$provider_pid" ]; then kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; fi
-  if incus project show "$conform_project" >/dev/null 2>&1; then
-    for i in $(incus list --project "$conform_project" --format csv -c n); do incus delete --force --project "$conform_project" "$i" >/dev/null 2>&1 || true; done
-    incus project delete "$conform_project" >/dev/null 2>&1 || true
-  fi
+  drop_incus_project "$conform_project"
   if [ -n "${cluster_project:-}" ]; then
     export INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client"
-    for i in $(incus list --project "$cluster_project" --format csv -c n 2>/dev/null); do incus delete --force --project "$cluster_project" "$i" >/dev/null 2>&1 || true; done
-    incus project delete "$cluster_project" >/dev/null 2>&1 || true
+    drop_incus_project "$cluster_project"
     unset INCUS_DIR INCUS_CONF
   fi
   if [ -n "${lxd_project:-}" ]; then
@@ -110,9 +108,8 @@ PROVIDER_LISTEN=127.0.0.1:18480 PROVIDER_METRICS_LISTEN=127.0.0.1:19480 \
   INCUS_PROJECT="$conform_project" PROVIDER_GRACEFUL_STOP=5s \
   bin/incus-provider >"$work/provider.out" 2>"$work/provider.log" &
 provider_pid=$!
-for _ in $(seq 1 100); do grep -q '^controller URL' "$work/provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/provider.log" >&2; exit 1; }; sleep 0.1; done
-bin/lsconform -url ws://127.0.0.1:18480/control -credential-file "$work/credential" -universe u-conformance || {
-  echo "provider log:" >&2; tail -n 50 "$work/provider.log" >&2; exit 1; }
+await_provider "$provider_pid" "$work/provider.out" "$work/provider.log"
+conform ws://127.0.0.1:18480/control "$work/credential" u-conformance "$work/provider.log"
 # The exposition after a conformance run: what Prometheus will scrape.
 curl -fsS --max-time 10 http://127.0.0.1:19480/metrics > "$work/metrics.txt"
 promtool check metrics < "$work/metrics.txt" || { echo "promtool check metrics found problems (above)" >&2; exit 1; }
@@ -134,11 +131,10 @@ INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client" \
     exec bin/incus-provider >"$work/cluster-provider.out" 2>"$work/cluster-provider.log"
 ) &
 provider_pid=$!
-for _ in $(seq 1 100); do grep -q '^controller URL' "$work/cluster-provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/cluster-provider.log" >&2; exit 1; }; sleep 0.1; done
+await_provider "$provider_pid" "$work/cluster-provider.out" "$work/cluster-provider.log"
 grep -q '"kind":"member","member":"lsm1","clustered":true' "$work/cluster-provider.log" || {
   echo "the provider on the cluster did not choose the member dialer:" >&2; grep 'guest dialer' "$work/cluster-provider.log" >&2; exit 1; }
-bin/lsconform -url ws://127.0.0.1:18481/control -credential-file "$work/credential" -universe u-conformance || {
-  echo "provider log:" >&2; tail -n 50 "$work/cluster-provider.log" >&2; exit 1; }
+conform ws://127.0.0.1:18481/control "$work/credential" u-conformance "$work/cluster-provider.log"
 kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
 
 step "LXD 5.0 (deploy/dev/lxd-up.sh): lifecycle, power and route tests, and conformance, with both dialers"
@@ -164,9 +160,8 @@ for dialer in netns proxy; do
     PROVIDER_GUEST_DIALER=$dialer PROVIDER_GUEST_SOCKET_DIR="$work/lxd-guests" \
     bin/incus-provider >"$work/lxd-provider.out" 2>"$work/lxd-provider.log" &
   provider_pid=$!
-  for _ in $(seq 1 100); do grep -q '^controller URL' "$work/lxd-provider.out" 2>/dev/null && break; kill -0 "$provider_pid" || { cat "$work/lxd-provider.log" >&2; exit 1; }; sleep 0.1; done
-  bin/lsconform -url ws://127.0.0.1:18487/control -credential-file "$work/credential" -universe u-conformance || {
-    echo "provider log:" >&2; tail -n 50 "$work/lxd-provider.log" >&2; exit 1; }
+  await_provider "$provider_pid" "$work/lxd-provider.out" "$work/lxd-provider.log"
+  conform ws://127.0.0.1:18487/control "$work/credential" u-conformance "$work/lxd-provider.log"
   kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
   left=$(find "$work/lxd-guests" -name '*.sock' | wc -l)
   [ "$left" = 0 ] || { echo "the $dialer dialer left $left proxy sockets behind after conformance closed every target" >&2; exit 1; }

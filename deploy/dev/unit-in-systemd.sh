@@ -21,14 +21,12 @@ tag=$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')
 host_project="lsunit-$tag"       # the container holding systemd and the unit
 target_project="lsunit-t-$tag"   # the provider's targets
 work=$(mktemp -d)
+# shellcheck source=deploy/dev/lib.sh
+. deploy/dev/lib.sh
 cleanup() {
   status=$?
-  for p in "$host_project" "$target_project"; do
-    if incus project show "$p" >/dev/null 2>&1; then
-      for i in $(incus list --project "$p" --format csv -c n); do incus delete --force --project "$p" "$i" >/dev/null 2>&1 || true; done
-      incus project delete "$p" >/dev/null 2>&1 || true
-    fi
-  done
+  drop_incus_project "$host_project"
+  drop_incus_project "$target_project"
   rm -rf "$work"
   exit $status
 }

@@ -1,0 +1,34 @@
+# Shared by the test scripts (test.sh, test-image.sh, unit-in-systemd.sh).
+# Source it; it defines functions only.
+
+# drop_incus_project P deletes every instance of the Incus project P, then
+# the project, with the incus client as the environment points it (the
+# cluster rig's INCUS_DIR included). Nothing when there is no such project.
+drop_incus_project() {
+  incus project show "$1" >/dev/null 2>&1 || return 0
+  for i in $(incus list --project "$1" --format csv -c n 2>/dev/null); do
+    incus delete --force --project "$1" "$i" >/dev/null 2>&1 || true
+  done
+  incus project delete "$1" >/dev/null 2>&1 || true
+}
+
+# await_provider PID OUT LOG waits up to 10 s for the provider process PID
+# to print its controller URL on OUT; if it exits or never does, its LOG is
+# shown and the wait fails.
+await_provider() {
+  for _ in $(seq 1 100); do
+    grep -q '^controller URL' "$2" 2>/dev/null && return 0
+    kill -0 "$1" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "the provider did not start serving; its log:" >&2
+  tail -n 50 "$3" >&2
+  return 1
+}
+
+# conform URL CREDENTIAL UNIVERSE LOG runs lsconform against the provider at
+# URL, showing the provider's LOG when it fails.
+conform() {
+  bin/lsconform -url "$1" -credential-file "$2" -universe "$3" || {
+    echo "provider log:" >&2; tail -n 50 "$4" >&2; return 1; }
+}
