@@ -115,6 +115,15 @@ func TestLivePrometheus(t *testing.T) {
 	if err := fault.RefuseAll(true); err != nil {
 		t.Fatal(err)
 	}
+	// The provider learns of the outage when its event stream ends, a
+	// moment after the cut: until then its observation cache answers what
+	// it last knew, as it may. The reads below are asked once it knows.
+	for deadline := time.Now().Add(10 * time.Second); c.metric(t, "incus_provider_cache_confirmed") != 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			_ = fault.RefuseAll(false)
+			t.Fatal("the observation cache still answers 10 s into an Incus outage")
+		}
+	}
 	for range 2 {
 		_, err := call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: owner}})
 		var e *jsonrpc.Error
