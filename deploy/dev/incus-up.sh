@@ -48,6 +48,14 @@ SRC
   DEBIAN_FRONTEND=noninteractive apt-get install -y -t bookworm-backports incus >>"$STATE_DIR/apt.log" 2>&1 || {
     say "apt-get install incus failed; see $STATE_DIR/apt.log"; exit 1; }
 fi
+# A daemon of this socket's data directory that is running but slow (a
+# loaded machine took over 3 s to answer) is waited for, never doubled: a
+# second incusd on the same directory was started so once, beside the first.
+daemon_running() { pgrep -f -x '(/usr/(lib|libexec)/incus/)?incusd --group root --logfile '"$LOG" >/dev/null 2>&1; }
+if ! answering && daemon_running; then
+  say "incusd is running but slow to answer; waiting for it"
+  incus admin waitready --timeout=120 >/dev/null 2>&1 || { say "the running incusd did not answer within 120 s; see $LOG"; exit 1; }
+fi
 if ! answering; then
   INCUSD=$(command -v incusd || echo /usr/libexec/incus/incusd)
   [ -x "$INCUSD" ] || INCUSD=/usr/libexec/incus/incusd
