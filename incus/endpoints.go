@@ -7,9 +7,12 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/lightspeed-dev/incus-provider/internal/lazyconn"
 )
 
 // Defaults for the failover bounds (see Config).
@@ -253,12 +256,19 @@ func connectDeadline(ctx context.Context) (context.Context, context.CancelFunc) 
 // countingConn counts the writes begun on a connection, so that a failed
 // call can tell whether any byte of its request may have left. The count
 // goes up before the write, so a write in progress counts as sent.
+// A connection still to be made (lazyconn) is made before the count goes
+// up, so a failed connect counts as nothing sent.
 type countingConn struct {
 	net.Conn
 	writes atomic.Int64
 }
 
 func (c *countingConn) Write(b []byte) (int, error) {
+	if lc, ok := c.Conn.(*lazyconn.Conn); ok {
+		if err := lc.Connect(); err != nil {
+			return 0, err
+		}
+	}
 	c.writes.Add(1)
 	return c.Conn.Write(b)
 }
@@ -295,6 +305,16 @@ func unixDialer(socket string) func(ctx context.Context) (net.Conn, error) {
 // newEndpoint builds an endpoint with its own transport around dial.
 func newEndpoint(index int, rawURL, label string, base *url.URL, tlsDial bool, dial func(ctx context.Context) (net.Conn, error)) *endpoint {
 	counted := func(ctx context.Context, _, _ string) (net.Conn, error) {
+		if !tlsDial {
+			// See internal/lazyconn: a unix connection the transport parks
+			// unused must not be open, or Incus serves nobody else on the
+			// socket until it is closed. The dial is bounded by the
+			// socket dialer's own timeout, since by the time of the first
+			// write ctx may belong to a call that went elsewhere.
+			return &countingConn{Conn: lazyconn.New(&net.UnixAddr{Name: strings.TrimPrefix(rawURL, "unix:"), Net: "unix"}, func() (net.Conn, error) {
+				return dial(context.Background())
+			})}, nil
+		}
 		conn, err := dial(ctx)
 		if err != nil {
 			return nil, err

@@ -41,6 +41,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/lightspeed-dev/incus-provider/internal/lazyconn"
 )
 
 // DefaultUpstream is the Incus socket requests go to when Config.Upstream is empty.
@@ -162,8 +164,14 @@ func Start(ctx context.Context, cfg Config) (*Proxy, error) {
 	}
 
 	p.tr = &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			return p.dialer.DialContext(ctx, "unix", p.upstream)
+		// Lazily, as the incus client does (internal/lazyconn): a dial
+		// the transport parks unused would otherwise stall every other
+		// client of the real socket, tests running beside this one too.
+		DialContext: func(context.Context, string, string) (net.Conn, error) {
+			return lazyconn.New(&net.UnixAddr{Name: p.upstream, Net: "unix"}, func() (net.Conn, error) {
+				// The dialer's own timeout bounds it.
+				return p.dialer.DialContext(context.Background(), "unix", p.upstream)
+			}), nil
 		},
 		MaxIdleConns:        32,
 		MaxIdleConnsPerHost: 32,
