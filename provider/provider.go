@@ -61,6 +61,8 @@ type Config struct {
 	// Incus project (1-32 of a-z, 0-9 and -); default a random id. It names
 	// the relay lease this process keeps on the instances it relays to.
 	Replica string
+	// NoCache turns the observation cache off: every read asks Incus.
+	NoCache bool
 	// IngressBase is the public ingress edge's base URL; nil serves no
 	// public ingress (the capability is not advertised).
 	IngressBase *ingressurl.Base
@@ -110,7 +112,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	}
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
-		IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics, CacheMetrics: cacheMetrics,
+		IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics, CacheMetrics: cacheMetrics, NoCache: cfg.NoCache,
 	})
 	if err != nil {
 		return nil, err

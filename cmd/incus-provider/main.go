@@ -175,7 +175,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
-		IngressBase: cfg.ingressBase,
+		IngressBase: cfg.ingressBase, NoCache: cfg.ObservationCache == "off",
 	})
 	if err != nil {
 		return err
@@ -234,7 +234,8 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		mmux := http.NewServeMux()
 		mmux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-		mmux.HandleFunc("/readyz", readyz(client, rl.catalog.Load, reachOf(kind, member, cfg.peers), server.Environment.ServerClustered, dialer))
+		mmux.HandleFunc("/readyz", readyz(client, rl.catalog.Load, reachOf(kind, member, cfg.peers), server.Environment.ServerClustered, dialer,
+			cacheStateOf(cfg.ObservationCache == "on", prov.Targets.CacheConfirmed)))
 		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
 		var lc net.ListenConfig
 		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)
@@ -448,7 +449,7 @@ func controlURL(cfg config, scheme string) string {
 // there, 503 otherwise; with several Incus endpoints it then lists what
 // the client knows of each, so an operator sees which members this
 // replica can reach.
-func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach string, clustered bool, dialer guest.Dialer) http.HandlerFunc {
+func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach string, clustered bool, dialer guest.Dialer, cacheState func() string) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 		defer cancel()
@@ -468,6 +469,7 @@ func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach st
 			body += endpointLines(eps, time.Now())
 		}
 		body += "guests: " + reach + "\n" + peerLines(dialer)
+		body += "observation cache: " + cacheState() + "\n"
 		if clustered && status == http.StatusOK {
 			// What Incus says of each member: a guest on one that is not
 			// online is observed unknown until it is back.
@@ -481,6 +483,22 @@ func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach st
 		w.Header().Set("X-Content-Type-Options", "nosniff")
 		w.WriteHeader(status)
 		_, _ = w.Write([]byte(body))
+	}
+}
+
+// cacheStateOf says in words whether reads are answered from the
+// observation cache. An unconfirmed cache is not a reason to be unready:
+// reads then go to Incus, slower but as exact.
+func cacheStateOf(on bool, confirmed func() bool) func() string {
+	return func() string {
+		switch {
+		case !on:
+			return "off (PROVIDER_OBSERVATION_CACHE=off); every read asks Incus"
+		case confirmed():
+			return "confirmed; reads are answered from it"
+		default:
+			return "not confirmed (the event stream is down or not yet listed); reads ask Incus"
+		}
 	}
 }
 

@@ -87,10 +87,13 @@ func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
 		t.Fatal("a dial through a dead peer and a failing fallback succeeded")
 	}
 	rec := httptest.NewRecorder()
-	readyz(client, func() *templates.Catalog { return &templates.Catalog{} }, reachOf(guest.KindMember, "m1", map[string]string{"m1": "x:1", "m2": dead}), true, fwd)(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	readyz(client, func() *templates.Catalog { return &templates.Catalog{} }, reachOf(guest.KindMember, "m1", map[string]string{"m1": "x:1", "m2": dead}), true, fwd, cacheStateOf(true, func() bool { return false }))(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
 	body := rec.Body.String()
 	if !strings.Contains(body, "guests: netns on member m1, through the replicas of m2 on theirs (exec while one is unreachable), exec on every other member\n") {
 		t.Errorf("readyz does not say how guests are reached: %q", body)
+	}
+	if !strings.Contains(body, "observation cache: not confirmed") {
+		t.Errorf("readyz does not say the cache is not confirmed: %q", body)
 	}
 	if !strings.Contains(body, "peer m2 at "+dead+": unreachable, its guests are dialled through exec: ") || !strings.Contains(body, "connection refused") {
 		t.Errorf("readyz does not report the dead peer: %q", body)
