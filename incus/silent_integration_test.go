@@ -3,6 +3,7 @@ package incus_test
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"net"
 	"strings"
 	"sync"
@@ -70,13 +71,7 @@ func probe(socket string, within time.Duration) (time.Duration, error) {
 	}
 	line, err := bufio.NewReader(conn).ReadString('\n')
 	if err == nil && !strings.HasPrefix(line, "HTTP/1.1 200") {
-		return time.Since(start), &net.OpError{Op: "read", Err: errUnexpected(line)}
+		err = fmt.Errorf("unexpected status line %q", strings.TrimSpace(line))
 	}
 	return time.Since(start), err
-}
-
-type errUnexpected string
-
-func (e errUnexpected) Error() string {
-	return "unexpected status line " + strings.TrimSpace(string(e))
 }

@@ -70,6 +70,7 @@ type config struct {
 	peers             map[string]string
 	peerSecret        []byte
 	ingressBase       *ingressurl.Base // nil: PROVIDER_INGRESS_LISTEN=off
+	cacheOn           bool             // PROVIDER_OBSERVATION_CACHE=on
 }
 
 // loadConfig reads and checks the environment. Every refusal is one
@@ -135,6 +136,7 @@ func (c *config) check() error {
 	if c.ObservationCache != "on" && c.ObservationCache != "off" {
 		return bad("PROVIDER_OBSERVATION_CACHE", c.ObservationCache, allowed("PROVIDER_OBSERVATION_CACHE"))
 	}
+	c.cacheOn = c.ObservationCache == "on"
 	if c.RelayIdleTimeout < time.Minute || c.RelayIdleTimeout > 24*time.Hour {
 		return bad("PROVIDER_RELAY_IDLE_TIMEOUT", c.RelayIdleTimeout.String(), allowed("PROVIDER_RELAY_IDLE_TIMEOUT"))
 	}

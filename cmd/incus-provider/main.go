@@ -175,7 +175,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
-		IngressBase: cfg.ingressBase, NoCache: cfg.ObservationCache == "off",
+		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn,
 	})
 	if err != nil {
 		return err
@@ -235,7 +235,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		mmux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 		mmux.HandleFunc("/readyz", readyz(client, rl.catalog.Load, reachOf(kind, member, cfg.peers), server.Environment.ServerClustered, dialer,
-			cacheStateOf(cfg.ObservationCache == "on", prov.Targets.CacheConfirmed)))
+			cacheStateOf(cfg.cacheOn, prov.Targets.CacheConfirmed)))
 		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
 		var lc net.ListenConfig
 		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)

@@ -43,13 +43,6 @@ func New(remote net.Addr, dial func() (net.Conn, error)) *Conn {
 	return &Conn{dial: dial, remote: remote, ready: make(chan struct{})}
 }
 
-// Connected reports whether the dial was made and succeeded.
-func (c *Conn) Connected() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.conn != nil
-}
-
 // connect makes the dial once; later callers wait for its result.
 func (c *Conn) connect() (net.Conn, error) {
 	c.mu.Lock()
