@@ -11,6 +11,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
 // answerBound is the contract's "a few seconds": the provider's own budget
@@ -160,5 +161,70 @@ func TestIdlePauseSurvivesIncusRefusals(t *testing.T) {
 	})
 	if n := proxy.Hits(id); n != 2 {
 		t.Fatalf("the fault hit %d state changes, want 2", n)
+	}
+}
+
+// A close asked of a create this process answered, while Incus has not yet
+// written the instance record, either is recorded on the instance or is
+// refused: "closing" with nothing recorded lets the create finish into a
+// running target that no one closes (the kill matrix found it under load,
+// where the record can take seconds). The fault stretches that window: the
+// instance's own GET answers 404 while the create's wait is held, so the
+// create stays followed. In one case the record shows within the close's
+// answer bound (the close must record and answer closing), in the other it
+// never does (the close must be refused).
+func TestACloseDuringACreateIsNotForgotten(t *testing.T) {
+	for _, c := range []struct {
+		env    string
+		reveal time.Duration // when the record shows; 0: not while the close waits
+	}{{"env-close-early-refused", 0}, {"env-close-early-recorded", 400 * time.Millisecond}} {
+		t.Run(c.env, func(t *testing.T) {
+			r, proxy := faultRig(t)
+			owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: c.env}
+			name := targets.Name(owner)
+			hide := proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/instances/" + name, Fault: incusfault.Fail,
+				Status: 404, Message: "Instance not found"})
+			hold := proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/operations/*/wait", Fault: incusfault.Delay,
+				Delay: 6 * time.Second})
+			created, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "t1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if created.TargetID != "" {
+				t.Fatalf("the create answered id %s though its record was hidden: the test tested nothing", created.TargetID)
+			}
+			if c.reveal > 0 {
+				timer := time.AfterFunc(c.reveal, func() { proxy.Remove(hide) })
+				defer timer.Stop()
+			}
+			closed, cerr := timed(t, "close while the record is not written", func() (controller.Observation, error) {
+				return r.closeTarget(owner)
+			})
+			proxy.Remove(hide)
+			proxy.Remove(hold)
+			switch {
+			case c.reveal > 0 && (cerr != nil || closed.Phase != controller.PhaseClosing):
+				t.Fatalf("the record showed %s into the close, which answered %+v %v, not closing", c.reveal, closed, cerr)
+			case c.reveal == 0 && cerr == nil:
+				t.Fatalf("the record never showed, yet the close answered %+v: it holds nothing to carry it", closed)
+			}
+			if cerr == nil {
+				// Accepted: carried out without being asked again.
+				deadline := time.Now().Add(60 * time.Second)
+				for {
+					o, err := r.get(owner)
+					var e *jsonrpc.Error
+					if errors.As(err, &e) && e.Kind == jsonrpc.KindNotFound {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatalf("a close answered %s was never carried out: the target is %+v %v", closed.Phase, o, err)
+					}
+					time.Sleep(100 * time.Millisecond)
+				}
+			}
+			// Refused or not, the runtime's own close ends with nothing left.
+			r.closeAll(owner)
+		})
 	}
 }

@@ -100,6 +100,24 @@ func (h *killHarness) start(round int) {
 	}
 }
 
+// logsOf prints every provider log line, from every round, that names the
+// target, so a failed owner's history can be read from CI's output alone.
+func (h *killHarness) logsOf(name string) {
+	h.t.Helper()
+	paths, _ := filepath.Glob(filepath.Join(h.dir, "provider-*.log"))
+	for _, p := range paths {
+		out, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		for line := range strings.SplitSeq(string(out), "\n") {
+			if strings.Contains(line, name) {
+				h.t.Logf("%s: %s", filepath.Base(p), line)
+			}
+		}
+	}
+}
+
 func (h *killHarness) kill() {
 	if h.proc == nil {
 		return
@@ -354,6 +372,7 @@ func checkOwner(ctx context.Context, t *testing.T, h *killHarness, c *jsonrpc.Cl
 	}
 	if ctx.Err() != nil {
 		t.Errorf("%s: accepted %q (cut by kills since: %q) never reached: last %+v %v", l.owner.EnvironmentID, l.accepted, l.unknown, last, lastErr)
+		h.logsOf(name)
 		return
 	}
 	if isNotFound(lastErr) && l.id != "" && !allowed["close"] {

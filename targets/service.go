@@ -16,6 +16,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
@@ -694,42 +695,54 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 		ref.TargetID = ""
 	}
-	unlock, err := s.lockTarget(ctx, name)
-	if err != nil {
-		return controller.Observation{}, err
-	}
-	_, inst, err := s.resolve(ctx, ref)
-	if err != nil {
-		unlock()
-		return controller.Observation{}, err
-	}
-	if inst == nil {
+	// A close is answered closing only once it is recorded on the
+	// instance: a create still under way has no record to carry it yet, and
+	// a closing answer held only in memory would let that create finish
+	// into a running target no one closes (this process may stop before
+	// it, or the create may be another process's). So the close waits,
+	// within its answer bound, for the record or for the create to end.
+	patience := time.Now().Add(answerWait(ctx, s.cfg.AnswerWithin))
+	var unlock func()
+	var err error
+	var inst *incus.Instance
+	for delay := 10 * time.Millisecond; ; delay = min(delay*2, 200*time.Millisecond) {
+		unlock, err = s.lockTarget(ctx, name)
+		if err != nil {
+			return controller.Observation{}, err
+		}
+		if _, inst, err = s.resolve(ctx, ref); err != nil {
+			unlock()
+			return controller.Observation{}, err
+		}
+		if inst != nil {
+			break
+		}
 		// A create this process follows that fails now must not leave a
 		// record of its failure behind a close answered closed.
 		following := s.creates.askClose(name)
 		unlock()
-		if following {
-			return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
-				Message: "The instance is still being created; the close follows it."}, nil
-		}
-		pending, err := s.createPending(ctx, name)
-		if err != nil {
-			return controller.Observation{}, s.incusError("checking for a create in progress", err)
+		pending := following
+		if !pending {
+			if pending, err = s.createPending(ctx, name); err != nil {
+				return controller.Observation{}, s.incusError("checking for a create in progress", err)
+			}
 		}
 		// Listing operations and then reading again closes the gap in which
 		// a create finishes between the first read and the listing.
 		if !pending {
-			if again, err := s.lookup(ctx, name); err != nil {
+			again, err := s.lookup(ctx, name)
+			if err != nil {
 				return controller.Observation{}, s.incusError("checking for a create in progress", err)
-			} else if again != nil {
-				pending = true
 			}
+			if again == nil {
+				return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
+			}
+			// It exists now: the next turn records the close on it.
 		}
-		if pending {
-			return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
-				Message: "Incus still has an operation in progress on the instance; the close follows it."}, nil
+		if time.Now().Add(delay).After(patience) || !clock.Sleep(ctx, delay) {
+			return controller.Observation{}, jsonrpc.Unavailable(retryAfter,
+				"The instance is still being created and holds no record yet to carry the close; retry shortly.")
 		}
-		return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
 	// Public ingress goes first: the edge answers the host 404 from now on,
 	// whatever the stop and delete take.
