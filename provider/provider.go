@@ -63,6 +63,9 @@ type Config struct {
 	Replica string
 	// NoCache turns the observation cache off: every read asks Incus.
 	NoCache bool
+	// CacheCorrection is the period of the cache's correcting full list
+	// (targets.Config.CacheCorrection).
+	CacheCorrection time.Duration
 	// IngressBase is the public ingress edge's base URL; nil serves no
 	// public ingress (the capability is not advertised).
 	IngressBase *ingressurl.Base
@@ -113,6 +116,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
 		IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics, CacheMetrics: cacheMetrics, NoCache: cfg.NoCache,
+		CacheCorrection: cfg.CacheCorrection,
 	})
 	if err != nil {
 		return nil, err

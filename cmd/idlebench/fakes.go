@@ -57,7 +57,7 @@ func runFakes(dir string, n int) error {
 	if err != nil {
 		return err
 	}
-	defer fake.Close()
+	defer func() { _ = fake.Close() }()
 	var lc net.ListenConfig
 	ln, err := lc.Listen(context.Background(), "unix", filepath.Join(dir, "daemons.sock"))
 	if err != nil {
@@ -70,7 +70,7 @@ func runFakes(dir string, n int) error {
 		cancel()
 		_ = ln.Close()
 	}()
-	fmt.Printf("ready %d\n", fake.size)
+	fmt.Printf("ready %d\n", fake.ListBytes)
 	for {
 		conn, err := ln.Accept()
 		if err != nil {

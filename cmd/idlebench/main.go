@@ -22,14 +22,12 @@
 package main
 
 import (
-	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
-	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -47,6 +45,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/idle/idletest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/fakeincus"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
@@ -79,6 +78,8 @@ type options struct {
 	verbose  bool
 	profile  string
 	heap     string
+	cache    bool
+	correct  time.Duration
 }
 
 func run() error {
@@ -94,6 +95,8 @@ func run() error {
 	flag.BoolVar(&o.verbose, "v", false, "log the loop's warnings")
 	flag.StringVar(&o.profile, "cpuprofile", "", "write a CPU profile of the steady window to this file")
 	flag.StringVar(&o.heap, "memprofile", "", "write a heap profile at the end of the steady window to this file")
+	flag.BoolVar(&o.cache, "cache", true, "run the observation cache (the provider's default): the inventory is read from it once it is confirmed; -cache=false lists Incus every reconcile interval")
+	flag.DurationVar(&o.correct, "correction", 0, "targets.Config.CacheCorrection, the cache's correcting full list (0: the service's default)")
 	flag.Parse()
 	o.pipes = !*socketpairs
 	if o.targets < 1 {
@@ -134,8 +137,8 @@ func run() error {
 		if err != nil {
 			return err
 		}
-		defer fakeIncus.Close()
-		dialer, dials, listBytes = fleet, fleet.Dials.Load, fakeIncus.size
+		defer func() { _ = fakeIncus.Close() }()
+		dialer, dials, listBytes = fleet, fleet.Dials.Load, fakeIncus.ListBytes
 		setupKind = map[bool]string{true: "in this process, in-memory pipes", false: "in this process, unix socketpairs"}[o.pipes]
 	} else {
 		p, err := startFakes(context.Background(), dir, o.targets)
@@ -159,9 +162,29 @@ func run() error {
 	if o.verbose {
 		log, _ = zap.NewDevelopment(zap.IncreaseLevel(zap.WarnLevel))
 	}
-	svc, err := targets.New(client, catalog, dialer, relays.New(0), log, targets.Config{})
+	svc, err := targets.New(client, catalog, dialer, relays.New(0), log, targets.Config{
+		NoCache: !o.cache, CacheCorrection: o.correct})
 	if err != nil {
 		return err
+	}
+	// The service runs as in the provider (reconciler, leases, and the
+	// cache when on), so its costs at this scale are in the figures.
+	svcCtx, svcStop := context.WithCancel(context.Background())
+	svcDone := make(chan error, 1)
+	go func() { svcDone <- svc.Run(svcCtx) }()
+	defer func() {
+		svcStop()
+		if err := <-svcDone; err != nil {
+			fmt.Fprintln(os.Stderr, "idlebench: the service: "+err.Error())
+		}
+	}()
+	if o.cache {
+		for !svc.CacheConfirmed() {
+			if time.Since(setupStart) > 2*time.Minute {
+				return errors.New("the observation cache was not confirmed within 2 minutes")
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
 	}
 	// The inventory must see every target with its policy, or the bench
 	// measures nothing.
@@ -180,6 +203,11 @@ func run() error {
 	}
 	fmt.Printf("setup: %d fake daemons and a fake Incus listing %d targets (%s; listing %d KiB) in %v\n",
 		o.targets, o.targets, setupKind, listBytes/1024, time.Since(setupStart).Round(time.Millisecond))
+	if o.cache {
+		fmt.Printf("observation cache: on and confirmed, correcting list every %s\n", cmp.Or(o.correct, targets.DefaultCacheCorrection))
+	} else {
+		fmt.Println("observation cache: off; the inventory lists Incus")
+	}
 
 	reg := prometheus.NewRegistry()
 	loop := idle.New(idle.Config{
@@ -393,19 +421,12 @@ func benchCatalog(dir string) (*templates.Catalog, error) {
 	return templates.Load(path)
 }
 
-type fakeIncus struct {
-	srv  *http.Server
-	size int
-}
-
-func (f *fakeIncus) Close() { _ = f.srv.Close() }
-
-// serveFakeIncus answers GET /1.0/instances?recursion=1 with the named
-// instances, running, carrying the metadata targets writes at create, in
-// the shape (and about the size) Incus 6.0 gives a container.
-func serveFakeIncus(socket string, names []string) (*fakeIncus, error) {
+// serveFakeIncus serves the named instances (internal/fakeincus), running,
+// carrying the metadata targets writes at create, in the shape (and about
+// the size) Incus 6.0 gives a container.
+func serveFakeIncus(socket string, names []string) (*fakeincus.Server, error) {
 	created := time.Now().Add(-time.Hour).UTC()
-	list := make([]map[string]any, len(names))
+	list := make([]json.RawMessage, len(names))
 	for i, name := range names {
 		config := map[string]string{
 			"image.architecture":              "x86_64",
@@ -433,41 +454,20 @@ func serveFakeIncus(socket string, names []string) (*fakeIncus, error) {
 			"user.lightspeed.booted_at_ms":    strconv.FormatInt(created.UnixMilli()+1200, 10),
 			"user.lightspeed.idle":            benchPolicy,
 		}
-		list[i] = map[string]any{
+		raw, err := json.Marshal(map[string]any{
 			"name": name, "type": "container", "status": "Running", "status_code": 103, "description": "",
 			"architecture": "x86_64", "config": config, "devices": map[string]any{}, "profiles": []string{"default"},
 			"stateful": false, "ephemeral": false, "location": "none", "project": "default",
 			"created_at": created, "last_used_at": created.Add(time.Second),
 			"expanded_config":  config,
 			"expanded_devices": map[string]any{"root": map[string]string{"path": "/", "pool": "default", "type": "disk"}},
+		})
+		if err != nil {
+			return nil, err
 		}
+		list[i] = raw
 	}
-	metadata, err := json.Marshal(list)
-	if err != nil {
-		return nil, err
-	}
-	var body bytes.Buffer
-	body.WriteString(`{"type":"sync","status":"Success","status_code":200,"operation":"","error_code":0,"error":"","metadata":`)
-	body.Write(metadata)
-	body.WriteString("}")
-	payload := body.Bytes()
-
-	var lc net.ListenConfig
-	ln, err := lc.Listen(context.Background(), "unix", socket)
-	if err != nil {
-		return nil, err
-	}
-	srv := &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		if r.Method == http.MethodGet && r.URL.Path == "/1.0/instances" && r.URL.Query().Get("recursion") == "1" {
-			_, _ = w.Write(payload)
-			return
-		}
-		w.WriteHeader(http.StatusNotFound)
-		_, _ = w.Write([]byte(`{"type":"error","status":"","status_code":0,"operation":"","error_code":404,"error":"Not Found","metadata":null}`))
-	})}
-	go func() { _ = srv.Serve(ln) }()
-	return &fakeIncus{srv: srv, size: len(payload)}, nil
+	return fakeincus.Serve(socket, list)
 }
 
 func writeHeapProfile(path string) error {

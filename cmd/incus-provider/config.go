@@ -37,7 +37,8 @@ type config struct {
 	MaxInFlight       int           `env:"PROVIDER_MAX_IN_FLIGHT" envDefault:"64" allowed:"a whole number from 16 (the protocol's floor) to 4096" help:"requests in flight per controller connection; past it, busy/requestLimit"`
 	GracefulStop      time.Duration `env:"PROVIDER_GRACEFUL_STOP" envDefault:"10s" allowed:"a duration from 1s to 10m (Incus caps a graceful stop at 10 minutes)" help:"how long a close or stop waits for a graceful shutdown before forcing it"`
 	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s" allowed:"a duration from 1s to 1h" help:"period of the full reconcile pass"`
-	ObservationCache  string        `env:"PROVIDER_OBSERVATION_CACHE" envDefault:"on" allowed:"on or off" help:"answer reads from a cache kept by Incus's event stream and corrected every reconcile pass; off: every read asks Incus"`
+	ObservationCache  string        `env:"PROVIDER_OBSERVATION_CACHE" envDefault:"on" allowed:"on or off" help:"answer reads from a cache kept by Incus's event stream and corrected by a full list every PROVIDER_CACHE_CORRECTION_INTERVAL; off: every read asks Incus"`
+	CacheCorrection   time.Duration `env:"PROVIDER_CACHE_CORRECTION_INTERVAL" envDefault:"1m" allowed:"a duration from 10s to 1h" help:"period of the observation cache's correcting full list of the project; shorter catches an event lost without a gap sooner, and each list decodes every instance"`
 	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"auto" allowed:"auto, netns, proxy, exec or member" help:"how the provider reaches each guest's daemon"`
 	IncusMember       string        `env:"PROVIDER_INCUS_MEMBER" allowed:"the name of the Incus cluster member this provider runs on, as incus cluster list shows it" help:"whose guests are reached through netns on a cluster"`
 	Replica           string        `env:"PROVIDER_REPLICA_ID" allowed:"1 to 32 lowercase letters, digits and dashes, starting with a letter or digit, different for every replica" help:"this process's name among replicas; default: host name and listen port"`
@@ -137,6 +138,9 @@ func (c *config) check() error {
 		return bad("PROVIDER_OBSERVATION_CACHE", c.ObservationCache, allowed("PROVIDER_OBSERVATION_CACHE"))
 	}
 	c.cacheOn = c.ObservationCache == "on"
+	if c.CacheCorrection < 10*time.Second || c.CacheCorrection > time.Hour {
+		return bad("PROVIDER_CACHE_CORRECTION_INTERVAL", c.CacheCorrection.String(), allowed("PROVIDER_CACHE_CORRECTION_INTERVAL"))
+	}
 	if c.RelayIdleTimeout < time.Minute || c.RelayIdleTimeout > 24*time.Hour {
 		return bad("PROVIDER_RELAY_IDLE_TIMEOUT", c.RelayIdleTimeout.String(), allowed("PROVIDER_RELAY_IDLE_TIMEOUT"))
 	}

@@ -25,6 +25,7 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"PROVIDER_INCUS_MEMBER", "-m1", "the name of the Incus cluster member"},
 		{"PROVIDER_LOG_LEVEL", "loud", "debug, info, warn or error"},
 		{"PROVIDER_OBSERVATION_CACHE", "maybe", "on or off"},
+		{"PROVIDER_CACHE_CORRECTION_INTERVAL", "5s", "from 10s to 1h"},
 		{"PROVIDER_TLS_CERT", "/nonexistent.pem", "PROVIDER_TLS_KEY"},
 		{"PROVIDER_CREDENTIAL_FILE", "/nonexistent", "readable file"},
 		{"INCUS_URL", "http://incus:8443", "https://"},

@@ -175,7 +175,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
-		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn,
+		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn, CacheCorrection: cfg.CacheCorrection,
 	})
 	if err != nil {
 		return err
