@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"strings"
 	"time"
 )
 
@@ -199,6 +200,30 @@ func (c *Client) ListInstances(ctx context.Context) ([]Instance, error) {
 	}
 	c.eps.learnList(c.project, *out)
 	return *out, nil
+}
+
+// ListInstancesWithConfig lists the instances whose config key holds
+// value, filtered by Incus: an answer the size of the match, not of the
+// project (Incus still reads every instance to filter them). The key and
+// value must need no quoting in Incus's filter language.
+func (c *Client) ListInstancesWithConfig(ctx context.Context, key, value string) ([]Instance, error) {
+	if key == "" || value == "" || strings.ContainsAny(key+value, " \t\"'()") {
+		return nil, fmt.Errorf("incus: list instances with config %q=%q: not a plain filter term", key, value)
+	}
+	out, _, err := get[[]Instance](ctx, c, request{op: "instance.list", scoped: true, path: "/1.0/instances",
+		query: url.Values{"recursion": {"1"}, "filter": {"config." + key + " eq " + value}}},
+		fmt.Sprintf("list instances with config %s=%s", key, value))
+	if err != nil {
+		return nil, err
+	}
+	// The filter is Incus's; the match is checked here all the same.
+	matched := (*out)[:0]
+	for _, inst := range *out {
+		if inst.Config[key] == value {
+			matched = append(matched, inst)
+		}
+	}
+	return matched, nil
 }
 
 // FindInstance lists the one instance of that name (nil when there is

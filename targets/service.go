@@ -740,6 +740,11 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 				return controller.Observation{}, s.incusError("checking for a create in progress", err)
 			}
 		}
+		if !pending {
+			if pending, err = s.handoutPending(ctx, name); err != nil {
+				return controller.Observation{}, s.incusError("checking for a warm hand-out in progress", err)
+			}
+		}
 		// Listing operations and then reading again closes the gap in which
 		// a create finishes between the first read and the listing.
 		if !pending {
@@ -754,7 +759,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		}
 		if time.Now().Add(delay).After(patience) || !clock.Sleep(ctx, delay) {
 			return controller.Observation{}, jsonrpc.Unavailable(retryAfter,
-				"The instance is still being created and holds no record yet to carry the close; retry shortly.")
+				"The instance is still being created or handed out and holds no record yet to carry the close; retry shortly.")
 		}
 	}
 	// Public ingress goes first: the edge answers the host 404 from now on,

@@ -99,6 +99,28 @@ func warmName(templateID string, slot int) string {
 // isWarmName says a name is one of the pool's, of any template.
 func isWarmName(name string) bool { return strings.HasPrefix(name, warmPrefix) }
 
+// handoutPending says a warm instance is claimed for name by a hand-out
+// that may still rename it there: its claim is younger than WarmStale, so
+// its claimant (this process or another, alive or not) may yet send or
+// finish the rename, which Incus lists as an operation on the warm name
+// only. A close must not answer closed before the rename lands or the
+// claim is swept.
+func (s *Service) handoutPending(ctx context.Context, name string) (bool, error) {
+	claimed, err := s.incus.ListInstancesWithConfig(ctx, keyWarmClaim, name)
+	if err != nil {
+		return false, err
+	}
+	for _, w := range claimed {
+		if !isWarmName(w.Name) {
+			continue
+		}
+		if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) < s.cfg.WarmStale {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
 // unfinishedHandout says an instance under an owner's name came from the
 // pool and does not carry that owner's metadata: a hand-out that has not
 // finished. It belongs to the owner whose name it has; it is never anyone

@@ -19,6 +19,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -81,7 +82,12 @@ func warmCatalog(t testing.TB, client *incus.Client, image string, warm int) *te
 
 // startWarm runs a service with warm metrics on reg and the given hook.
 func (h *harness) startWarm(catalog *templates.Catalog, reg *prometheus.Registry, hook func(string) bool) (*Service, func()) {
-	cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, WarmStale: 3 * time.Second}
+	return h.startWarmWith(catalog, reg, hook, 3*time.Second)
+}
+
+// startWarmWith is startWarm with the age at which a claim is stale.
+func (h *harness) startWarmWith(catalog *templates.Catalog, reg *prometheus.Registry, hook func(string) bool, stale time.Duration) (*Service, func()) {
+	cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, WarmStale: stale}
 	if reg != nil {
 		cfg.WarmMetrics = NewWarmMetrics(reg)
 	}
@@ -490,5 +496,63 @@ func TestWarmPoolFollowsTheCatalog(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("a catalog without a pool left %d instances", len(h.instances()))
 		}
+	}
+}
+
+// A close for an owner whose warm hand-out is still under way (claimed,
+// not yet renamed to the owner's name: another replica's, or a process
+// that stopped between the two) is not answered closed: the rename would
+// then land a target no one closes. It is refused while the claim is
+// fresh; once the rename lands, the close is recorded and carried out.
+func TestWarmCloseDuringAHandout(t *testing.T) {
+	h := warmHarness(t, 1)
+	svc, stop := h.startWarm(h.catalog, nil, func(s string) bool { return s == "claimed" })
+	h.awaitPool(t, 1)
+	o := owner("close-handout")
+	name := Name(o)
+	ctx := ctxT(t)
+	if _, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "w"}); err == nil {
+		t.Fatal("the hook did not stop the hand-out")
+	}
+	stop()
+	var wn string
+	for _, inst := range h.instances() {
+		if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == name {
+			wn = inst.Name
+		}
+	}
+	if wn == "" {
+		t.Fatal("no warm instance is claimed for the owner: the test tested nothing")
+	}
+	// The claim stays fresh for the whole test: its claimant may still
+	// rename it.
+	fresh, _ := h.startWarmWith(h.catalog, nil, nil, time.Hour)
+	o1, err := fresh.CloseTarget(ctx, controller.TargetRef{Owner: o})
+	var e *jsonrpc.Error
+	if !errors.As(err, &e) || e.Kind != jsonrpc.KindUnavailable {
+		t.Fatalf("a close while a hand-out to the owner's name is under way answered %+v %v, want unavailable", o1, err)
+	}
+	// The claimant's rename lands, as a live one's would.
+	op, err := h.client.RenameInstance(ctx, wn, name)
+	if err == nil {
+		_, err = h.client.Wait(ctx, op)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The runtime's close, until closed: what the rename put there goes.
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		got, err := fresh.CloseTarget(ctx, controller.TargetRef{Owner: o})
+		if err == nil && got.Phase == controller.PhaseClosed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the owner's close never answered closed: %+v %v", got, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if _, _, err := h.client.GetInstance(ctx, name); !errors.Is(err, incus.ErrNotFound) {
+		t.Fatalf("the owner's name still holds an instance after closed: %v", err)
 	}
 }
