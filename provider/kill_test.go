@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -253,9 +254,16 @@ func accepted(l *ownerLog) int {
 	return n
 }
 
-func TestKillMatrix(t *testing.T) {
+func TestKillMatrix(t *testing.T) { killMatrix(t, 0) }
+
+// The same with a warm pool: most creates are hand-outs (claim, rename,
+// metadata, start), so kills land in them too, and the pool refills
+// across kills. A warm instance is no owner's, and none is left claimed.
+func TestKillMatrixWithAWarmPool(t *testing.T) { killMatrix(t, 4) }
+
+func killMatrix(t *testing.T, warm int) {
 	seed := testSeed(t)
-	t.Logf("kill matrix seed %d (PROVIDER_TEST_SEED replays it; rounds of %d owners)", seed, killOwners)
+	t.Logf("kill matrix seed %d (PROVIDER_TEST_SEED replays it; rounds of %d owners; warm pool %d)", seed, killOwners, warm)
 	rng := rand.New(rand.NewPCG(uint64(seed), 7))
 	client := incustest.Client(t)
 	image := incustest.Image(t)
@@ -264,12 +272,13 @@ func TestKillMatrix(t *testing.T) {
 		t.Fatal(err)
 	}
 	tmpl := filepath.Join(dir, "templates.yaml")
-	if err := os.WriteFile(tmpl, []byte(strings.ReplaceAll(`templates:
+	if err := os.WriteFile(tmpl, []byte(strings.ReplaceAll(strings.ReplaceAll(`templates:
   - templateId: t1
     displayName: kill-matrix guest
     powerStates: [running, paused, stopped]
     imageAlias: {{image}}
-`, "{{image}}", image)), 0o600); err != nil {
+    warm: {{warm}}
+`, "{{image}}", image), "{{warm}}", strconv.Itoa(warm))), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	h := &killHarness{t: t, bin: buildProvider(t), dir: dir, addr: loopback.FreeAddr(t), project: client.Project(),
@@ -286,6 +295,12 @@ func TestKillMatrix(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		var wg sync.WaitGroup
 		for i, l := range logs {
+			if warm > 0 && round < i*rounds/killOwners {
+				// With a pool, owners arrive over the rounds, so that
+				// creates (hand-outs) meet a pool refilled across kills
+				// rather than all landing in the first round.
+				continue
+			}
 			wg.Add(1)
 			orng := rand.New(rand.NewPCG(uint64(seed), uint64(round*100+i)))
 			go func() { defer wg.Done(); h.work(ctx, orng, l) }()
@@ -336,9 +351,64 @@ func TestKillMatrix(t *testing.T) {
 		want[targets.Name(l.owner)] = true
 	}
 	for _, inst := range list {
-		if !want[inst.Name] {
+		pooled := warm > 0 && strings.HasPrefix(inst.Name, "warm-")
+		if !want[inst.Name] && !pooled {
 			t.Errorf("instance %s belongs to no owner: an orphan", inst.Name)
 		}
+	}
+	if warm > 0 {
+		if n := h.count("handed out a warm instance"); n == 0 {
+			t.Error("no create was a warm hand-out: the matrix tested nothing of the pool")
+		} else {
+			t.Logf("%d creates were warm hand-outs", n)
+		}
+		checkPoolSettles(ctx, t, client, warm)
+	}
+}
+
+// count is how many provider log lines, over every round, contain s.
+func (h *killHarness) count(s string) int {
+	paths, _ := filepath.Glob(filepath.Join(h.dir, "provider-*.log"))
+	n := 0
+	for _, p := range paths {
+		out, err := os.ReadFile(p)
+		if err == nil {
+			n += strings.Count(string(out), s)
+		}
+	}
+	return n
+}
+
+// checkPoolSettles waits for the pool to hold at most warm instances, none
+// claimed (a claim a kill left behind is swept once stale, after a minute)
+// and none carrying an owner's metadata.
+func checkPoolSettles(ctx context.Context, t *testing.T, client *incus.Client, warm int) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		list, err := client.ListInstances(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var pool, bad []string
+		for _, inst := range list {
+			if !strings.HasPrefix(inst.Name, "warm-") {
+				continue
+			}
+			pool = append(pool, inst.Name)
+			if inst.Config["user.lightspeed.warm_claim"] != "" || inst.Config["user.lightspeed.environment"] != "" {
+				bad = append(bad, inst.Name)
+			}
+		}
+		if len(pool) <= warm && len(bad) == 0 {
+			t.Logf("the pool settled at %d warm instances", len(pool))
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("the pool never settled: %d warm instances (want at most %d), claimed or carrying an owner: %v", len(pool), warm, bad)
+			return
+		}
+		time.Sleep(time.Second)
 	}
 }
 

@@ -319,6 +319,7 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 	if s.warmHook != nil && s.warmHook("renamed") {
 		return warmCrashed
 	}
+	s.log.Info("handed out a warm instance", zap.String("instance", name), zap.String("warm", wn))
 	return warmHit
 }
 
