@@ -45,6 +45,9 @@ func New(remote net.Addr, dial func() (net.Conn, error)) *Conn {
 
 // connect makes the dial once; later callers wait for its result.
 func (c *Conn) connect() (net.Conn, error) {
+	if conn, err, ok := c.made(); ok {
+		return conn, err // every write after the first: no lock
+	}
 	c.mu.Lock()
 	// Close before any write has set err already.
 	if c.started || c.err != nil {
@@ -79,6 +82,18 @@ func (c *Conn) connect() (net.Conn, error) {
 	return c.conn, c.err
 }
 
+// made is the dial's result once there is one. conn and err are written
+// before ready is closed and never after, so they are read without the
+// lock once it is.
+func (c *Conn) made() (net.Conn, error, bool) {
+	select {
+	case <-c.ready:
+		return c.conn, c.err, true
+	default:
+		return nil, nil, false
+	}
+}
+
 // Connect makes the dial now if no write has; it returns the dial's
 // result, which every later call sees.
 func (c *Conn) Connect() error {
@@ -98,6 +113,13 @@ func (c *Conn) Write(b []byte) (int, error) {
 
 // Read waits for the first write's dial, then reads.
 func (c *Conn) Read(b []byte) (int, error) {
+	if conn, err, ok := c.made(); ok {
+		// Made: no lock, no timer; the connection's own deadline applies.
+		if err != nil {
+			return 0, err
+		}
+		return conn.Read(b)
+	}
 	c.mu.Lock()
 	by := c.readBy
 	c.mu.Unlock()

@@ -178,3 +178,41 @@ func TestCloseDuringTheDialClosesWhatItMade(t *testing.T) {
 		t.Fatalf("the connection made after Close is still open (write: %v)", err)
 	}
 }
+
+// BenchmarkRoundTrip is one small write and its echo through a Conn
+// already made, against the bare connection in the same run: what the
+// lazy dial costs each call once it is done.
+func BenchmarkRoundTrip(b *testing.B) {
+	for _, lazy := range []bool{false, true} {
+		name := map[bool]string{false: "bare", true: "lazy"}[lazy]
+		b.Run(name, func(b *testing.B) {
+			client, server := net.Pipe()
+			defer func() { _ = client.Close() }()
+			go func() {
+				buf := make([]byte, 64)
+				for {
+					n, err := server.Read(buf)
+					if err != nil {
+						return
+					}
+					if _, err := server.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+			}()
+			conns := map[bool]net.Conn{false: client,
+				true: lazyconn.New(client.RemoteAddr(), func() (net.Conn, error) { return client, nil })}
+			c := conns[lazy]
+			msg, buf := []byte("ping"), make([]byte, 64)
+			b.ResetTimer()
+			for range b.N {
+				if _, err := c.Write(msg); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := io.ReadFull(c, buf[:len(msg)]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
