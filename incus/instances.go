@@ -210,17 +210,24 @@ func (c *Client) ListInstancesWithConfig(ctx context.Context, key, value string)
 	if key == "" || value == "" || strings.ContainsAny(key+value, " \t\"'()") {
 		return nil, fmt.Errorf("incus: list instances with config %q=%q: not a plain filter term", key, value)
 	}
-	out, _, err := get[[]Instance](ctx, c, request{op: "instance.list", scoped: true, path: "/1.0/instances",
-		query: url.Values{"recursion": {"1"}, "filter": {"config." + key + " eq " + value}}},
-		fmt.Sprintf("list instances with config %s=%s", key, value))
+	return c.listWhere(ctx, "instance.list", "config."+key+" eq "+value,
+		fmt.Sprintf("list instances with config %s=%s", key, value),
+		func(inst *Instance) bool { return inst.Config[key] == value })
+}
+
+// listWhere lists the instances Incus's filter selects, keeping those
+// match also accepts: the filter is Incus's, and what it selects is
+// checked here all the same.
+func (c *Client) listWhere(ctx context.Context, op, filter, what string, match func(*Instance) bool) ([]Instance, error) {
+	out, _, err := get[[]Instance](ctx, c, request{op: op, scoped: true, path: "/1.0/instances",
+		query: url.Values{"recursion": {"1"}, "filter": {filter}}}, what)
 	if err != nil {
 		return nil, err
 	}
-	// The filter is Incus's; the match is checked here all the same.
 	matched := (*out)[:0]
-	for _, inst := range *out {
-		if inst.Config[key] == value {
-			matched = append(matched, inst)
+	for i := range *out {
+		if match(&(*out)[i]) {
+			matched = append(matched, (*out)[i])
 		}
 	}
 	return matched, nil
@@ -232,20 +239,13 @@ func (c *Client) ListInstancesWithConfig(ctx context.Context, key, value string)
 // served from the cluster database, and such an instance has the status
 // Error and its member as Location.
 func (c *Client) FindInstance(ctx context.Context, name string) (*Instance, error) {
-	out, _, err := get[[]Instance](ctx, c, request{op: "instance.find", scoped: true,
-		path: "/1.0/instances", query: url.Values{"recursion": {"1"}, "filter": {"name eq " + name}}},
-		fmt.Sprintf("find instance %q", name))
-	if err != nil {
+	found, err := c.listWhere(ctx, "instance.find", "name eq "+name, fmt.Sprintf("find instance %q", name),
+		func(inst *Instance) bool { return inst.Name == name })
+	if err != nil || len(found) == 0 {
 		return nil, err
 	}
-	for i := range *out {
-		// The filter is Incus's; the name is checked here all the same.
-		if (*out)[i].Name == name {
-			c.eps.learnLocation(c.project, name, (*out)[i].Location)
-			return &(*out)[i], nil
-		}
-	}
-	return nil, nil
+	c.eps.learnLocation(c.project, name, found[0].Location)
+	return &found[0], nil
 }
 
 // GetInstanceState fetches the runtime state of an instance.
