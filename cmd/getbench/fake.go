@@ -30,13 +30,7 @@ func runFake(socket string, n int) error {
 		} {
 			config[k] = v
 		}
-		raw, err := json.Marshal(map[string]any{
-			"name": name, "type": "container", "status": "Stopped", "status_code": 102, "description": "",
-			"architecture": "x86_64", "config": config, "devices": map[string]any{}, "profiles": []string{},
-			"stateful": false, "ephemeral": false, "location": "none", "project": "default",
-			"created_at": created, "last_used_at": created, "expanded_config": config,
-			"expanded_devices": map[string]any{},
-		})
+		raw, err := fakeincus.Instance(name, false, config, created)
 		if err != nil {
 			return err
 		}

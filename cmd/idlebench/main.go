@@ -454,14 +454,7 @@ func serveFakeIncus(socket string, names []string) (*fakeincus.Server, error) {
 			"user.lightspeed.booted_at_ms":    strconv.FormatInt(created.UnixMilli()+1200, 10),
 			"user.lightspeed.idle":            benchPolicy,
 		}
-		raw, err := json.Marshal(map[string]any{
-			"name": name, "type": "container", "status": "Running", "status_code": 103, "description": "",
-			"architecture": "x86_64", "config": config, "devices": map[string]any{}, "profiles": []string{"default"},
-			"stateful": false, "ephemeral": false, "location": "none", "project": "default",
-			"created_at": created, "last_used_at": created.Add(time.Second),
-			"expanded_config":  config,
-			"expanded_devices": map[string]any{"root": map[string]string{"path": "/", "pool": "default", "type": "disk"}},
-		})
+		raw, err := fakeincus.Instance(name, true, config, created)
 		if err != nil {
 			return nil, err
 		}

@@ -28,6 +28,28 @@ import (
 	"github.com/gorilla/websocket"
 )
 
+// Instance is a container named name, running or stopped, with config as
+// both its own and its expanded config, in the shape (and about the size)
+// Incus 6.0 gives one; created is its creation time.
+func Instance(name string, running bool, config map[string]string, created time.Time) (json.RawMessage, error) {
+	status, code := "Stopped", 102
+	if running {
+		status, code = "Running", 103
+	}
+	raw, err := json.Marshal(map[string]any{
+		"name": name, "type": "container", "status": status, "status_code": code, "description": "",
+		"architecture": "x86_64", "config": config, "devices": map[string]any{}, "profiles": []string{"default"},
+		"stateful": false, "ephemeral": false, "location": "none", "project": "default",
+		"created_at": created, "last_used_at": created.Add(time.Second),
+		"expanded_config":  config,
+		"expanded_devices": map[string]any{"root": map[string]string{"path": "/", "pool": "default", "type": "disk"}},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("fakeincus: encode instance %s: %w", name, err)
+	}
+	return raw, nil
+}
+
 // Server is a running fake.
 type Server struct {
 	srv *http.Server

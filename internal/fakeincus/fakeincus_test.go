@@ -22,6 +22,11 @@ func TestServesWhatTheClientReads(t *testing.T) {
 		list = append(list, json.RawMessage(fmt.Sprintf(
 			`{"name":"ls-%d","type":"container","status":"Stopped","status_code":102,"config":{"user.n":"%d"}}`, i, i)))
 	}
+	running, err := fakeincus.Instance("ls-running", true, map[string]string{"user.n": "r"}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	list = append(list, running)
 	srv, err := fakeincus.Serve(socket, list)
 	if err != nil {
 		t.Fatal(err)
@@ -31,7 +36,7 @@ func TestServesWhatTheClientReads(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, err := client.ListInstances(t.Context())
-	if err != nil || len(got) != 3 || got[2].Name != "ls-2" {
+	if err != nil || len(got) != 4 || got[2].Name != "ls-2" {
 		t.Fatalf("list: %+v %v", got, err)
 	}
 	if srv.ListBytes == 0 {
@@ -40,6 +45,9 @@ func TestServesWhatTheClientReads(t *testing.T) {
 	one, etag, err := client.GetInstance(t.Context(), "ls-1")
 	if err != nil || one.Config["user.n"] != "1" || etag == "" {
 		t.Fatalf("get: %+v %q %v", one, etag, err)
+	}
+	if r, _, err := client.GetInstance(t.Context(), "ls-running"); err != nil || r.Status != incus.InstanceRunning || r.Config["user.n"] != "r" {
+		t.Fatalf("get of the running instance: %+v %v", r, err)
 	}
 	if _, _, err := client.GetInstance(t.Context(), "ls-9"); !errors.Is(err, incus.ErrNotFound) {
 		t.Fatalf("get of no instance: %v, want not found", err)
