@@ -736,26 +736,12 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		unlock()
 		pending := following
 		if !pending {
-			if pending, err = s.createPending(ctx, name); err != nil {
+			if pending, err = s.arriving(ctx, name); err != nil {
 				return controller.Observation{}, s.incusError("checking for a create in progress", err)
 			}
 		}
 		if !pending {
-			if pending, err = s.handoutPending(ctx, name); err != nil {
-				return controller.Observation{}, s.incusError("checking for a warm hand-out in progress", err)
-			}
-		}
-		// Listing operations and then reading again closes the gap in which
-		// a create finishes between the first read and the listing.
-		if !pending {
-			again, err := s.lookup(ctx, name)
-			if err != nil {
-				return controller.Observation{}, s.incusError("checking for a create in progress", err)
-			}
-			if again == nil {
-				return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
-			}
-			// It exists now: the next turn records the close on it.
+			return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 		}
 		if time.Now().Add(delay).After(patience) || !clock.Sleep(ctx, delay) {
 			return controller.Observation{}, jsonrpc.Unavailable(retryAfter,
@@ -812,6 +798,23 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 func (s *Service) createPending(ctx context.Context, name string) (bool, error) {
 	op, err := s.operationOn(ctx, name)
 	return op != nil, err
+}
+
+// arriving says an instance may still appear at name, though a read
+// found none: an Incus operation on the name (a create), a warm hand-out
+// claimed for it (whose rename Incus lists under the warm name only), or
+// an instance there after all. The operations are listed before the name
+// is read again, which closes the gap in which a create finishes between
+// the first read and the listing.
+func (s *Service) arriving(ctx context.Context, name string) (bool, error) {
+	if pending, err := s.createPending(ctx, name); err != nil || pending {
+		return pending, err
+	}
+	if claimed, err := s.handoutPending(ctx, name); err != nil || claimed {
+		return claimed, err
+	}
+	again, err := s.lookup(ctx, name)
+	return again != nil, err
 }
 
 // operationOn is an unfinished Incus operation on the named instance, if any.
