@@ -210,6 +210,13 @@ type ExecConn struct {
 	wmu    sync.Mutex
 	closed bool // stdin's end was sent
 
+	// writeBy is the write deadline asked for. gorilla's own deadline field
+	// is not safe for concurrent use, so it is set from writeBy only under
+	// wmu, before each write; SetWriteDeadline sets the socket's (which is)
+	// to reach a write already under way.
+	dmu     sync.Mutex
+	writeBy time.Time
+
 	emu        sync.Mutex
 	errText    strings.Builder
 	stderrDone chan struct{}
@@ -285,6 +292,7 @@ func (x *ExecConn) Write(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
+	_ = x.stdin.SetWriteDeadline(x.writeDeadline())
 	if err := x.stdin.WriteMessage(websocket.BinaryMessage, p); err != nil {
 		return 0, err
 	}
@@ -356,5 +364,19 @@ func (x *ExecConn) RemoteAddr() net.Addr { return x.stdout.RemoteAddr() }
 func (x *ExecConn) SetDeadline(t time.Time) error {
 	return errors.Join(x.SetReadDeadline(t), x.SetWriteDeadline(t))
 }
-func (x *ExecConn) SetReadDeadline(t time.Time) error  { return x.stdout.SetReadDeadline(t) }
-func (x *ExecConn) SetWriteDeadline(t time.Time) error { return x.stdin.SetWriteDeadline(t) }
+func (x *ExecConn) SetReadDeadline(t time.Time) error { return x.stdout.SetReadDeadline(t) }
+
+// SetWriteDeadline applies to the next write, and through the socket to
+// one under way. It may be called while a write or a Close runs.
+func (x *ExecConn) SetWriteDeadline(t time.Time) error {
+	x.dmu.Lock()
+	x.writeBy = t
+	x.dmu.Unlock()
+	return x.stdin.NetConn().SetWriteDeadline(t)
+}
+
+func (x *ExecConn) writeDeadline() time.Time {
+	x.dmu.Lock()
+	defer x.dmu.Unlock()
+	return x.writeBy
+}

@@ -123,3 +123,47 @@ func TestExecStreamClosesWhatItOpenedWhenAWebsocketIsRefused(t *testing.T) {
 		}
 	}
 }
+
+// Deadlines may be set while a write or a Close runs (envd's handshake
+// sets one from a context's AfterFunc): under -race, nothing of the
+// websocket's own state is touched from two goroutines. CI's race
+// detector found SetDeadline racing Close's CloseWrite on a cluster.
+func TestExecConnDeadlinesDuringWritesAndClose(t *testing.T) {
+	e := &execFake{conns: map[string]*websocket.Conn{}}
+	f := newFake(t, e)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	x, err := f.client.ExecStream(ctx, "i1", []string{"true"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdin := e.conn("s-0")
+	go func() { // the command reads its stdin
+		for {
+			if _, _, err := stdin.ReadMessage(); err != nil {
+				return
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	for i := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for j := range 200 {
+				switch i {
+				case 0:
+					_ = x.SetDeadline(time.Now().Add(time.Duration(j) * time.Millisecond))
+				case 1:
+					_, _ = x.Write([]byte("x"))
+				default:
+					if j == 100 {
+						_ = x.Close()
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	_ = x.Close()
+}
