@@ -236,6 +236,12 @@ func TestIdleEndToEnd(t *testing.T) {
 	// The busy target's process must start before its idle clock reaches
 	// the pause threshold, so start it first.
 	e.startProcess(targets.Name(busyOwner))
+	// Its daemon may answer before the reconciler has recorded the boot:
+	// watched from when it is active, it must stay active and running.
+	eventually(t, "the busy target active", 30*time.Second, func() bool {
+		o, err := p.svc.GetTarget(ctx, controller.TargetRef{Owner: busyOwner})
+		return err == nil && o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning
+	})
 	idleTL := watch(t, func(ctx context.Context) (controller.Observation, error) {
 		return p.svc.GetTarget(ctx, controller.TargetRef{Owner: idleOwner})
 	})
