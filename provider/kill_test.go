@@ -159,6 +159,10 @@ type ownerLog struct {
 	// counts of accepted requests by op, and of requests cut by a kill.
 	counts map[string]int
 	cut    int
+	// history is every request with its round, when it was sent relative
+	// to the round's start, and its answer: printed for a failed owner, so
+	// CI's output alone tells what it asked and in what order.
+	history []string
 }
 
 // ops an owner draws from. "dial" is a wake by the data route.
@@ -166,7 +170,8 @@ var killOps = []string{"create", "paused", "stopped", "running", "dial", "dial",
 
 // work runs one owner's seeded requests against the current process until
 // ctx ends or a request fails on the transport (the process died).
-func (h *killHarness) work(ctx context.Context, rng *rand.Rand, l *ownerLog) {
+func (h *killHarness) work(ctx context.Context, round int, rng *rand.Rand, l *ownerLog) {
+	begun := time.Now()
 	c, err := h.connect(ctx)
 	if err != nil {
 		return
@@ -212,6 +217,7 @@ func (h *killHarness) work(ctx context.Context, rng *rand.Rand, l *ownerLog) {
 		default:
 			o, err = call("target/setPower", controller.SetPowerParams{Target: ref, Power: controller.Power(op)})
 		}
+		l.history = append(l.history, fmt.Sprintf("round %d +%s %s: %s", round, time.Since(begun).Round(time.Millisecond), op, answerOf(o, err)))
 		var rpcErr *jsonrpc.Error
 		switch {
 		case err == nil && op == "create" && (o.Phase == controller.PhaseClosing || o.Phase == controller.PhaseClosed):
@@ -244,6 +250,20 @@ func (h *killHarness) work(ctx context.Context, rng *rand.Rand, l *ownerLog) {
 			return
 		}
 	}
+}
+
+// answerOf says in a few words what a request was answered.
+func answerOf(o controller.Observation, err error) string {
+	var rpcErr *jsonrpc.Error
+	switch {
+	case errors.As(err, &rpcErr):
+		return fmt.Sprintf("refused %s (%s)", rpcErr.Kind, rpcErr.Message)
+	case err != nil:
+		return "error " + err.Error()
+	case o.Phase == "":
+		return "relayed"
+	}
+	return fmt.Sprintf("%s/%s id %q %s", o.Phase, o.Power, o.TargetID, o.Message)
 }
 
 func accepted(l *ownerLog) int {
@@ -303,7 +323,7 @@ func killMatrix(t *testing.T, warm int) {
 			}
 			wg.Add(1)
 			orng := rand.New(rand.NewPCG(uint64(seed), uint64(round*100+i)))
-			go func() { defer wg.Done(); h.work(ctx, orng, l) }()
+			go func() { defer wg.Done(); h.work(ctx, round, orng, l) }()
 		}
 		life := time.Duration(500+rng.IntN(3000)) * time.Millisecond
 		time.Sleep(life)
@@ -447,6 +467,9 @@ func checkOwner(ctx context.Context, t *testing.T, h *killHarness, c *jsonrpc.Cl
 	}
 	if ctx.Err() != nil {
 		t.Errorf("%s: accepted %q (cut by kills since: %q) never reached: last %+v %v", l.owner.EnvironmentID, l.accepted, l.unknown, last, lastErr)
+		for _, line := range l.history {
+			t.Logf("%s asked, %s", l.owner.EnvironmentID, line)
+		}
 		h.logsOf(name)
 		return
 	}
