@@ -226,6 +226,9 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 		return err
 	}
 	_, err = s.wait(ctx, op, time.Minute)
+	if err == nil {
+		s.log.Info("deleted a closed target", zap.String("instance", name))
+	}
 	// Gone (or not): the idle loop reads it again, and the targets gauge
 	// with it, instead of waiting for the next listing.
 	s.changes.note(name)

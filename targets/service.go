@@ -420,6 +420,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		}
 		return controller.Observation{}, s.incusError("creating the instance", err)
 	}
+	s.log.Info("creating an instance for an owner", zap.String("instance", name), zap.String("template", p.TemplateID))
 	// The create is followed from now on: should it fail after this answer,
 	// the owner is not left with an id that answers notFound.
 	s.creates.start(name)
@@ -776,6 +777,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 			unlock()
 			return controller.Observation{}, s.incusError("recording the close", err)
 		}
+		s.log.Info("recorded a close", zap.String("instance", name))
 		// Again after the write: a reconcile pass that listed before it must
 		// not put the route back.
 		s.ingress.drop(name)
