@@ -71,6 +71,12 @@ func (p *Proxy) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	case DropResponse:
 		p.forward(w, r, true)
+	case Linger:
+		held, done, ok := p.linger(r, act.rule.Delay)
+		if ok {
+			p.forward(w, held, false)
+		}
+		done()
 	default:
 		p.forward(w, r, false)
 	}
@@ -128,6 +134,40 @@ func (p *Proxy) hold(r *http.Request, release <-chan struct{}, timer <-chan time
 		return r, true
 	case <-r.Context().Done():
 		return r, false
+	}
+}
+
+// linger reads r's body ahead, waits d, and returns r detached from its
+// client's hang-up (still ended by the proxy's close), so that it reaches
+// Incus whether or not the client waited; false if the proxy closed first.
+// done releases the detached request's context once it is served.
+func (p *Proxy) linger(r *http.Request, d time.Duration) (held *http.Request, done func(), ok bool) {
+	p.mu.Lock()
+	p.held++
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		p.held--
+		p.mu.Unlock()
+	}()
+	ctx, cancel := context.WithCancel(context.WithoutCancel(r.Context()))
+	stop := context.AfterFunc(p.ctx, cancel)
+	done = func() { stop(); cancel() }
+	r = r.Clone(ctx)
+	if r.Body != nil && r.Body != http.NoBody {
+		body, err := io.ReadAll(io.LimitReader(r.Body, maxHeldBody))
+		if err != nil {
+			return r, done, false // the client left before sending all of it
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return r, done, true
+	case <-ctx.Done():
+		return r, done, false // the proxy closed
 	}
 }
 

@@ -691,3 +691,34 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// A lingering request reaches Incus after its client gave up on it, as a
+// create still in a loaded daemon's handler does after its sender died.
+func TestLinger(t *testing.T) {
+	r := newRig(t, 10*time.Second)
+	ctx := ctxFor(t, 30*time.Second)
+	op, err := createEmpty(ctx, r.direct, "lingered")
+	if err == nil {
+		_, err = r.direct.Wait(ctx, op)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := r.p.Add(incusfault.Rule{Method: "PATCH", Fault: incusfault.Linger, Delay: 500 * time.Millisecond, Times: 1})
+	gone, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	err = r.c.PatchInstanceConfig(gone, "lingered", map[string]string{"user.lingered": "1"})
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a lingering PATCH whose client gave up: want its deadline, got %v", err)
+	}
+	if r.p.Forwarded("PATCH", "") != 0 {
+		t.Fatal("a lingering PATCH was forwarded before its delay")
+	}
+	waitFor(t, "the lingering PATCH to reach Incus", func() bool {
+		inst, _, err := r.direct.GetInstance(ctx, "lingered")
+		return err == nil && inst.Config["user.lingered"] == "1"
+	})
+	if r.p.Hits(id) != 1 || r.p.Forwarded("PATCH", "") != 1 || r.p.Held() != 0 {
+		t.Fatalf("hits %d forwarded %d held %d", r.p.Hits(id), r.p.Forwarded("PATCH", ""), r.p.Held())
+	}
+}

@@ -42,6 +42,14 @@ const (
 	// the client's connection without passing the answer on: the client
 	// sees a transport error for a call that did happen.
 	DropResponse
+
+	// Linger holds the request for Rule.Delay, then forwards it even if
+	// its client has hung up meanwhile: a daemon slow to take a request
+	// still carries it out after the process that sent it was killed, as
+	// Incus under load does with a create still in its handler (no
+	// operation listed yet). The answer goes to the client if it is still
+	// there.
+	Linger
 )
 
 func (f Fault) String() string {
@@ -56,6 +64,8 @@ func (f Fault) String() string {
 		return "fail"
 	case DropResponse:
 		return "drop-response"
+	case Linger:
+		return "linger"
 	}
 	return fmt.Sprintf("Fault(%d)", int(f))
 }
@@ -84,7 +94,7 @@ type Rule struct {
 	// 0 or 1 means every matching request.
 	Probability float64
 
-	// Delay is how long Delay holds a request.
+	// Delay is how long Delay and Linger hold a request.
 	Delay time.Duration
 
 	// Status and Message are what Fail answers: Status defaults to 500 and
@@ -97,9 +107,9 @@ type Rule struct {
 func (r Rule) check() string {
 	switch r.Fault {
 	case Refuse, BlackHole, DropResponse:
-	case Delay:
+	case Delay, Linger:
 		if r.Delay <= 0 {
-			return "a Delay rule needs a positive Delay"
+			return fmt.Sprintf("a %s rule needs a positive Delay", r.Fault)
 		}
 	case Fail:
 		if r.Status != 0 && (r.Status < 400 || r.Status > 599) {

@@ -50,6 +50,7 @@ func TestAddRefusesMalformedRules(t *testing.T) {
 	}{
 		{incusfault.Rule{Path: "/1.0"}, "unknown fault"},
 		{incusfault.Rule{Fault: incusfault.Delay}, "positive Delay"},
+		{incusfault.Rule{Fault: incusfault.Linger}, "linger rule needs a positive Delay"},
 		{incusfault.Rule{Fault: incusfault.Fail, Status: 200}, "400–599"},
 		{incusfault.Rule{Fault: incusfault.Refuse, Times: -1}, "Times"},
 		{incusfault.Rule{Fault: incusfault.Refuse, Probability: 1.5}, "Probability"},
