@@ -164,6 +164,78 @@ func TestIdlePauseSurvivesIncusRefusals(t *testing.T) {
 	}
 }
 
+// A create Incus takes only after its sender gave up on it (still in a
+// loaded daemon's handler, so no operation lists it yet; or sent by a
+// process killed right after) may land after the owner's close answered
+// closed, the answer that ends the runtime's close loop. Nothing then
+// closes it: a machine no one will ever close. Found in CI by the kill
+// matrix (an owner's create cut by one kill, its close answered closed by
+// the next process, the create landing after). The instance that lands
+// under a name answered closed is closed by the provider.
+func TestACreateThatLandsAfterClosedIsClosed(t *testing.T) {
+	r, proxy := faultRig(t)
+	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-late-create"}
+	name := targets.Name(owner)
+	linger := proxy.Add(incusfault.Rule{Method: "POST", Path: "/1.0/instances", Fault: incusfault.Linger,
+		Delay: 4 * time.Second, Times: 1})
+	// The create's POST outlives the method's budget: refused, nothing
+	// accepted, and the POST still on its way.
+	if o, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "t1"}); err == nil {
+		t.Fatalf("a create whose POST lingered past its budget answered %+v: the test tested nothing", o)
+	}
+	closed, err := r.closeTarget(owner)
+	if err != nil || closed.Phase != controller.PhaseClosed {
+		t.Fatalf("a close with nothing recorded answered %+v %v, want closed", closed, err)
+	}
+	// The POST lands: Incus creates the instance under the closed name.
+	deadline := time.Now().Add(30 * time.Second)
+	for proxy.Forwarded("POST", "/1.0/instances") == 0 || !exists(t, r, name) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the lingering create never landed (hits %d, forwarded %d)", proxy.Hits(linger), proxy.Forwarded("POST", "/1.0/instances"))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("the create landed after the closed answer")
+	// Closed, with no one asking again.
+	deadline = time.Now().Add(90 * time.Second)
+	for exists(t, r, name) {
+		if time.Now().After(deadline) {
+			o, err := r.get(owner)
+			t.Fatalf("the instance that landed after closed was never closed: the target is %+v %v", o, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if _, err := r.get(owner); !isNotFound(err) {
+		t.Fatalf("after the late instance went, the owner's get answered %v, want notFound", err)
+	}
+}
+
+// An explicit create after a closed answer is the owner's to keep: the
+// provider closes only what lands unasked.
+func TestACreateAfterClosedIsKept(t *testing.T) {
+	r := newRig(t, rigOptions{})
+	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-create-after-closed"}
+	if closed, err := r.closeTarget(owner); err != nil || closed.Phase != controller.PhaseClosed {
+		t.Fatalf("a close of nothing answered %+v %v, want closed", closed, err)
+	}
+	route := r.create(owner.EnvironmentID, "t1")
+	// Several reconcile passes (1 s each) later it still runs.
+	time.Sleep(3 * time.Second)
+	if o, err := r.get(owner); err != nil || o.Phase != controller.PhaseActive {
+		t.Fatalf("a create asked after a closed answer was not kept: %+v %v", o, err)
+	}
+	r.closeAll(route.Owner)
+}
+
+func exists(t *testing.T, r *rig, name string) bool {
+	t.Helper()
+	_, _, err := r.client.GetInstance(r.ctx(), name)
+	if err != nil && !errors.Is(err, incus.ErrNotFound) {
+		t.Fatal(err)
+	}
+	return err == nil
+}
+
 // A close asked of a create this process answered, while Incus has not yet
 // written the instance record, either is recorded on the instance or is
 // refused: "closing" with nothing recorded lets the create finish into a

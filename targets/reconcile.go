@@ -60,12 +60,18 @@ func (s *Service) pass(ctx context.Context) error {
 		if _, ok := ownerOf(inst); !ok {
 			continue
 		}
-		if needsWork(inst) {
+		if needsWork(inst) || s.landedAfterClosed(inst) {
 			s.work.kick(inst.Name)
 		}
 		s.forgetStaleLease(ctx, inst)
 	}
 	return nil
+}
+
+// landedAfterClosed says inst stands under a name this process answered
+// closed, with no close recorded on it: it arrived after that answer.
+func (s *Service) landedAfterClosed(inst *incus.Instance) bool {
+	return inst.Config[keyClosing] == "" && s.closed.has(inst.Name, s.now())
 }
 
 func needsWork(inst *incus.Instance) bool {
@@ -104,6 +110,20 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 	if _, ok := s.pending.get(name); ok {
 		if !s.flushPending(ctx, name) {
 			return 100 * time.Millisecond
+		}
+		if inst, err = s.lookup(ctx, name); err != nil || inst == nil {
+			return 100 * time.Millisecond
+		}
+	}
+	if s.landedAfterClosed(inst) {
+		// See closed.go: no one will close it but us.
+		s.log.Warn("an instance appeared under a name this process answered closed; closing it",
+			zap.String("instance", name))
+		if err := s.patch(ctx, name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+			if ctx.Err() == nil {
+				s.log.Warn("recording the close failed; retrying", zap.String("instance", name), zap.Error(err))
+			}
+			return 2 * time.Second
 		}
 		if inst, err = s.lookup(ctx, name); err != nil || inst == nil {
 			return 100 * time.Millisecond

@@ -116,6 +116,8 @@ type Service struct {
 	pending pendingTable
 	// creates are the creates this process answered and still follows.
 	creates createTable
+	// closed are the names this process answered closed (see closed.go).
+	closed closedTable
 	// changes tells the idle loop which targets this process changed (see idle.go).
 	changes changeFeed
 	// leases are this replica's relay leases on instances (see leases.go).
@@ -382,6 +384,9 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		}
 		return s.observe(inst, p.Owner), nil
 	}
+	// What this create puts under the name is the owner's, whatever an
+	// earlier close was answered.
+	s.closed.forget(name)
 	tmpl, ok := s.catalog.Load().Get(p.TemplateID)
 	if !ok {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q is offered; template/list names the ones this provider serves.", p.TemplateID)
@@ -742,6 +747,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 			}
 		}
 		if !pending {
+			s.closed.note(name, s.now())
 			return controller.Observation{Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 		}
 		if time.Now().Add(delay).After(patience) || !clock.Sleep(ctx, delay) {
@@ -790,6 +796,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		return controller.Observation{}, s.incusError("observing the close", err)
 	}
 	if after == nil {
+		s.closed.note(name, s.now())
 		return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
 	return s.observe(after, ref.Owner), nil
