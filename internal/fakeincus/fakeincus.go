@@ -16,6 +16,7 @@ package fakeincus
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -28,26 +29,63 @@ import (
 	"github.com/gorilla/websocket"
 )
 
-// Instance is a container named name, running or stopped, with config as
-// both its own and its expanded config, in the shape (and about the size)
-// Incus 6.0 gives one; created is its creation time.
+// Instance is a container named name, running or stopped, in the shape and
+// the size Incus 6.0.4 gives one of the provider's targets: config (its own,
+// and again as the expanded config) is the caller's keys plus the image.*
+// and volatile.* keys Incus keeps on a container made from the dev guest
+// image, with values of their real lengths (the idmaps are JSON arrays);
+// devices are the guest daemon's proxy device. created is its creation time.
 func Instance(name string, running bool, config map[string]string, created time.Time) (json.RawMessage, error) {
 	status, code := "Stopped", 102
 	if running {
 		status, code = "Running", 103
 	}
+	full := incusKeys(name)
+	for k, v := range config {
+		full[k] = v
+	}
+	devices := map[string]any{"lightspeed-daemon": map[string]string{"type": "proxy", "bind": "host",
+		"listen": "unix:/run/incus-provider/guests/" + name + ".sock", "connect": "tcp:127.0.0.1:7000",
+		"mode": "0600"}}
 	raw, err := json.Marshal(map[string]any{
 		"name": name, "type": "container", "status": status, "status_code": code, "description": "",
-		"architecture": "x86_64", "config": config, "devices": map[string]any{}, "profiles": []string{"default"},
+		"architecture": "x86_64", "config": full, "devices": devices, "profiles": []string{"default"},
 		"stateful": false, "ephemeral": false, "location": "none", "project": "default",
 		"created_at": created, "last_used_at": created.Add(time.Second),
-		"expanded_config":  config,
+		"expanded_config":  full,
 		"expanded_devices": map[string]any{"root": map[string]string{"path": "/", "pool": "default", "type": "disk"}},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("fakeincus: encode instance %s: %w", name, err)
 	}
 	return raw, nil
+}
+
+// incusKeys are the keys Incus 6.0.4 itself keeps on a container of the dev
+// guest image (read off one on 2026-12-02), with values of the same
+// lengths, distinct per instance where Incus's are.
+func incusKeys(name string) map[string]string {
+	id := func(salt string) string { // a UUID's length, distinct per instance
+		h := fmt.Sprintf("%x", sha256.Sum256([]byte(salt+name)))
+		return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
+	}
+	const idmap = `[{"Isuid":true,"Isgid":false,"Hostid":1000000,"Nsid":0,"Maprange":1000000000},{"Isuid":false,"Isgid":true,"Hostid":1000000,"Nsid":0,"Maprange":1000000000}]`
+	const image = "0d2ea4c1b5a05d1b3e1c7a1f8a4e6f3b2c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f"
+	return map[string]string{
+		"image.description":               "Lightspeed development guest (busybox and lsenvd-dev)",
+		"image.lightspeed.content_hash":   image,
+		"image.os":                        "Debian",
+		"image.release":                   "bookwo",
+		"volatile.base_image":             image,
+		"volatile.cloud-init.instance-id": id("ci"),
+		"volatile.idmap.base":             "0",
+		"volatile.idmap.current":          idmap,
+		"volatile.idmap.next":             idmap,
+		"volatile.last_state.idmap":       "[]",
+		"volatile.last_state.power":       "RUNNING",
+		"volatile.uuid":                   id("uuid"),
+		"volatile.uuid.generation":        id("gen"),
+	}
 }
 
 // Server is a running fake.
