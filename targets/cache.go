@@ -195,7 +195,7 @@ func (c *obsCache) offer(name string, at readMark, inst *incus.Instance) {
 	if gen != at.gen || c.epoch != at.epoch || !at.connected || !c.connected {
 		return
 	}
-	c.store(name, e, inst)
+	c.store(name, e, slim(inst))
 }
 
 // store sets name's entry from a fresh read; the lock is held.
@@ -354,7 +354,7 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 	suspects := map[string]uint64{}
 	seen := make(map[string]bool, len(list))
 	for i := range list {
-		inst := &list[i]
+		inst := slim(&list[i])
 		seen[inst.Name] = true
 		e, ok := c.entries[inst.Name]
 		if ok && e.gen > seq {
@@ -612,6 +612,36 @@ func (c *obsCache) rereads(ctx context.Context) {
 }
 
 // sameInstance compares what StateOf, Observe and the inventory read.
+// slim is the part of an instance the cache's readers use: its name,
+// type, status, placement, times and the user.* config keys, where the
+// provider keeps its metadata. Incus's image.* and volatile.* keys (the
+// idmaps are JSON arrays), the devices and the profiles are not kept: no
+// reader looks at them, a write never starts from a cached instance (it
+// reads its instance again first), and at 10,000 instances they were most of
+// what the cache held. A slim copy also lets a listing's whole decode go
+// once the cache has taken what it keeps.
+func slim(inst *incus.Instance) *incus.Instance {
+	if inst == nil {
+		return nil
+	}
+	out := &incus.Instance{Name: inst.Name, Type: inst.Type, Status: inst.Status, StatusCode: inst.StatusCode,
+		Stateful: inst.Stateful, Ephemeral: inst.Ephemeral, Location: inst.Location, Project: inst.Project,
+		CreatedAt: inst.CreatedAt, LastUsedAt: inst.LastUsedAt}
+	n := 0
+	for k := range inst.Config {
+		if strings.HasPrefix(k, "user.") {
+			n++
+		}
+	}
+	out.Config = make(map[string]string, n)
+	for k, v := range inst.Config {
+		if strings.HasPrefix(k, "user.") {
+			out.Config[k] = v
+		}
+	}
+	return out
+}
+
 func sameInstance(a, b *incus.Instance) bool {
 	return a.Status == b.Status && a.StatusCode == b.StatusCode && a.Stateful == b.Stateful &&
 		a.Location == b.Location && maps.Equal(a.Config, b.Config)

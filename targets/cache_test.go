@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -178,7 +179,7 @@ func (r *cacheRig) agrees(ctx context.Context, o controller.Owner, what string) 
 				r.t.Fatalf("%s: target/get of a deleted target answered %v, with %d Incus GETs", what, gerr, r.count("instance.get")-before)
 			}
 			return
-		case direct != nil && cached != nil && sameInstance(cached, direct):
+		case direct != nil && cached != nil && sameInstance(cached, slim(direct)):
 			got, gerr = r.svc.GetTarget(ctx, controller.TargetRef{Owner: o, TargetID: name})
 			if want := Observe(direct, o); gerr == nil && got.Phase == want.Phase && got.Power == want.Power {
 				return
@@ -376,5 +377,28 @@ func awaitChange(t *testing.T, ch <-chan string, name, what string) {
 		case <-timeout:
 			t.Fatalf("%s: the change feed never named %s", what, name)
 		}
+	}
+}
+
+func TestSlimKeepsWhatReadersUse(t *testing.T) {
+	at := time.Unix(1_800_000_000, 0)
+	full := &incus.Instance{Name: "ls-1", Type: "container", Status: incus.InstanceFrozen, StatusCode: 110,
+		Stateful: true, Location: "m2", Project: "p", CreatedAt: at, LastUsedAt: at.Add(time.Hour),
+		Architecture: "x86_64", Description: "d", Profiles: []string{"default"},
+		Devices: map[string]map[string]string{"root": {"type": "disk"}},
+		Config: map[string]string{keySchema: "1", keyEnvironment: "e", "user.other": "x",
+			"volatile.idmap.current": `[{"Isuid":true}]`, "image.os": "busybox"}}
+	got := slim(full)
+	want := &incus.Instance{Name: "ls-1", Type: "container", Status: incus.InstanceFrozen, StatusCode: 110,
+		Stateful: true, Location: "m2", Project: "p", CreatedAt: at, LastUsedAt: at.Add(time.Hour),
+		Config: map[string]string{keySchema: "1", keyEnvironment: "e", "user.other": "x"}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("slim:\n got %+v\nwant %+v", got, want)
+	}
+	if StateOf(got) != StateOf(full) || DaemonPort(got) != DaemonPort(full) {
+		t.Fatal("a slim instance reads as another state than the full one")
+	}
+	if slim(nil) != nil {
+		t.Fatal("slim(nil) is not nil")
 	}
 }
