@@ -495,8 +495,8 @@ func (s *Service) finishCreate(ctx context.Context, name string, op *incus.Opera
 		s.work.kick(name)
 		return
 	}
-	unlock, err := s.locks.lock(ctx, name)
-	if err != nil {
+	unlock, lockErr := s.locks.lock(ctx, name)
+	if lockErr != nil {
 		return
 	}
 	defer unlock()
