@@ -402,6 +402,22 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 	return nil
 }
 
+// names answers the cached instances that match, or ok false while
+// unconfirmed; match runs under the cache's lock and must not block.
+func (c *obsCache) names(match func(*incus.Instance) bool) (out []string, ok bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.confirmed {
+		return nil, false
+	}
+	for name, e := range c.entries {
+		if e.inst != nil && match(e.inst) {
+			out = append(out, name)
+		}
+	}
+	return out, true
+}
+
 // listing is every cached instance, or ok false while unconfirmed. The
 // slice is shared: callers only read it.
 func (c *obsCache) listing() (list []incus.Instance, ok bool) {

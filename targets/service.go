@@ -395,6 +395,12 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated",
 			"The template %q is deprecated and creates no new targets; choose another from template/list.", p.TemplateID)
 	}
+	switch r, err := s.resumeHandout(ctx, name); {
+	case err != nil:
+		return controller.Observation{}, s.incusError("looking for a hand-out to the owner's name", err)
+	case r == warmHit, r == warmLost, r == warmBusy:
+		return s.answerHandout(ctx, name, p)
+	}
 	switch s.handout(ctx, name, p, tmpl) {
 	case warmHit:
 		s.warmMetrics().handout(tmpl.Wire.TemplateID, true)

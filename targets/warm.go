@@ -235,6 +235,9 @@ const (
 	// warmCrashed: a test's hook stopped the hand-out where a crash
 	// would, and nothing more may be written.
 	warmCrashed
+	// warmBusy: an earlier claimant's rename to the owner's name is still
+	// under way; the create answers without an id and is asked again.
+	warmBusy
 )
 
 // handout gives the owner's name one ready warm instance of the template.
@@ -296,6 +299,11 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 	if s.warmHook != nil && s.warmHook("claimed") {
 		return warmCrashed
 	}
+	return s.renameClaimed(ctx, name, wn)
+}
+
+// renameClaimed renames a warm instance claimed for name to name (step 2).
+func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutResult {
 	op, err := s.incus.RenameInstance(ctx, wn, name)
 	if err == nil {
 		_, err = s.wait(ctx, op, answerWait(ctx, 2*time.Second))
@@ -321,6 +329,74 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 	}
 	s.log.Info("handed out a warm instance", zap.String("instance", name), zap.String("warm", wn))
 	return warmHit
+}
+
+// resumeHandout carries on a hand-out to name that an earlier claimant (a
+// process killed after its claim, or mid-rename) left: the claimed warm
+// instance is renamed to name now, or, while an Incus operation (that
+// claimant's rename) still holds it, the create waits for it (warmBusy).
+// warmMiss: nothing is claimed for name. The caller holds the owner's lock
+// and has seen no instance at name.
+//
+// A create must never send its own POST, or rename another warm instance,
+// to a name that a claimed one may still be renamed to: Incus 6.0 checks the
+// name before its rename operation runs, so a create landing in between
+// makes both fail, and the rename leaves its storage moved under the
+// owner's name with no instance (found by the kill matrix with a pool: the
+// owner's every later create then failed, and its target vanished).
+func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult, error) {
+	warm := false
+	for _, t := range s.catalog.Load().All() {
+		warm = warm || t.Warm > 0
+	}
+	if !warm {
+		return warmMiss, nil // no pool: no claim can exist
+	}
+	claimed, err := s.claimsFor(ctx, name)
+	if err != nil {
+		return warmMiss, err
+	}
+	for _, wn := range claimed {
+		if op, err := s.operationOn(ctx, wn); err != nil || op != nil {
+			return warmBusy, err
+		}
+		s.log.Info("resuming a hand-out an earlier claimant left", zap.String("instance", name), zap.String("warm", wn))
+		if r := s.renameClaimed(ctx, name, wn); r != warmMiss {
+			return r, nil
+		}
+		// Not renamed, and nothing at the owner's name: only a warm
+		// instance that is gone (swept, or renamed elsewhere) frees the
+		// name for another create.
+		if _, _, err := s.incus.GetInstance(ctx, wn); !errors.Is(err, incus.ErrNotFound) {
+			return warmBusy, nil
+		}
+	}
+	return warmMiss, nil
+}
+
+// claimsFor names the warm instances claimed for name: from the
+// observation cache while it is confirmed (a create at 10,000 instances
+// must not cost a filtered list, which Incus answers by reading every
+// instance), else from Incus.
+func (s *Service) claimsFor(ctx context.Context, name string) ([]string, error) {
+	if s.cache != nil {
+		if out, ok := s.cache.names(func(w *incus.Instance) bool {
+			return isWarmName(w.Name) && w.Config[keyWarmClaim] == name
+		}); ok {
+			return out, nil
+		}
+	}
+	var out []string
+	claimed, err := s.incus.ListInstancesWithConfig(ctx, keyWarmClaim, name)
+	if err != nil {
+		return nil, err
+	}
+	for _, w := range claimed {
+		if isWarmName(w.Name) {
+			out = append(out, w.Name)
+		}
+	}
+	return out, nil
 }
 
 // handable says a warm instance may be handed out for the template.

@@ -342,8 +342,30 @@ func TestWarmCrashMidHandout(t *testing.T) {
 			if warm+at != 1 {
 				t.Fatalf("after the crash: %d warm instances and %d at the owner's name, want exactly one of the two", warm, at)
 			}
+			// The instance the crash left claimed: the owner's retried
+			// create resumes its hand-out (it never sends a create of its
+			// own, nor hands out another, to a name a claimed instance
+			// may still be renamed to).
+			var claimedUUID string
+			for _, inst := range h.instances() {
+				if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == Name(o) {
+					claimedUUID = inst.Config["volatile.uuid"]
+				}
+			}
+			if stage == "claimed" && claimedUUID == "" {
+				t.Fatal("the crash after the claim left no claimed warm instance: the test tested nothing")
+			}
 			fresh, _ := h.startWarm(h.catalog, nil, nil)
 			createUntilID(t, fresh, p)
+			if stage == "claimed" {
+				inst, _, err := h.client.GetInstance(ctxT(t), Name(o))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := inst.Config["volatile.uuid"]; got != claimedUUID {
+					t.Fatalf("the owner's target (uuid %q) is not the instance its crashed hand-out claimed (uuid %q)", got, claimedUUID)
+				}
+			}
 			ctx := ctxT(t)
 			until(t, "active", func() (controller.Observation, error) { return fresh.GetTarget(ctx, controller.TargetRef{Owner: o}) }, isActive)
 			h.awaitPool(t, 1)
