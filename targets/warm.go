@@ -53,9 +53,9 @@ import (
 //     any created one.
 //
 // A crash after 1 leaves a claimed warm instance that is neither in the
-// pool nor a target: the pool deletes it once the claim is older than
-// WarmStale, and the owner's retried create takes another warm instance or
-// creates one. A crash after 2 leaves the owner's whole target. Either way the owner's name ends on exactly one instance. Should two
+// pool nor a target: the owner's retried create resumes the hand-out (see
+// resumeHandout), and the pool deletes one no create resumed once its claim
+// is older than WarmStale. A crash after 2 leaves the owner's whole target. Either way the owner's name ends on exactly one instance. Should two
 // claims of one instance both have landed (replicas racing inside Incus's
 // ETag check), the instance at an owner's name may carry the other owner's
 // metadata: that unfinished hand-out belongs to whoever's name it has, and
