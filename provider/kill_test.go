@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -224,9 +225,23 @@ func (h *killHarness) work(ctx context.Context, round int, rng *rand.Rand, l *ow
 			// A create racing a close that an earlier process answered
 			// closing: the owner's target is on its way out.
 			l.accepted, l.inFlight, l.unknown = "close", "", nil
+		case err == nil && op == "create" && l.accepted != "" && slices.Contains(l.unknown, "close"):
+			// A close cut by a kill may have removed the target, and then
+			// this create made a new one: that is what stands now.
+			l.accepted, l.inFlight, l.unknown = op, "", nil
+			l.counts[op]++
 		case err == nil && op == "create" && l.accepted != "":
 			// A create for an owner that has a target answers it as it is
 			// and changes nothing: what was asked before still stands.
+			l.inFlight = ""
+			l.counts[op]++
+		case err == nil && strings.Contains(o.Message, "waiting for Incus to take the request"):
+			// Answered as under way while an Incus operation held the
+			// instance: the request lives in this process's memory until
+			// Incus takes it, and a kill before that loses it (the one
+			// window the README names). Its fate is unknown until the
+			// next answer, as a cut request's is.
+			l.unknown = append(l.unknown, op)
 			l.inFlight = ""
 			l.counts[op]++
 		case err == nil:
