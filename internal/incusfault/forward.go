@@ -102,18 +102,23 @@ func (p *Proxy) decide(r *http.Request) action {
 	return action{}
 }
 
+// holding counts a held request (Held) until the func it answers is called.
+func (p *Proxy) holding() (done func()) {
+	p.mu.Lock()
+	p.held++
+	p.mu.Unlock()
+	return func() {
+		p.mu.Lock()
+		p.held--
+		p.mu.Unlock()
+	}
+}
+
 // hold keeps r from going on until release is closed or timer fires (then
 // it returns r, its body read ahead, and true), or until r's client hangs
 // up or the proxy closes (false).
 func (p *Proxy) hold(r *http.Request, release <-chan struct{}, timer <-chan time.Time) (*http.Request, bool) {
-	p.mu.Lock()
-	p.held++
-	p.mu.Unlock()
-	defer func() {
-		p.mu.Lock()
-		p.held--
-		p.mu.Unlock()
-	}()
+	defer p.holding()()
 
 	if r.Body != nil && r.Body != http.NoBody {
 		head, err := io.ReadAll(io.LimitReader(r.Body, maxHeldBody+1))
@@ -142,14 +147,7 @@ func (p *Proxy) hold(r *http.Request, release <-chan struct{}, timer <-chan time
 // Incus whether or not the client waited; false if the proxy closed first.
 // done releases the detached request's context once it is served.
 func (p *Proxy) linger(r *http.Request, d time.Duration) (held *http.Request, done func(), ok bool) {
-	p.mu.Lock()
-	p.held++
-	p.mu.Unlock()
-	defer func() {
-		p.mu.Lock()
-		p.held--
-		p.mu.Unlock()
-	}()
+	defer p.holding()()
 	ctx, cancel := context.WithCancel(context.WithoutCancel(r.Context()))
 	stop := context.AfterFunc(p.ctx, cancel)
 	done = func() { stop(); cancel() }
