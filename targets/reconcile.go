@@ -134,6 +134,12 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 	case st.Phase == controller.PhaseClosing:
 		s.progress.clear(name)
 		if err := s.closeInstance(ctx, inst); err != nil && ctx.Err() == nil {
+			if errors.Is(err, incus.ErrBusy) {
+				// Another operation (a wake's start, a config write)
+				// holds the instance for a moment: routine, not trouble.
+				s.log.Debug("close step waits for another operation on the instance", zap.String("instance", name), zap.Error(err))
+				return 250 * time.Millisecond
+			}
 			s.log.Warn("close step failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
 			return 2 * time.Second
 		}
