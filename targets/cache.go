@@ -402,17 +402,17 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 	return nil
 }
 
-// names answers the cached instances that match, or ok false while
-// unconfirmed; match runs under the cache's lock and must not block.
-func (c *obsCache) names(match func(*incus.Instance) bool) (out []string, ok bool) {
+// find answers copies of the cached instances that match, or ok false
+// while unconfirmed; match runs under the cache's lock and must not block.
+func (c *obsCache) find(match func(*incus.Instance) bool) (out []incus.Instance, ok bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.confirmed {
 		return nil, false
 	}
-	for name, e := range c.entries {
+	for _, e := range c.entries {
 		if e.inst != nil && match(e.inst) {
-			out = append(out, name)
+			out = append(out, *e.inst)
 		}
 	}
 	return out, true

@@ -106,14 +106,11 @@ func isWarmName(name string) bool { return strings.HasPrefix(name, warmPrefix) }
 // only. A close must not answer closed before the rename lands or the
 // claim is swept.
 func (s *Service) handoutPending(ctx context.Context, name string) (bool, error) {
-	claimed, err := s.incus.ListInstancesWithConfig(ctx, keyWarmClaim, name)
+	claimed, err := s.claimsFor(ctx, name)
 	if err != nil {
 		return false, err
 	}
 	for _, w := range claimed {
-		if !isWarmName(w.Name) {
-			continue
-		}
 		if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) < s.cfg.WarmStale {
 			return true, nil
 		}
@@ -345,18 +342,12 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 // owner's name with no instance (found by the kill matrix with a pool: the
 // owner's every later create then failed, and its target vanished).
 func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult, error) {
-	warm := false
-	for _, t := range s.catalog.Load().All() {
-		warm = warm || t.Warm > 0
-	}
-	if !warm {
-		return warmMiss, nil // no pool: no claim can exist
-	}
 	claimed, err := s.claimsFor(ctx, name)
 	if err != nil {
 		return warmMiss, err
 	}
-	for _, wn := range claimed {
+	for _, w := range claimed {
+		wn := w.Name
 		if op, err := s.operationOn(ctx, wn); err != nil || op != nil {
 			return warmBusy, err
 		}
@@ -374,26 +365,37 @@ func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult
 	return warmMiss, nil
 }
 
-// claimsFor names the warm instances claimed for name: from the
-// observation cache while it is confirmed (a create at 10,000 instances
-// must not cost a filtered list, which Incus answers by reading every
-// instance), else from Incus.
-func (s *Service) claimsFor(ctx context.Context, name string) ([]string, error) {
+// claimsFor is the warm instances claimed for name, for a create (which
+// resumes such a hand-out) and a close (which waits for it). Without a
+// pool in the catalog none can be made, and none is looked for. Else they
+// come from the observation cache while it is confirmed: at 10,000
+// instances a filtered list makes Incus read every one, and every
+// environment's close ends with a close that finds nothing and asks. A
+// claim a live claimant wrote moments ago may not have reached the cache
+// yet; its rename then lands under a name answered closed, which the
+// closed memory handles (see closed.go). Otherwise they come from Incus.
+func (s *Service) claimsFor(ctx context.Context, name string) ([]incus.Instance, error) {
+	warm := false
+	for _, t := range s.catalog.Load().All() {
+		warm = warm || t.Warm > 0
+	}
+	if !warm {
+		return nil, nil
+	}
+	claimedFor := func(w *incus.Instance) bool { return isWarmName(w.Name) && w.Config[keyWarmClaim] == name }
 	if s.cache != nil {
-		if out, ok := s.cache.names(func(w *incus.Instance) bool {
-			return isWarmName(w.Name) && w.Config[keyWarmClaim] == name
-		}); ok {
+		if out, ok := s.cache.find(claimedFor); ok {
 			return out, nil
 		}
 	}
-	var out []string
-	claimed, err := s.incus.ListInstancesWithConfig(ctx, keyWarmClaim, name)
+	listed, err := s.incus.ListInstancesWithConfig(ctx, keyWarmClaim, name)
 	if err != nil {
 		return nil, err
 	}
-	for _, w := range claimed {
-		if isWarmName(w.Name) {
-			out = append(out, w.Name)
+	out := listed[:0]
+	for i := range listed {
+		if claimedFor(&listed[i]) {
+			out = append(out, listed[i])
 		}
 	}
 	return out, nil
