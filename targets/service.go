@@ -384,9 +384,6 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		}
 		return s.observe(inst, p.Owner), nil
 	}
-	// What this create puts under the name is the owner's, whatever an
-	// earlier close was answered.
-	s.closed.forget(name)
 	tmpl, ok := s.catalog.Load().Get(p.TemplateID)
 	if !ok {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q is offered; template/list names the ones this provider serves.", p.TemplateID)
@@ -395,6 +392,9 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated",
 			"The template %q is deprecated and creates no new targets; choose another from template/list.", p.TemplateID)
 	}
+	// What this create puts under the name is the owner's, whatever an
+	// earlier close was answered.
+	s.closed.forget(name)
 	switch r, err := s.resumeHandout(ctx, name); {
 	case err != nil:
 		return controller.Observation{}, s.incusError("looking for a hand-out to the owner's name", err)
