@@ -187,6 +187,10 @@ func TestACreateThatLandsAfterClosedIsClosed(t *testing.T) {
 	if err != nil || closed.Phase != controller.PhaseClosed {
 		t.Fatalf("a close with nothing recorded answered %+v %v, want closed", closed, err)
 	}
+	// A create refused for its template makes nothing the owner's again.
+	if o, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "no-such-template"}); err == nil {
+		t.Fatalf("a create of an unknown template answered %+v", o)
+	}
 	// The POST lands: Incus creates the instance under the closed name.
 	deadline := time.Now().Add(30 * time.Second)
 	for proxy.Forwarded("POST", "/1.0/instances") == 0 || !exists(t, r, name) {
