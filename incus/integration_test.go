@@ -529,3 +529,31 @@ func TestIntegrationProjects(t *testing.T) {
 		t.Fatalf("after delete: %v", err)
 	}
 }
+
+// TestIntegrationForceDeleteKeepsSharedProfile: a forced delete of a
+// project that shares the default project's profiles (features.profiles
+// false, as every test project here) must leave the default profile
+// whole. Incus 6.0.4's own forced delete empties it (lxc/incus#2416), after
+// which no instance can be created without a root device: this test's last
+// create is what fails then.
+func TestIntegrationForceDeleteKeepsSharedProfile(t *testing.T) {
+	c := incustest.Client(t)
+	ctx := ctxFor(t, 2*time.Minute)
+	name := fmt.Sprintf("%s-shared", c.Project())
+	if err := c.CreateProject(ctx, name, map[string]string{"features.images": "false", "features.profiles": "false"}); err != nil {
+		t.Fatal(err)
+	}
+	in := c.WithProject(name)
+	create(t, ctx, in, "running")
+	if _, err := state(t, ctx, in, "running", incus.InstanceStatePut{Action: "start"}); err != nil {
+		t.Fatal(err)
+	}
+	create(t, ctx, in, "stopped")
+	if err := c.ForceDeleteProject(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.GetProject(ctx, name); !errors.Is(err, incus.ErrNotFound) {
+		t.Fatalf("after the forced delete: %v", err)
+	}
+	create(t, ctx, c, "after") // needs the default profile's root disk
+}

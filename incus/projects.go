@@ -2,6 +2,7 @@ package incus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -57,8 +58,51 @@ func (c *Client) DeleteProject(ctx context.Context, name string) error {
 // throwaway projects (tests); needs the projects_force_delete extension.
 // The server does all of it inside the one call, so that call may run for
 // up to 5 minutes instead of CallTimeout (ctx still bounds it).
+//
+// A project with features.profiles=false shares the default project's
+// profiles, and Incus 6.0.4's forced delete empties the profile it calls
+// the project's default, which is then the default project's own: every
+// later instance created without a root device fails ("No root device
+// could be found"). Seen here, and reported upstream as lxc/incus#2416.
+// Such a project is never force-deleted: its instances are killed and
+// deleted one by one, then the empty project is deleted plainly (anything
+// else left in it fails that delete, loudly).
 func (c *Client) ForceDeleteProject(ctx context.Context, name string) error {
-	return c.deleteProject(ctx, name, true)
+	p, err := c.GetProject(ctx, name)
+	if err != nil {
+		return fmt.Errorf("incus: delete project %q: %w", name, err)
+	}
+	if p.Config["features.profiles"] == "true" {
+		return c.deleteProject(ctx, name, true)
+	}
+	in := c.WithProject(name)
+	insts, err := in.ListInstances(ctx)
+	if err != nil {
+		return fmt.Errorf("incus: delete project %q: %w", name, err)
+	}
+	for i := range insts {
+		if err := in.killAndDelete(ctx, insts[i].Name); err != nil {
+			return fmt.Errorf("incus: delete project %q: %w", name, err)
+		}
+	}
+	return c.DeleteProject(ctx, name)
+}
+
+// killAndDelete stops an instance at once, whatever its state, and deletes it.
+func (c *Client) killAndDelete(ctx context.Context, name string) error {
+	// A stopped instance refuses the stop: the delete below says whether
+	// anything is really wrong.
+	if op, err := c.UpdateInstanceState(ctx, name, InstanceStatePut{Action: "stop", Force: true}); err == nil {
+		_, _ = c.Wait(ctx, op)
+	}
+	op, err := c.DeleteInstance(ctx, name)
+	if err == nil {
+		_, err = c.Wait(ctx, op)
+	}
+	if err != nil && !errors.Is(err, ErrNotFound) {
+		return err
+	}
+	return nil
 }
 
 func (c *Client) deleteProject(ctx context.Context, name string, force bool) error {
