@@ -43,6 +43,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -67,6 +68,7 @@ type config struct {
 	gib              int
 	flood            int
 	floodFor         time.Duration
+	cpuprofile       string
 }
 
 func main() {
@@ -79,6 +81,7 @@ func main() {
 	flag.IntVar(&cfg.wakes, "wakes", 10, "wakes on request from paused and from stopped")
 	flag.IntVar(&cfg.flood, "flood", 1000, "unknown-host requests per second")
 	flag.DurationVar(&cfg.floodFor, "flood-for", 3*time.Second, "how long the unknown-host flood lasts")
+	flag.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the small GETs and the 1 MiB bodies to this file")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -207,6 +210,13 @@ func run(ctx context.Context, cfg config) error {
 
 	// Edge and direct take turns, request by request, so that a machine
 	// whose load changes during the run weighs on both alike.
+	if cfg.cpuprofile != "" {
+		stop, err := startProfile(cfg.cpuprofile)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	progress("small GETs")
 	lat, err := interleaved(cfg.gets, func(c *http.Client) error {
 		s, err := get(ctx, c, endpoint+"/bytes?n=64")
@@ -272,6 +282,9 @@ func run(ctx context.Context, cfg config) error {
 		progress("wake on request from %s", from)
 		var ds []time.Duration
 		first := 0
+		if cfg.wakes == 0 {
+			break
+		}
 		for range cfg.wakes {
 			if _, err := p.Targets.SetPower(ctx, ref, from); err != nil {
 				return fmt.Errorf("setPower %s: %w", from, err)
@@ -571,4 +584,18 @@ func removeProject(root *incus.Client, project string) {
 	if err := root.ForceDeleteProject(ctx, project); err != nil && !errors.Is(err, incus.ErrNotFound) {
 		progress("could not delete the project %s: %v", project, err)
 	}
+}
+
+// startProfile writes a CPU profile of the process (the provider's edge,
+// the clients and the direct path alike) until its stop is called.
+func startProfile(path string) (func(), error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("cpu profile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		return nil, fmt.Errorf("cpu profile: %w", err)
+	}
+	return func() { pprof.StopCPUProfile(); _ = f.Close() }, nil
 }
