@@ -36,6 +36,7 @@ type Client struct {
 	pending map[string]chan *inbound
 	err     error // why the connection ended; set once
 	done    chan struct{}
+	reading bool // a read loop runs: exactly while calls wait, or until it sees the end
 
 	lastPing atomic.Int64 // unix nanoseconds of the last ping sent
 }
@@ -45,12 +46,19 @@ type inbound struct {
 	err    *Error
 }
 
-// NewClient takes over the connection: it reads every message from now on.
+// NewClient takes over the connection: from now on only it reads.
+//
+// It reads only while a call waits for its answer. The servers of these
+// planes send nothing unasked (no requests, no notifications, and never a
+// ping), so a connection kept open between calls, as the idle loop keeps
+// one with each of thousands of daemons, needs no goroutine: at 10,000
+// sessions their read loops' stacks were 52 MiB of the loop's 239. The
+// price is that a peer's close between calls is seen by the next call
+// (which fails with ErrClosed), not the moment it comes; Done says so
+// then.
 func NewClient(ws *websocket.Conn) *Client {
 	ws.SetReadLimit(MaxMessageBytes)
-	c := &Client{ws: ws, pending: map[string]chan *inbound{}, done: make(chan struct{})}
-	go c.readLoop()
-	return c
+	return &Client{ws: ws, pending: map[string]chan *inbound{}, done: make(chan struct{})}
 }
 
 // Call sends one request and decodes the result strictly into result (which
@@ -72,6 +80,10 @@ func (c *Client) Call(ctx context.Context, method string, params any, result any
 	id := strconv.FormatUint(c.nextID, 10)
 	ch := make(chan *inbound, 1)
 	c.pending[id] = ch
+	if !c.reading {
+		c.reading = true
+		go c.readLoop()
+	}
 	c.mu.Unlock()
 	defer func() {
 		c.mu.Lock()
@@ -200,19 +212,29 @@ func (c *Client) write(ctx context.Context, kind int, frame []byte) error {
 		// connection so that pending and later calls fail at once.
 		c.fail(fmt.Errorf("write: %w", err))
 		_ = c.ws.Close()
-		return err
+		// ErrClosed, with the first cause: a read that saw the peer's
+		// close may have closed the connection under this write.
+		return c.closedErr()
 	}
 	return nil
 }
 
-// Done is closed when the connection has ended.
+// Done is closed when the connection has ended: when this client closed
+// it, or when a read, which happens only while a call waits, saw its end.
 func (c *Client) Done() <-chan struct{} { return c.done }
 
 // Close ends the connection with a normal close frame.
 func (c *Client) Close() error {
 	_ = c.ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
 	err := c.ws.Close()
-	<-c.done
+	c.mu.Lock()
+	reading := c.reading
+	c.mu.Unlock()
+	if reading {
+		<-c.done // the read loop sees the closed connection and ends
+	} else {
+		c.fail(errors.New("closed by this client"))
+	}
 	if errors.Is(err, net.ErrClosed) {
 		// The read loop saw the peer's close answer and closed the
 		// connection first: closed is what was asked.
@@ -294,9 +316,18 @@ func (c *Client) readLoop() {
 		// One answer per id: a repeated answer finds no channel rather
 		// than blocking this loop on a full one.
 		delete(c.pending, string(env.ID))
+		// Decided under the same lock as a new call's registration, so
+		// that a call never waits with no reader.
+		idle := len(c.pending) == 0
+		if idle {
+			c.reading = false
+		}
 		c.mu.Unlock()
 		if ch != nil {
 			ch <- in
+		}
+		if idle {
+			return
 		}
 	}
 }

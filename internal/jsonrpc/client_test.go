@@ -514,3 +514,40 @@ func TestClientPingsOnlyWhileACallWaits(t *testing.T) {
 		t.Fatalf("%d pings after every call was answered", after-before)
 	}
 }
+
+// TestClientReadsOnlyWhileACallWaits: a client kept open between calls runs
+// no read loop, and a close by the server in between is what the next call
+// reports, as ErrClosed (which the idle loop takes as "dial again").
+func TestClientReadsOnlyWhileACallWaits(t *testing.T) {
+	url, _ := rawServer(t, func(ws *websocket.Conn, req map[string]any) {
+		id, _ := json.Marshal(req["id"])
+		_ = ws.WriteMessage(websocket.TextMessage, []byte(`{"jsonrpc":"2.0","id":`+string(id)+`,"result":{}}`))
+		if req["method"] == "test/bye" {
+			_ = ws.Close()
+		}
+	})
+	c := dialClient(t, url)
+	if jsonrpc.Reading(c) {
+		t.Fatal("a new client reads before any call")
+	}
+	for range 3 {
+		if err := c.Call(t.Context(), "test/echo", nil, nil); err != nil {
+			t.Fatal(err)
+		}
+		if jsonrpc.Reading(c) {
+			t.Fatal("the read loop outlived the call it read for")
+		}
+	}
+	if err := c.Call(t.Context(), "test/bye", nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	err := c.Call(t.Context(), "test/echo", nil, nil)
+	if !errors.Is(err, jsonrpc.ErrClosed) {
+		t.Fatalf("a call after the server closed between calls: %v, want ErrClosed", err)
+	}
+	select {
+	case <-c.Done():
+	case <-time.After(hangGuard):
+		t.Fatal("Done is not closed after a call saw the end")
+	}
+}

@@ -27,3 +27,10 @@ func SetPingInterval(d time.Duration) (restore func()) {
 	pingEvery = d
 	return func() { pingEvery = old }
 }
+
+// Reading says whether the client's read loop runs.
+func Reading(c *Client) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.reading
+}
