@@ -119,3 +119,19 @@ func (c *Client) deleteProject(ctx context.Context, name string, force bool) err
 		return fmt.Errorf("incus: delete project %q: %w", name, err)
 	})
 }
+
+// Profile is an Incus profile.
+type Profile struct {
+	Name        string                       `json:"name"`
+	Description string                       `json:"description"`
+	Config      map[string]string            `json:"config"`
+	Devices     map[string]map[string]string `json:"devices"`
+}
+
+// GetProfile fetches a profile of the client's project (of the default
+// project's, for a project that shares its profiles).
+func (c *Client) GetProfile(ctx context.Context, name string) (*Profile, error) {
+	p, _, err := get[Profile](ctx, c, request{op: "profile.get", scoped: true, path: "/1.0/profiles/" + escape(name)},
+		fmt.Sprintf("get profile %q", name))
+	return p, err
+}

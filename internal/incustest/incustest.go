@@ -86,6 +86,16 @@ func Client(t testing.TB) *incus.Client {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	// Every test instance takes its root disk from the default profile:
+	// without one, each create fails alike, which says nothing of why.
+	prof, err := root.GetProfile(ctx, "default")
+	if err != nil {
+		t.Fatalf("incustest: %v", err)
+	}
+	if d := prof.Devices["root"]; d["type"] != "disk" || d["path"] != "/" {
+		t.Fatalf("incustest: the default profile has no root disk (devices %v): deploy/dev/incus-up.sh adds one; "+
+			"a forced delete of a project sharing the profile empties it on Incus 6.0.4 (lxc/incus#2416)", prof.Devices)
+	}
 	want := map[string]string{"features.images": "false", "features.profiles": "false"}
 	if err := root.CreateProject(ctx, name, want); err != nil {
 		t.Fatalf("incustest: %v", err)
