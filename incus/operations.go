@@ -52,6 +52,11 @@ type Operation struct {
 	via *endpoint
 }
 
+// Held reports whether the operation lasts as long as a client holds it
+// (an exec or console session, a migration token) rather than being a
+// task that ends on its own: waiting for one may never end.
+func (o *Operation) Held() bool { return o.Class == "websocket" || o.Class == "token" }
+
 // Final reports whether the operation has finished, successfully or not.
 func (o *Operation) Final() bool { return o.StatusCode >= StatusSuccess }
 

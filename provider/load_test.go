@@ -2,11 +2,15 @@ package provider_test
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/internal/incustest"
+	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
 // Many owners create at once, and each observes the id its create handed
@@ -84,4 +88,61 @@ func TestManyOwnersCreateAndObserveAtOnce(t *testing.T) {
 		all[i] = controller.Owner{UniverseID: "u-load", EnvironmentID: fmt.Sprintf("env-%02d", i)}
 	}
 	r.closeAll(all...)
+}
+
+// Dozens of owners close right after their create's answer, while Incus may
+// still be unpacking their images (its record is written first, and a close
+// is recorded on it at once). Incus takes a delete then, and the dir
+// driver's removal races the unpack: the create fails, and a half-removed
+// root filesystem stays behind, which CI's image stage met as "directory
+// not empty" and "storage pool not found" on later calls. Afterwards
+// nothing may be left: no instance, and no storage directory of any owner.
+func TestClosesRightAfterCreatesLeaveNothing(t *testing.T) {
+	const owners = 24
+	r := newRig(t, rigOptions{})
+	var wg sync.WaitGroup
+	errs := make(chan error, owners)
+	all := make([]controller.Owner, owners)
+	for i := range owners {
+		all[i] = controller.Owner{UniverseID: "u-load", EnvironmentID: fmt.Sprintf("env-quick-close-%02d", i)}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			owner := all[i]
+			ctl := r.connect()
+			defer func() { _ = ctl.Close() }()
+			if _, err := callOn(ctl, "target/create", controller.CreateParams{Owner: owner, TemplateID: "t1"}); err != nil {
+				errs <- fmt.Errorf("%s: create: %w", owner.EnvironmentID, err)
+				return
+			}
+			// As the runtime closes: until closed, whatever it answers.
+			deadline := time.Now().Add(90 * time.Second)
+			for {
+				o, err := callOn(ctl, "target/close", controller.TargetParams{Target: controller.TargetRef{Owner: owner}})
+				if err == nil && o.Phase == controller.PhaseClosed {
+					return
+				}
+				if time.Now().After(deadline) {
+					errs <- fmt.Errorf("%s: never closed: %+v %v", owner.EnvironmentID, o, err)
+					return
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	r.closeAll(all...)
+	pool := filepath.Join(filepath.Dir(incustest.Socket()), "storage-pools/default/containers")
+	for _, o := range all {
+		dir := filepath.Join(pool, r.client.Project()+"_"+targets.Name(o))
+		if _, err := os.Lstat(dir); err == nil {
+			t.Errorf("%s: its storage directory %s is left behind", o.EnvironmentID, dir)
+		} else if !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+	}
 }

@@ -160,6 +160,13 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 // on it (found in CI: a target left provisioning for 90 s).
 const bringUpRecheck = 500 * time.Millisecond
 
+// settleBeforeDelete bounds how long a close waits for the instance's own
+// tasks (a create still unpacking its image) before deleting it anyway:
+// beyond the slowest unpack measured here (seconds for the Debian image
+// under CI's load), short of holding a close for good on a task Incus
+// never ends.
+const settleBeforeDelete = 2 * time.Minute
+
 // bringUp starts a new instance and marks it booted, and answers when to
 // look again (0: done, or failed for good).
 func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Duration {
@@ -227,6 +234,29 @@ func (s *Service) markBooted(ctx context.Context, name string) bool {
 func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error {
 	name := inst.Name
 	s.dialer.Forget(name)
+	// A close can be recorded while Incus still unpacks the instance's
+	// image (the record is written first). Incus takes a delete then, and
+	// its storage driver races the unpack: the create fails, and the dir
+	// driver leaves a half-removed root filesystem behind that fails every
+	// later call on the name. So the delete waits for the instance's tasks.
+	sctx, cancel := context.WithTimeout(ctx, settleBeforeDelete)
+	waited, err := s.settled(sctx, name)
+	cancel()
+	if err != nil && ctx.Err() != nil {
+		return err
+	}
+	if waited {
+		// The task may have started it, or taken it away.
+		now, err := s.lookup(ctx, name)
+		if err != nil {
+			return err
+		}
+		if now == nil {
+			guest.Removed(s.dialer, name)
+			return nil
+		}
+		inst = now
+	}
 	if inst.Status == incus.InstanceFrozen || inst.Status == incus.InstanceFreezing {
 		// A frozen guest cannot shut itself down.
 		_ = s.act(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second)

@@ -877,7 +877,9 @@ func (s *Service) arriving(ctx context.Context, name string) (bool, error) {
 	return again != nil, err
 }
 
-// operationOn is an unfinished Incus operation on the named instance, if any.
+// operationOn is an unfinished Incus task on the named instance, if any.
+// Sessions (an exec the guest dialer holds open) are not counted: they end
+// when their client lets go, not on their own.
 func (s *Service) operationOn(ctx context.Context, name string) (*incus.Operation, error) {
 	ops, err := s.incus.ListOperations(ctx)
 	if err != nil {
@@ -885,6 +887,9 @@ func (s *Service) operationOn(ctx context.Context, name string) (*incus.Operatio
 	}
 	want := "/1.0/instances/" + name
 	for i, op := range ops { // ListOperations lists unfinished ones only
+		if op.Held() {
+			continue
+		}
 		for _, urls := range op.Resources {
 			for _, u := range urls {
 				if u == want || (len(u) > len(want) && u[:len(want)+1] == want+"?") {
@@ -899,14 +904,21 @@ func (s *Service) operationOn(ctx context.Context, name string) (*incus.Operatio
 // settle waits, within ctx, until no Incus operation holds the instance
 // (at most three in a row: a start can follow a create).
 func (s *Service) settle(ctx context.Context, name string) error {
+	_, err := s.settled(ctx, name)
+	return err
+}
+
+// settled is settle, saying whether it waited for any task.
+func (s *Service) settled(ctx context.Context, name string) (waited bool, err error) {
 	for range 3 {
 		op, err := s.operationOn(ctx, name)
 		if err != nil || op == nil {
-			return err
+			return waited, err
 		}
+		waited = true
 		if _, err := s.incus.Wait(ctx, op); err != nil && ctx.Err() != nil {
-			return err
+			return waited, err
 		}
 	}
-	return nil
+	return waited, nil
 }
