@@ -123,7 +123,11 @@ func TestClosesRightAfterCreatesLeaveNothing(t *testing.T) {
 					return
 				}
 				if time.Now().After(deadline) {
-					errs <- fmt.Errorf("%s: never closed: %+v %v", owner.EnvironmentID, o, err)
+					if err != nil {
+						errs <- fmt.Errorf("%s: never closed: %w", owner.EnvironmentID, err)
+					} else {
+						errs <- fmt.Errorf("%s: never closed: last answer %+v", owner.EnvironmentID, o)
+					}
 					return
 				}
 				time.Sleep(100 * time.Millisecond)
