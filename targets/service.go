@@ -349,51 +349,14 @@ func (s *Service) resolveWith(ctx context.Context, ref controller.TargetRef,
 func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
-	name, inst, err := s.resolveWith(ctx, ref, s.read)
+	_, inst, err := s.resolveWith(ctx, ref, s.read)
 	if err != nil {
 		return controller.Observation{}, err
 	}
 	if inst == nil {
-		return s.getNothing(ctx, ref, name)
-	}
-	return s.observe(inst, ref.Owner), nil
-}
-
-// getNothing answers a get that read no instance under the owner's name.
-// notFound fails a provisioning environment at once, so it is kept for an
-// owner for whom nothing is on its way: a create this process answered
-// before Incus wrote its record (under load the record can take seconds),
-// or a warm hand-out whose rename has not landed, is provisioning, as the
-// create's own answer said. The cache may not have seen the record yet
-// either, so Incus is read again. Incus's list of operations is not asked:
-// it cannot tell a create from the delete of a target just closed without
-// reading a human description, and a closed target must not read as
-// provisioning.
-func (s *Service) getNothing(ctx context.Context, ref controller.TargetRef, name string) (controller.Observation, error) {
-	pending := s.creates.following(name)
-	if !pending {
-		var err error
-		if pending, err = s.handoutPending(ctx, name); err != nil {
-			return controller.Observation{}, s.incusError("checking for a hand-out in progress", err)
-		}
-	}
-	if !pending {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
 	}
-	inst, err := s.lookup(ctx, name)
-	if err != nil {
-		return controller.Observation{}, s.incusError("looking up the owner's target", err)
-	}
-	if inst != nil {
-		if err := checkOwned(inst, ref.Owner); err != nil {
-			return controller.Observation{}, err
-		}
-		return s.observe(inst, ref.Owner), nil
-	}
-	// No record yet, so no id: the runtime, which has none either, asks
-	// again (an id it holds is answered back, the one thing it can be).
-	return controller.Observation{TargetID: ref.TargetID, Owner: ref.Owner, Phase: controller.PhaseProvisioning,
-		Message: "The instance is being created; Incus holds no record of it yet."}, nil
+	return s.observe(inst, ref.Owner), nil
 }
 
 // CreateTarget is idempotent per owner: the owner's existing target is
@@ -610,14 +573,6 @@ func (t *createTable) askClose(name string) bool {
 	}
 	t.m[name] = true
 	return true
-}
-
-// following says this process follows a create of name.
-func (t *createTable) following(name string) bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	_, ok := t.m[name]
-	return ok
 }
 
 func (t *createTable) closeAsked(name string) bool {
