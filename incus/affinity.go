@@ -72,19 +72,8 @@ func (s *endpointSet) learnLocation(project, name, member string) {
 	s.aff.where[affinityKey(project, name)] = member
 }
 
-// placement is where a listing said an instance is.
-type placement struct{ name, location string }
-
-func placementsOf(list []Instance) []placement {
-	out := make([]placement, len(list))
-	for i := range list {
-		out[i] = placement{list[i].Name, list[i].Location}
-	}
-	return out
-}
-
 // learnList replaces what is known of a project's instances with a full list.
-func (s *endpointSet) learnList(project string, list []placement) {
+func (s *endpointSet) learnList(project string, list []Instance) {
 	if len(s.list) < 2 {
 		return
 	}
@@ -99,9 +88,9 @@ func (s *endpointSet) learnList(project string, list []placement) {
 			delete(s.aff.where, k)
 		}
 	}
-	for _, p := range list {
-		if p.location != "" && p.location != "none" {
-			s.aff.where[affinityKey(project, p.name)] = p.location
+	for _, inst := range list {
+		if inst.Location != "" && inst.Location != "none" {
+			s.aff.where[affinityKey(project, inst.Name)] = inst.Location
 		}
 	}
 }

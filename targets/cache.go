@@ -324,10 +324,7 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 	for _, op := range ops {
 		running[op.ID] = true
 	}
-	// Decoded one instance at a time and slimmed at once: the whole
-	// listing, 36 MiB at 10,000 instances and several times that decoded,
-	// is never held.
-	list, err := c.client.ListInstancesKept(lctx, slim)
+	list, err := c.client.ListInstances(lctx)
 	if err != nil {
 		return err
 	}
@@ -356,7 +353,8 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 	}
 	suspects := map[string]uint64{}
 	seen := make(map[string]bool, len(list))
-	for _, inst := range list {
+	for i := range list {
+		inst := slim(&list[i])
 		seen[inst.Name] = true
 		e, ok := c.entries[inst.Name]
 		if ok && e.gen > seq {
