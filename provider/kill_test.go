@@ -120,6 +120,33 @@ func (h *killHarness) logsOf(name string) {
 	}
 }
 
+// incusOf logs what Incus holds for name when an owner's check failed:
+// the instance, any warm instance claimed for it, and the tasks under way.
+func (h *killHarness) incusOf(name string) {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	list, err := h.client.ListInstances(ctx)
+	if err != nil {
+		h.t.Logf("incus: listing: %v", err)
+		return
+	}
+	for _, inst := range list {
+		if inst.Name == name || inst.Config["user.lightspeed.warm_claim"] == name {
+			h.t.Logf("incus: %s status %s claim %q claimed at %q", inst.Name, inst.Status,
+				inst.Config["user.lightspeed.warm_claim"], inst.Config["user.lightspeed.warm_claim_ms"])
+		}
+	}
+	ops, err := h.client.ListOperations(ctx)
+	if err != nil {
+		h.t.Logf("incus: operations: %v", err)
+		return
+	}
+	for _, op := range ops {
+		h.t.Logf("incus: task %s %q %s %v", op.ID, op.Description, op.Status, op.Resources)
+	}
+}
+
 func (h *killHarness) kill() {
 	if h.proc == nil {
 		return
@@ -486,6 +513,7 @@ func checkOwner(ctx context.Context, t *testing.T, h *killHarness, c *jsonrpc.Cl
 			t.Logf("%s asked, %s", l.owner.EnvironmentID, line)
 		}
 		h.logsOf(name)
+		h.incusOf(name)
 		return
 	}
 	if isNotFound(lastErr) && l.id != "" && !allowed["close"] {
