@@ -38,8 +38,15 @@ func activeTarget(t *testing.T, svc *Service, o controller.Owner) controller.Tar
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The create answers without an id while Incus has not written the
+	// record within the answer bound (50 ms in some tests here): the id
+	// is the first one an observation carries, as the runtime takes it.
 	ref := controller.TargetRef{Owner: o, TargetID: obs.TargetID}
-	until(t, "active", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, isActive)
+	active := until(t, "active", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, isActive)
+	if ref.TargetID != "" && active.TargetID != ref.TargetID {
+		t.Fatalf("the create answered id %s, the active target is %s", ref.TargetID, active.TargetID)
+	}
+	ref.TargetID = active.TargetID
 	return ref
 }
 
