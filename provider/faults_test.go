@@ -2,6 +2,7 @@ package provider_test
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -303,4 +304,54 @@ func TestACloseDuringACreateIsNotForgotten(t *testing.T) {
 			r.closeAll(owner)
 		})
 	}
+}
+
+// A get asked while a create this process answered has no record in Incus
+// yet observes provisioning, as the create's answer did: notFound would
+// fail a provisioning environment at once. CI met the window in the
+// conformance suite against the production-shaped image, whose creates
+// under a replenishing warm pool took longer than the create's answer
+// bound to write their record. The fault stretches the window as in the
+// close case above: the instance's GET answers 404 while the create's wait
+// is held. Once the record shows, the same get observes the target.
+func TestAGetDuringACreateIsProvisioning(t *testing.T) {
+	r, proxy := faultRig(t)
+	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-get-early"}
+	name := targets.Name(owner)
+	hide := proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/instances/" + name, Fault: incusfault.Fail,
+		Status: 404, Message: "Instance not found"})
+	hold := proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/operations/*/wait", Fault: incusfault.Delay,
+		Delay: 6 * time.Second})
+	created, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "t1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if created.TargetID != "" {
+		t.Fatalf("the create answered id %s though its record was hidden: the test tested nothing", created.TargetID)
+	}
+	for i := range 3 {
+		o, err := timed(t, fmt.Sprintf("get %d while the record is hidden", i+1), func() (controller.Observation, error) {
+			return r.get(owner)
+		})
+		if err != nil || o.Phase != controller.PhaseProvisioning || o.TargetID != "" {
+			t.Fatalf("get %d while the create is followed answered %+v %v, want provisioning without an id", i+1, o, err)
+		}
+	}
+	proxy.Remove(hide)
+	proxy.Remove(hold)
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		o, err := r.get(owner)
+		if err != nil {
+			t.Fatalf("a get after the record showed answered %v", err)
+		}
+		if o.Phase == controller.PhaseActive && o.TargetID == name {
+			break
+		}
+		if o.Phase != controller.PhaseProvisioning || time.Now().After(deadline) {
+			t.Fatalf("after the record showed the target is %+v, want provisioning then active as %s", o, name)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	r.closeAll(owner)
 }

@@ -349,14 +349,51 @@ func (s *Service) resolveWith(ctx context.Context, ref controller.TargetRef,
 func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
-	_, inst, err := s.resolveWith(ctx, ref, s.read)
+	name, inst, err := s.resolveWith(ctx, ref, s.read)
 	if err != nil {
 		return controller.Observation{}, err
 	}
 	if inst == nil {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+		return s.getNothing(ctx, ref, name)
 	}
 	return s.observe(inst, ref.Owner), nil
+}
+
+// getNothing answers a get that read no instance under the owner's name.
+// notFound fails a provisioning environment at once, so it is kept for an
+// owner for whom nothing is on its way: a create this process answered
+// before Incus wrote its record (under load the record can take seconds),
+// or a warm hand-out whose rename has not landed, is provisioning, as the
+// create's own answer said. The cache may not have seen the record yet
+// either, so Incus is read again. Incus's list of operations is not asked:
+// it cannot tell a create from the delete of a target just closed without
+// reading a human description, and a closed target must not read as
+// provisioning.
+func (s *Service) getNothing(ctx context.Context, ref controller.TargetRef, name string) (controller.Observation, error) {
+	pending := s.creates.following(name)
+	if !pending {
+		var err error
+		if pending, err = s.handoutPendingNow(ctx, name); err != nil {
+			return controller.Observation{}, s.incusError("checking for a hand-out in progress", err)
+		}
+	}
+	if !pending {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+	}
+	inst, err := s.lookup(ctx, name)
+	if err != nil {
+		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	if inst != nil {
+		if err := checkOwned(inst, ref.Owner); err != nil {
+			return controller.Observation{}, err
+		}
+		return s.observe(inst, ref.Owner), nil
+	}
+	// No record yet, so no id: the runtime, which has none either, asks
+	// again (an id it holds is answered back, the one thing it can be).
+	return controller.Observation{TargetID: ref.TargetID, Owner: ref.Owner, Phase: controller.PhaseProvisioning,
+		Message: "The instance is being created; Incus holds no record of it yet."}, nil
 }
 
 // CreateTarget is idempotent per owner: the owner's existing target is
@@ -374,6 +411,11 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
 		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	if inst == nil {
+		if inst, err = s.afterEarlierTask(ctx, name); err != nil {
+			return controller.Observation{}, err
+		}
 	}
 	if inst != nil {
 		if err := checkOwned(inst, p.Owner); err != nil {
@@ -452,6 +494,46 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		o.TargetID = name
 	}
 	return o, nil
+}
+
+// afterEarlierTask lets an Incus task already on the owner's name end
+// before a create sends anything there, and answers what it left there.
+// Such a task is a create an earlier request sent (from a process killed
+// since, or another replica) whose record Incus has not written yet. A
+// hand-out renaming a warm instance onto the name then lands in between,
+// and Incus 6.0 fails both: the create is reverted, and the owner's
+// volume record stays behind without an instance, refusing every later
+// create of the name (found by the kill matrix with a pool: a target
+// answered with an id, then notFound for good). A create sent on top of it
+// only fails, but its answer would be an error for a create that is
+// already on its way. The wait is the answer bound's; a task that outlives
+// it is answered unavailable, and the runtime asks again.
+func (s *Service) afterEarlierTask(ctx context.Context, name string) (*incus.Instance, error) {
+	op, err := s.operationOn(ctx, name)
+	if err != nil {
+		return nil, s.incusError("checking for a task on the owner's name", err)
+	}
+	if op == nil {
+		return nil, nil
+	}
+	s.log.Info("a create waits for an earlier task on the owner's name", zap.String("instance", name),
+		zap.String("task", op.ID), zap.String("description", op.Description))
+	// An error is that create failing, which frees the name again.
+	if recorded, _ := s.awaitRecord(ctx, name, op); !recorded {
+		if op, err := s.operationOn(ctx, name); err != nil || op != nil {
+			return nil, jsonrpc.Unavailable(retryAfter, "Incus is still working on an earlier request for this target; retry shortly.")
+		}
+	}
+	return s.lookupOrRefuse(ctx, name)
+}
+
+// lookupOrRefuse is lookup with Incus's failure answered as the method's.
+func (s *Service) lookupOrRefuse(ctx context.Context, name string) (*incus.Instance, error) {
+	inst, err := s.lookup(ctx, name)
+	if err != nil {
+		return nil, s.incusError("looking up the owner's target", err)
+	}
+	return inst, nil
 }
 
 // awaitRecord waits, within the answer bound, for the instance to exist or
@@ -573,6 +655,14 @@ func (t *createTable) askClose(name string) bool {
 	}
 	t.m[name] = true
 	return true
+}
+
+// following says this process follows a create of name.
+func (t *createTable) following(name string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.m[name]
+	return ok
 }
 
 func (t *createTable) closeAsked(name string) bool {

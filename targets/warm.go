@@ -53,9 +53,10 @@ import (
 //     any created one.
 //
 // A crash after 1 leaves a claimed warm instance that is neither in the
-// pool nor a target: the owner's retried create resumes the hand-out (see
-// resumeHandout), and the pool deletes one no create resumed once its claim
-// is older than WarmStale. A crash after 2 leaves the owner's whole target. Either way the owner's name ends on exactly one instance. Should two
+// pool nor a target: the pool's survey resumes the hand-out once the
+// claimant's method budget has passed, and so does the owner's create
+// should it come first (see resumeHandout); one still claimed when its
+// claim is older than WarmStale is deleted. A crash after 2 leaves the owner's whole target. Either way the owner's name ends on exactly one instance. Should two
 // claims of one instance both have landed (replicas racing inside Incus's
 // ETag check), the instance at an owner's name may carry the other owner's
 // metadata: that unfinished hand-out belongs to whoever's name it has, and
@@ -106,16 +107,38 @@ func isWarmName(name string) bool { return strings.HasPrefix(name, warmPrefix) }
 // only. A close must not answer closed before the rename lands or the
 // claim is swept.
 func (s *Service) handoutPending(ctx context.Context, name string) (bool, error) {
-	claimed, err := s.claimsFor(ctx, name)
+	claimed, err := s.claimsFor(ctx, name, false)
 	if err != nil {
 		return false, err
 	}
+	return s.youngClaim(claimed), nil
+}
+
+// handoutPendingNow is handoutPending with a claim the cache shows read
+// again from Incus: the cache may hold a claim's write without the rename
+// that followed it (to this owner's name or, after a lost race of two
+// claims, to another's), and a get must not answer provisioning for an
+// owner nothing is on its way to.
+func (s *Service) handoutPendingNow(ctx context.Context, name string) (bool, error) {
+	if pending, err := s.handoutPending(ctx, name); err != nil || !pending || s.cache == nil {
+		return pending, err
+	}
+	claimed, err := s.claimsFor(ctx, name, true)
+	if err != nil {
+		return false, err
+	}
+	return s.youngClaim(claimed), nil
+}
+
+// youngClaim says one of the claims is younger than WarmStale (or carries
+// no time to tell): its hand-out may still land.
+func (s *Service) youngClaim(claimed []incus.Instance) bool {
 	for _, w := range claimed {
 		if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) < s.cfg.WarmStale {
-			return true, nil
+			return true
 		}
 	}
-	return false, nil
+	return false
 }
 
 // unfinishedHandout says an instance under an owner's name came from the
@@ -319,6 +342,8 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 		if at, lerr := s.lookup(ctx, name); lerr == nil && at != nil {
 			return warmHit
 		}
+		s.log.Warn("renaming a claimed warm instance to the owner's name failed", zap.String("instance", name),
+			zap.String("warm", wn), zap.Error(err))
 		return warmMiss
 	}
 	if s.warmHook != nil && s.warmHook("renamed") {
@@ -342,13 +367,22 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 // owner's name with no instance (found by the kill matrix with a pool: the
 // owner's every later create then failed, and its target vanished).
 func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult, error) {
-	claimed, err := s.claimsFor(ctx, name)
+	claimed, err := s.claimsFor(ctx, name, false)
 	if err != nil {
 		return warmMiss, err
 	}
 	for _, w := range claimed {
 		wn := w.Name
 		if op, err := s.operationOn(ctx, wn); err != nil || op != nil {
+			if op != nil {
+				s.log.Info("a hand-out to the owner's name waits for an Incus task on its claimed warm instance",
+					zap.String("instance", name), zap.String("warm", wn), zap.String("task", op.ID),
+					zap.String("description", op.Description), zap.String("status", op.Status))
+			}
+			return warmBusy, err
+		}
+		// Nor while a task is on the owner's name (see afterEarlierTask).
+		if op, err := s.operationOn(ctx, name); err != nil || op != nil {
 			return warmBusy, err
 		}
 		s.log.Info("resuming a hand-out an earlier claimant left", zap.String("instance", name), zap.String("warm", wn))
@@ -365,6 +399,38 @@ func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult
 	return warmMiss, nil
 }
 
+// resumeClaim finishes, in the background, a hand-out to name that its
+// claimant left after the claim (a process killed, a rename that failed or
+// outlived its create's answer). The claim is the owner's create recorded
+// in Incus, and the create's answer (provisioning, without an id until the
+// rename lands) promised the target: the runtime follows it with gets, not
+// with another create, so waiting for one would leave the claim to be swept
+// and the owner with nothing (the kill matrix with a pool found it in CI).
+// A claim whose name another create holds is deleted: it carries the
+// owner's ids and never returns to the pool.
+func (s *Service) resumeClaim(ctx context.Context, wn, name string) {
+	if !looksLikeTargetID(name) {
+		return
+	}
+	unlock, err := s.locks.lock(ctx, name)
+	if err != nil {
+		return
+	}
+	defer unlock()
+	inst, err := s.lookup(ctx, name)
+	switch {
+	case err != nil:
+		return
+	case inst != nil:
+		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == name })
+		return
+	}
+	if r, err := s.resumeHandout(ctx, name); err == nil && r == warmHit {
+		s.changes.note(name)
+		s.work.kick(name)
+	}
+}
+
 // claimsFor is the warm instances claimed for name, for a create (which
 // resumes such a hand-out) and a close (which waits for it). Without a
 // pool in the catalog none can be made, and none is looked for. Else they
@@ -373,8 +439,9 @@ func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult
 // environment's close ends with a close that finds nothing and asks. A
 // claim a live claimant wrote moments ago may not have reached the cache
 // yet; its rename then lands under a name answered closed, which the
-// closed memory handles (see closed.go). Otherwise they come from Incus.
-func (s *Service) claimsFor(ctx context.Context, name string) ([]incus.Instance, error) {
+// closed memory handles (see closed.go). Otherwise, or when fresh, they
+// come from Incus.
+func (s *Service) claimsFor(ctx context.Context, name string, fresh bool) ([]incus.Instance, error) {
 	warm := false
 	for _, t := range s.catalog.Load().All() {
 		warm = warm || t.Warm > 0
@@ -383,7 +450,7 @@ func (s *Service) claimsFor(ctx context.Context, name string) ([]incus.Instance,
 		return nil, nil
 	}
 	claimedFor := func(w *incus.Instance) bool { return isWarmName(w.Name) && w.Config[keyWarmClaim] == name }
-	if s.cache != nil {
+	if s.cache != nil && !fresh {
 		if out, ok := s.cache.find(claimedFor); ok {
 			return out, nil
 		}
@@ -513,7 +580,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	}
 	recipes := map[string]string{}
 	known := map[string]bool{}
-	var drop, ready []incus.Instance
+	var drop, ready, resume []incus.Instance
 	s.warm.mu.Lock()
 	busy := func(n string) bool { return s.warm.filling[n] || s.warm.taken[n] }
 	for i := range list {
@@ -533,6 +600,10 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		case w.Config[keyWarmClaim] != "":
 			if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) > s.cfg.WarmStale {
 				drop = append(drop, w)
+			} else if s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
+				// Past its claimant's own method budget: a live claimant
+				// has sent its rename by now, or never will.
+				resume = append(resume, w)
 			}
 			continue // claimed: not the pool's
 		case t == nil || w.Config[keyWarm] != t.Wire.TemplateID || w.Config[keyWarmRecipe] != recipes[t.Wire.TemplateID]:
@@ -548,6 +619,9 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	for _, w := range drop {
 		claim := w.Config[keyWarmClaim]
 		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return now.Config[keyWarmClaim] == claim })
+	}
+	for _, w := range resume {
+		s.resumeClaim(ctx, w.Name, w.Config[keyWarmClaim])
 	}
 	for _, w := range ready {
 		// Listed without its ready mark and created by no one here: a

@@ -342,10 +342,12 @@ func TestWarmCrashMidHandout(t *testing.T) {
 			if warm+at != 1 {
 				t.Fatalf("after the crash: %d warm instances and %d at the owner's name, want exactly one of the two", warm, at)
 			}
-			// The instance the crash left claimed: the owner's retried
-			// create resumes its hand-out (it never sends a create of its
-			// own, nor hands out another, to a name a claimed instance
-			// may still be renamed to).
+			// The instance the crash left claimed: the next process
+			// finishes its hand-out on its own, since the runtime follows
+			// a create's answer with gets only, and the owner's retried
+			// create finds it (never sending a create of its own, nor
+			// handing out another, to a name a claimed instance may
+			// still be renamed to).
 			var claimedUUID string
 			for _, inst := range h.instances() {
 				if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == Name(o) {
@@ -356,6 +358,15 @@ func TestWarmCrashMidHandout(t *testing.T) {
 				t.Fatal("the crash after the claim left no claimed warm instance: the test tested nothing")
 			}
 			fresh, _ := h.startWarm(h.catalog, nil, nil)
+			ctx := ctxT(t)
+			// Gets alone: provisioning (never notFound) until active.
+			until(t, "active on gets alone", func() (controller.Observation, error) {
+				o, err := fresh.GetTarget(ctx, controller.TargetRef{Owner: o})
+				if err != nil && kindOf(err) == jsonrpc.KindNotFound {
+					t.Fatalf("a get after the crash answered %v: the hand-out's create was answered, so the target is owed", err)
+				}
+				return o, err
+			}, isActive)
 			createUntilID(t, fresh, p)
 			if stage == "claimed" {
 				inst, _, err := h.client.GetInstance(ctxT(t), Name(o))
@@ -366,8 +377,6 @@ func TestWarmCrashMidHandout(t *testing.T) {
 					t.Fatalf("the owner's target (uuid %q) is not the instance its crashed hand-out claimed (uuid %q)", got, claimedUUID)
 				}
 			}
-			ctx := ctxT(t)
-			until(t, "active", func() (controller.Observation, error) { return fresh.GetTarget(ctx, controller.TargetRef{Owner: o}) }, isActive)
 			h.awaitPool(t, 1)
 			h.checkOnePerOwner(t, []controller.Owner{o})
 		})
@@ -546,28 +555,24 @@ func TestWarmCloseDuringAHandout(t *testing.T) {
 	if wn == "" {
 		t.Fatal("no warm instance is claimed for the owner: the test tested nothing")
 	}
-	// The claim stays fresh for the whole test: its claimant may still
-	// rename it.
+	// The claim stays fresh for the whole test. The next process finishes
+	// the hand-out (a create was answered for it); the runtime's close,
+	// asked at once and until closed, is never answered closed while the
+	// claim could still land a target.
 	fresh, _ := h.startWarmWith(h.catalog, nil, nil, time.Hour)
-	o1, err := fresh.CloseTarget(ctx, controller.TargetRef{Owner: o})
-	var e *jsonrpc.Error
-	if !errors.As(err, &e) || e.Kind != jsonrpc.KindUnavailable {
-		t.Fatalf("a close while a hand-out to the owner's name is under way answered %+v %v, want unavailable", o1, err)
-	}
-	// The claimant's rename lands, as a live one's would.
-	op, err := h.client.RenameInstance(ctx, wn, name)
-	if err == nil {
-		_, err = h.client.Wait(ctx, op)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The runtime's close, until closed: what the rename put there goes.
 	deadline := time.Now().Add(90 * time.Second)
 	for {
 		got, err := fresh.CloseTarget(ctx, controller.TargetRef{Owner: o})
 		if err == nil && got.Phase == controller.PhaseClosed {
+			for _, inst := range h.instances() {
+				if inst.Name == name || isWarmName(inst.Name) && inst.Config[keyWarmClaim] == name {
+					t.Fatalf("the close answered closed while %s (claim %q) was still there", inst.Name, inst.Config[keyWarmClaim])
+				}
+			}
 			break
+		}
+		if err != nil && kindOf(err) != jsonrpc.KindUnavailable {
+			t.Fatalf("a close during the hand-out answered %v, want closing, closed or unavailable", err)
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the owner's close never answered closed: %+v %v", got, err)
