@@ -72,8 +72,19 @@ func (s *endpointSet) learnLocation(project, name, member string) {
 	s.aff.where[affinityKey(project, name)] = member
 }
 
+// placement is where a listing said an instance is.
+type placement struct{ name, location string }
+
+func placementsOf(list []Instance) []placement {
+	out := make([]placement, len(list))
+	for i := range list {
+		out[i] = placement{list[i].Name, list[i].Location}
+	}
+	return out
+}
+
 // learnList replaces what is known of a project's instances with a full list.
-func (s *endpointSet) learnList(project string, list []Instance) {
+func (s *endpointSet) learnList(project string, list []placement) {
 	if len(s.list) < 2 {
 		return
 	}
@@ -88,9 +99,9 @@ func (s *endpointSet) learnList(project string, list []Instance) {
 			delete(s.aff.where, k)
 		}
 	}
-	for _, inst := range list {
-		if inst.Location != "" && inst.Location != "none" {
-			s.aff.where[affinityKey(project, inst.Name)] = inst.Location
+	for _, p := range list {
+		if p.location != "" && p.location != "none" {
+			s.aff.where[affinityKey(project, p.name)] = p.location
 		}
 	}
 }

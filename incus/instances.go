@@ -2,6 +2,7 @@ package incus
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -198,8 +199,43 @@ func (c *Client) ListInstances(ctx context.Context) ([]Instance, error) {
 	if err != nil {
 		return nil, err
 	}
-	c.eps.learnList(c.project, *out)
+	c.eps.learnList(c.project, placementsOf(*out))
 	return *out, nil
+}
+
+// ListInstancesKept lists the instances of the client's project as
+// ListInstances does, decoding them one at a time from the answer as it
+// arrives and holding only what keep returns for each (nil: nothing):
+// the full listing is never in memory at once, neither as bytes nor
+// decoded. keep may be called for an instance more than once (a listing
+// cut short is read again from the next endpoint); only the last
+// listing's results are returned.
+func (c *Client) ListInstancesKept(ctx context.Context, keep func(*Instance) *Instance) ([]*Instance, error) {
+	var (
+		out    []*Instance
+		placed []placement
+	)
+	sink := func(dec *json.Decoder) error {
+		var got []*Instance
+		var at []placement
+		err := decodeArray(dec, func(inst *Instance) {
+			at = append(at, placement{inst.Name, inst.Location})
+			if k := keep(inst); k != nil {
+				got = append(got, k)
+			}
+		})
+		if err == nil {
+			out, placed = got, at
+		}
+		return err
+	}
+	r := request{op: "instance.list", method: http.MethodGet, scoped: true, path: "/1.0/instances",
+		query: url.Values{"recursion": {"1"}}, patient: true, metadata: sink}
+	if _, err := c.do(ctx, r); err != nil {
+		return nil, fmt.Errorf("incus: list instances: %w", err)
+	}
+	c.eps.learnList(c.project, placed)
+	return out, nil
 }
 
 // ListInstancesWithConfig lists the instances whose config key holds

@@ -114,6 +114,12 @@ func TestIntegrationLifecycle(t *testing.T) {
 	if err != nil || len(list) != 1 || list[0].Name != name {
 		t.Fatalf("list: %v %v", list, err)
 	}
+	// The streamed listing decodes what the whole one does.
+	kept, err := c.ListInstancesKept(ctx, func(inst *incus.Instance) *incus.Instance { return inst })
+	if err != nil || len(kept) != 1 || kept[0].Name != name || kept[0].Status != list[0].Status ||
+		kept[0].Config["user.lsit"] != "1" || !kept[0].CreatedAt.Equal(list[0].CreatedAt) {
+		t.Fatalf("kept list: %+v %v, whole %+v", kept, err, list)
+	}
 
 	took, err = state(t, ctx, c, name, incus.InstanceStatePut{Action: "start"})
 	if err != nil {

@@ -40,6 +40,10 @@ type request struct {
 	// probe one that failed.
 	patient bool
 
+	// metadata, when set, decodes a sync answer's metadata as it arrives
+	// (see parseStream); the response's Metadata is then empty.
+	metadata metadataSink
+
 	// waitCall marks GET /1.0/operations/{id}/wait. Incus sends the 200
 	// header before it starts waiting, so the outcome of the wait (the
 	// operation failed, or the server-side timeout ran out) arrives as an
@@ -74,6 +78,7 @@ type response struct {
 	envelope
 	httpStatus int
 	etag       string
+	streamed   bool      // the metadata went to the request's sink
 	via        *endpoint // the endpoint that answered
 }
 
@@ -371,6 +376,16 @@ func (c *Client) tryEndpoint(callCtx context.Context, r request, body []byte, ep
 		return failed(err, false)
 	}
 	defer hresp.Body.Close()
+	if r.metadata != nil && hresp.StatusCode == http.StatusOK {
+		resp, aerr, rerr := c.parseStream(r, hresp)
+		if rerr != nil {
+			return failed(fmt.Errorf("read response: %w", rerr), true)
+		}
+		if resp != nil {
+			resp.via = ep
+		}
+		return attempt{kind: failoverKind(aerr, write), resp: resp, err: aerr, sent: true}
+	}
 	raw, err := readBody(hresp)
 	if err != nil {
 		return failed(fmt.Errorf("read response: %w", err), true)
@@ -455,7 +470,11 @@ func (c *Client) parse(r request, hresp *http.Response, raw []byte) (*response, 
 		}
 		return nil, &Error{Op: r.op, Status: hresp.StatusCode, Err: fmt.Errorf("%w: %s", ErrMalformedResponse, why)}
 	}
+	return c.judge(r, hresp, resp)
+}
 
+// judge turns a decoded envelope into the answer or its *Error.
+func (c *Client) judge(r request, hresp *http.Response, resp *response) (*response, error) {
 	switch resp.Type {
 	case "error":
 		if r.waitCall && hresp.StatusCode == http.StatusOK {
