@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 // listOf writes a listing of n instances, each with config keys the keep
@@ -129,6 +130,9 @@ func TestListInstancesKeptRefusesAnOversizedBody(t *testing.T) {
 		}
 		_, _ = io.WriteString(w, `"}]}`)
 	}))
+	// 64 MiB takes a second here and several under a loaded CI: the
+	// fake's 2 s call bound would turn a slow machine into a timeout.
+	f.client.callTimeout = 2 * time.Minute
 	_, err := f.client.ListInstancesKept(t.Context(), keepUser)
 	if !errors.Is(err, ErrMalformedResponse) || !strings.Contains(err.Error(), "larger than") {
 		t.Fatalf("want an oversized refusal, got %v", err)
