@@ -355,3 +355,37 @@ func TestAGetDuringACreateIsProvisioning(t *testing.T) {
 	}
 	r.closeAll(owner)
 }
+
+// A close Incus recorded is answered closing even when the read that
+// follows the write fails: the reconciler carries the close out whatever
+// the answer says, and unavailable would tell the runtime it did not
+// happen (the kill matrix met it under load: a close refused
+// unavailable, then carried out). The fault holds the close's write so
+// that the instance's reads can be failed after the close resolved it.
+func TestACloseRecordedIsNeverRefused(t *testing.T) {
+	r, proxy := faultRig(t)
+	r.create("env-close-read-fails", "t1")
+	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-close-read-fails"}
+	name := targets.Name(owner)
+	hold := proxy.Add(incusfault.Rule{Method: "PATCH", Path: "/1.0/instances/" + name, Fault: incusfault.Delay,
+		Delay: time.Second, Times: 1})
+	failing := make(chan incusfault.ID, 1)
+	time.AfterFunc(400*time.Millisecond, func() {
+		failing <- proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/instances/" + name, Fault: incusfault.Fail,
+			Status: 500, Message: "injected: the read after the close fails"})
+	})
+	closed, err := timed(t, "close whose read after the write fails", func() (controller.Observation, error) {
+		return r.closeTarget(owner)
+	})
+	fail := <-failing
+	held, failed := proxy.Hits(hold), proxy.Hits(fail)
+	proxy.Remove(fail)
+	proxy.Remove(hold)
+	if held == 0 || failed == 0 {
+		t.Fatalf("the close's write was held %d times and its reads failed %d times: the test tested nothing", held, failed)
+	}
+	if err != nil || closed.Phase != controller.PhaseClosing || closed.TargetID != name {
+		t.Fatalf("a recorded close answered %+v %v, want closing with id %s", closed, err, name)
+	}
+	r.closeAll(owner)
+}

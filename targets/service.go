@@ -703,7 +703,11 @@ func (s *Service) answerHandout(ctx context.Context, name string, p controller.C
 	s.kickAndWait(ctx, name)
 	after, err := s.lookup(ctx, name)
 	if err != nil {
-		return controller.Observation{}, s.incusError("observing the owner's target", err)
+		// The instance is at the owner's name with the owner's metadata:
+		// the create is under way whatever this answer says.
+		s.log.Warn("observing a hand-out failed; answering provisioning", zap.String("instance", name), zap.Error(err))
+		return controller.Observation{TargetID: name, Owner: p.Owner, Phase: controller.PhaseProvisioning,
+			Message: "Handing out a warm instance."}, nil
 	}
 	if after == nil {
 		return controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Handing out a warm instance."}, nil
@@ -889,7 +893,12 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	s.kickAndWait(ctx, name)
 	after, err := s.lookup(ctx, name)
 	if err != nil {
-		return controller.Observation{}, s.incusError("observing the close", err)
+		// The close is recorded: the reconciler carries it out whatever
+		// this answer says, so it is closing, not unavailable (a refusal
+		// the runtime would take for a close that did not happen).
+		s.log.Warn("observing a recorded close failed; answering closing", zap.String("instance", name), zap.Error(err))
+		return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
+			Message: "The instance is being stopped and deleted."}, nil
 	}
 	if after == nil {
 		s.closed.note(name, s.now())
