@@ -412,7 +412,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	if err != nil {
 		return controller.Observation{}, s.incusError("looking up the owner's target", err)
 	}
-	if inst == nil {
+	if inst == nil && s.poolsOffered() {
 		if inst, err = s.afterEarlierTask(ctx, name); err != nil {
 			return controller.Observation{}, err
 		}
@@ -504,10 +504,12 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 // and Incus 6.0 fails both: the create is reverted, and the owner's
 // volume record stays behind without an instance, refusing every later
 // create of the name (found by the kill matrix with a pool: a target
-// answered with an id, then notFound for good). A create sent on top of it
-// only fails, but its answer would be an error for a create that is
-// already on its way. The wait is the answer bound's; a task that outlives
-// it is answered unavailable, and the runtime asks again.
+// answered with an id, then notFound for good). Without a pool no rename
+// can land there, and a create sent on top of another only fails, so the
+// check (a list of Incus's tasks, which costs a loaded daemon time out of
+// the create's budget) is made only when a template has a pool. The wait
+// is the answer bound's; a task that outlives it is answered unavailable,
+// and the runtime asks again.
 func (s *Service) afterEarlierTask(ctx context.Context, name string) (*incus.Instance, error) {
 	op, err := s.operationOn(ctx, name)
 	if err != nil {

@@ -183,6 +183,9 @@ type warmPool struct {
 	// taken are the warm instances a create of this process is handing
 	// out: no two of its creates claim the same one.
 	taken map[string]bool
+	// resuming are the claimed ones whose hand-out the survey is
+	// finishing (see resumeClaim).
+	resuming map[string]bool
 	// retryAt backs a template's refill off after Incus refused it.
 	retryAt map[string]time.Time
 	delay   map[string]time.Duration
@@ -195,7 +198,7 @@ type warmPool struct {
 }
 
 func (p *warmPool) init() {
-	p.known, p.filling, p.taken = map[string]bool{}, map[string]bool{}, map[string]bool{}
+	p.known, p.filling, p.taken, p.resuming = map[string]bool{}, map[string]bool{}, map[string]bool{}, map[string]bool{}
 	p.retryAt, p.delay = map[string]time.Time{}, map[string]time.Duration{}
 	p.kickc = make(chan struct{}, 1)
 	p.sem = make(chan struct{}, warmCreates)
@@ -442,11 +445,7 @@ func (s *Service) resumeClaim(ctx context.Context, wn, name string) {
 // closed memory handles (see closed.go). Otherwise, or when fresh, they
 // come from Incus.
 func (s *Service) claimsFor(ctx context.Context, name string, fresh bool) ([]incus.Instance, error) {
-	warm := false
-	for _, t := range s.catalog.Load().All() {
-		warm = warm || t.Warm > 0
-	}
-	if !warm {
+	if !s.poolsOffered() {
 		return nil, nil
 	}
 	claimedFor := func(w *incus.Instance) bool { return isWarmName(w.Name) && w.Config[keyWarmClaim] == name }
@@ -466,6 +465,17 @@ func (s *Service) claimsFor(ctx context.Context, name string, fresh bool) ([]inc
 		}
 	}
 	return out, nil
+}
+
+// poolsOffered says a template of the catalog keeps a warm pool: only
+// then can a claim or a hand-out's rename exist.
+func (s *Service) poolsOffered() bool {
+	for _, t := range s.catalog.Load().All() {
+		if t.Warm > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // handable says a warm instance may be handed out for the template.
@@ -582,7 +592,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	known := map[string]bool{}
 	var drop, ready, resume []incus.Instance
 	s.warm.mu.Lock()
-	busy := func(n string) bool { return s.warm.filling[n] || s.warm.taken[n] }
+	busy := func(n string) bool { return s.warm.filling[n] || s.warm.taken[n] || s.warm.resuming[n] }
 	for i := range list {
 		w := list[i]
 		if !isWarmName(w.Name) {
@@ -620,9 +630,6 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		claim := w.Config[keyWarmClaim]
 		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return now.Config[keyWarmClaim] == claim })
 	}
-	for _, w := range resume {
-		s.resumeClaim(ctx, w.Name, w.Config[keyWarmClaim])
-	}
 	for _, w := range ready {
 		// Listed without its ready mark and created by no one here: a
 		// create whose process ended. Ready once Incus has finished it.
@@ -636,6 +643,28 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		}
 	}
 	s.warmGauge()
+	// Each on its own: a resume waits for the owner's lock and the
+	// rename, and the survey (the pool's ready marks, the refill) must
+	// not wait for them.
+	for _, w := range resume {
+		wn, name := w.Name, w.Config[keyWarmClaim]
+		s.warm.mu.Lock()
+		s.warm.resuming[wn] = true
+		s.warm.mu.Unlock()
+		done := func() {
+			s.warm.mu.Lock()
+			delete(s.warm.resuming, wn)
+			s.warm.mu.Unlock()
+		}
+		if !s.work.spawn(func(ctx context.Context) {
+			defer done()
+			ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			s.resumeClaim(ctx, wn, name)
+		}) {
+			done()
+		}
+	}
 }
 
 // warmFill starts a create for every slot not known to exist, within the

@@ -357,7 +357,10 @@ func TestWarmCrashMidHandout(t *testing.T) {
 			if stage == "claimed" && claimedUUID == "" {
 				t.Fatal("the crash after the claim left no claimed warm instance: the test tested nothing")
 			}
-			fresh, _ := h.startWarm(h.catalog, nil, nil)
+			// Claims stay young for the test: under load the rename the
+			// crash left can still be running seconds later, and the
+			// harness's 3 s would sweep its claim first.
+			fresh, _ := h.startWarmWith(h.catalog, nil, nil, 30*time.Second)
 			ctx := ctxT(t)
 			// Gets alone: provisioning (never notFound) until active.
 			until(t, "active on gets alone", func() (controller.Observation, error) {
