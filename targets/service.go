@@ -447,7 +447,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	case warmHit:
 		s.warmMetrics().handout(tmpl.Wire.TemplateID, true)
 		return s.answerHandout(ctx, name, p)
-	case warmLost:
+	case warmLost, warmBusy:
 		return s.answerHandout(ctx, name, p)
 	case warmCrashed:
 		return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "The provider stopped while handing out a warm instance; retry shortly.")

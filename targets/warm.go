@@ -42,12 +42,20 @@ import (
 //     claim (the owner's name) onto a ready warm instance and takes the
 //     pool's keys off; of several claimants of one instance, the first
 //     write wins and the others are refused (412) and try another.
-//  2. rename the warm instance to the owner's name. Incus renames in one
-//     transaction and refuses a name in use, so the owner's name is still
-//     the lock: a normal create, or another replica's hand-out, that holds
-//     the name first makes the rename fail, and then the claimed instance
-//     is deleted (it carries this owner's ids, so it never returns to the
-//     pool).
+//  2. rename the warm instance to the owner's name. Incus refuses a name
+//     in use, so the owner's name is still the lock: a normal create, or
+//     another replica's hand-out, that holds the name first makes the
+//     rename fail, and then the claimed instance is deleted (it carries
+//     this owner's ids, so it never returns to the pool). Two renames to
+//     one name settle cleanly (8 of 8 concurrent pairs with the incus
+//     CLI). A rename and a create of one name do not always: Incus 6.0.4
+//     renames the volume before the record and keeps the volume's rename
+//     when the record's fails, so a create landing in between leaves the
+//     name with a volume and no instance, and every later create of it
+//     fails (2 of 6 concurrent pairs). The hand-out holds its rename back
+//     while a task is on the name (renameClaimed), which narrows that
+//     window to Incus's own handling of the two requests; closing it
+//     takes every create onto an owner's name being a rename too.
 //  3. nothing more: the instance is the owner's target (the claim stays on
 //     it as the record of its hand-out), and the reconciler starts it like
 //     any created one.
@@ -259,7 +267,8 @@ const (
 	// would, and nothing more may be written.
 	warmCrashed
 	// warmBusy: an earlier claimant's rename to the owner's name is still
-	// under way; the create answers without an id and is asked again.
+	// under way, or a task on the owner's name holds the rename back; the
+	// create answers without an id, and the claim is resumed after.
 	warmBusy
 )
 
@@ -327,6 +336,17 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 
 // renameClaimed renames a warm instance claimed for name to name (step 2).
 func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutResult {
+	// Incus 6.0 renames the volume before the instance record and does not
+	// undo it when the record's rename fails: a create of the name landing
+	// in between leaves the owner's name with a volume and no instance,
+	// refusing every later create of it (measured: 2 of 6 concurrent
+	// rename/create pairs with the incus CLI). A create under way on the
+	// name is let through first; the claim waits, and is resumed or
+	// deleted once it ended (see resumeClaim). This narrows the window to
+	// Incus's own handling of the two requests; it does not close it.
+	if op, err := s.operationOn(ctx, name); err != nil || op != nil {
+		return warmBusy
+	}
 	op, err := s.incus.RenameInstance(ctx, wn, name)
 	if err == nil {
 		_, err = s.wait(ctx, op, answerWait(ctx, 2*time.Second))
@@ -382,10 +402,6 @@ func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult
 					zap.String("instance", name), zap.String("warm", wn), zap.String("task", op.ID),
 					zap.String("description", op.Description), zap.String("status", op.Status))
 			}
-			return warmBusy, err
-		}
-		// Nor while a task is on the owner's name (see afterEarlierTask).
-		if op, err := s.operationOn(ctx, name); err != nil || op != nil {
 			return warmBusy, err
 		}
 		s.log.Info("resuming a hand-out an earlier claimant left", zap.String("instance", name), zap.String("warm", wn))
