@@ -101,7 +101,10 @@ type Service struct {
 	cfg     Config
 	now     func() time.Time
 
-	locks   keyedMutex
+	locks keyedMutex
+	// intents serializes this process's writes of an instance's wanted
+	// power (see wantPatient).
+	intents keyedMutex
 	listing listing
 	work    *worker
 	// relays is the process's relay registry: no power-down without it.
