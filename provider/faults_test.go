@@ -241,6 +241,25 @@ func exists(t *testing.T, r *rig, name string) bool {
 	return err == nil
 }
 
+// createHidden asks the owner's create while Incus seems not to hold its
+// record yet: the instance's GET answers 404 (hide) and the create's wait
+// is held (hold), so the create stays followed and answers without an id.
+func createHidden(t *testing.T, r *rig, proxy *incusfault.Proxy, owner controller.Owner) (hide, hold incusfault.ID) {
+	t.Helper()
+	hide = proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/instances/" + targets.Name(owner), Fault: incusfault.Fail,
+		Status: 404, Message: "Instance not found"})
+	hold = proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/operations/*/wait", Fault: incusfault.Delay,
+		Delay: 6 * time.Second})
+	created, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "t1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if created.TargetID != "" {
+		t.Fatalf("the create answered id %s though its record was hidden: the test tested nothing", created.TargetID)
+	}
+	return hide, hold
+}
+
 // A close asked of a create this process answered, while Incus has not yet
 // written the instance record, either is recorded on the instance or is
 // refused: "closing" with nothing recorded lets the create finish into a
@@ -258,18 +277,7 @@ func TestACloseDuringACreateIsNotForgotten(t *testing.T) {
 		t.Run(c.env, func(t *testing.T) {
 			r, proxy := faultRig(t)
 			owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: c.env}
-			name := targets.Name(owner)
-			hide := proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/instances/" + name, Fault: incusfault.Fail,
-				Status: 404, Message: "Instance not found"})
-			hold := proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/operations/*/wait", Fault: incusfault.Delay,
-				Delay: 6 * time.Second})
-			created, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "t1"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if created.TargetID != "" {
-				t.Fatalf("the create answered id %s though its record was hidden: the test tested nothing", created.TargetID)
-			}
+			hide, hold := createHidden(t, r, proxy, owner)
 			if c.reveal > 0 {
 				timer := time.AfterFunc(c.reveal, func() { proxy.Remove(hide) })
 				defer timer.Stop()
@@ -318,17 +326,7 @@ func TestAGetDuringACreateIsProvisioning(t *testing.T) {
 	r, proxy := faultRig(t)
 	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-get-early"}
 	name := targets.Name(owner)
-	hide := proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/instances/" + name, Fault: incusfault.Fail,
-		Status: 404, Message: "Instance not found"})
-	hold := proxy.Add(incusfault.Rule{Method: "GET", Path: "/1.0/operations/*/wait", Fault: incusfault.Delay,
-		Delay: 6 * time.Second})
-	created, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "t1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if created.TargetID != "" {
-		t.Fatalf("the create answered id %s though its record was hidden: the test tested nothing", created.TargetID)
-	}
+	hide, hold := createHidden(t, r, proxy, owner)
 	for i := range 3 {
 		o, err := timed(t, fmt.Sprintf("get %d while the record is hidden", i+1), func() (controller.Observation, error) {
 			return r.get(owner)
