@@ -373,7 +373,7 @@ func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (cont
 // reading a human description, and a closed target must not read as
 // provisioning.
 func (s *Service) getNothing(ctx context.Context, ref controller.TargetRef, name string) (controller.Observation, error) {
-	pending := s.creates.following(name)
+	pending := s.creates.following(name) || s.warm.renamingTo(name)
 	if !pending {
 		var err error
 		if pending, err = s.handoutPendingNow(ctx, name); err != nil {

@@ -194,6 +194,11 @@ type warmPool struct {
 	// resuming are the claimed ones whose hand-out the survey is
 	// finishing (see resumeClaim).
 	resuming map[string]bool
+	// renaming counts the renames this process has under way, by the
+	// owner's name they go to: while one runs, neither name may read as
+	// the instance's (the cache can drop the warm name first), and a get
+	// must still answer provisioning.
+	renaming map[string]int
 	// retryAt backs a template's refill off after Incus refused it.
 	retryAt map[string]time.Time
 	delay   map[string]time.Duration
@@ -207,6 +212,7 @@ type warmPool struct {
 
 func (p *warmPool) init() {
 	p.known, p.filling, p.taken, p.resuming = map[string]bool{}, map[string]bool{}, map[string]bool{}, map[string]bool{}
+	p.renaming = map[string]int{}
 	p.retryAt, p.delay = map[string]time.Time{}, map[string]time.Duration{}
 	p.kickc = make(chan struct{}, 1)
 	p.sem = make(chan struct{}, warmCreates)
@@ -347,6 +353,16 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 	if op, err := s.operationOn(ctx, name); err != nil || op != nil {
 		return warmBusy
 	}
+	s.warm.mu.Lock()
+	s.warm.renaming[name]++
+	s.warm.mu.Unlock()
+	defer func() {
+		s.warm.mu.Lock()
+		if s.warm.renaming[name]--; s.warm.renaming[name] <= 0 {
+			delete(s.warm.renaming, name)
+		}
+		s.warm.mu.Unlock()
+	}()
 	op, err := s.incus.RenameInstance(ctx, wn, name)
 	if err == nil {
 		_, err = s.wait(ctx, op, answerWait(ctx, 2*time.Second))
@@ -481,6 +497,13 @@ func (s *Service) claimsFor(ctx context.Context, name string, fresh bool) ([]inc
 		}
 	}
 	return out, nil
+}
+
+// renamingTo says this process has a rename to name under way.
+func (p *warmPool) renamingTo(name string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.renaming[name] > 0
 }
 
 // poolsOffered says a template of the catalog keeps a warm pool: only
