@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"strconv"
 	"strings"
 	"sync"
@@ -529,11 +530,6 @@ func (s *Service) afterEarlierTask(ctx context.Context, name string) (*incus.Ins
 			return nil, jsonrpc.Unavailable(retryAfter, "Incus is still working on an earlier request for this target; retry shortly.")
 		}
 	}
-	return s.lookupOrRefuse(ctx, name)
-}
-
-// lookupOrRefuse is lookup with Incus's failure answered as the method's.
-func (s *Service) lookupOrRefuse(ctx context.Context, name string) (*incus.Instance, error) {
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
 		return nil, s.incusError("looking up the owner's target", err)
@@ -902,8 +898,12 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		// this answer says, so it is closing, not unavailable (a refusal
 		// the runtime would take for a close that did not happen).
 		s.log.Warn("observing a recorded close failed; answering closing", zap.String("instance", name), zap.Error(err))
-		return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
-			Message: "The instance is being stopped and deleted."}, nil
+		recorded := *inst
+		recorded.Config = maps.Clone(inst.Config)
+		if recorded.Config[keyClosing] == "" {
+			recorded.Config[keyClosing] = msString(s.now())
+		}
+		return s.observe(&recorded, ref.Owner), nil
 	}
 	if after == nil {
 		s.closed.note(name, s.now())
