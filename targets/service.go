@@ -459,6 +459,10 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	if tmpl.Warm > 0 {
 		s.warmMetrics().handout(tmpl.Wire.TemplateID, false)
 	}
+	if s.stagesCreates() {
+		// A hand-out may rename onto this name at any time: see staged.go.
+		return s.createStaged(ctx, name, p, tmpl)
+	}
 	req, err := s.instanceRequest(name, p, tmpl)
 	if err != nil {
 		return controller.Observation{}, err

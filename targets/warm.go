@@ -53,9 +53,9 @@ import (
 //     when the record's fails, so a create landing in between leaves the
 //     name with a volume and no instance, and every later create of it
 //     fails (2 of 6 concurrent pairs). The hand-out holds its rename back
-//     while a task is on the name (renameClaimed), which narrows that
-//     window to Incus's own handling of the two requests; closing it
-//     takes every create onto an owner's name being a rename too.
+//     while a task is on the name (renameClaimed), for a create from a
+//     process that stages none; this provider's own creates, while pools
+//     exist, are renames too (see staged.go).
 //  3. nothing more: the instance is the owner's target (the claim stays on
 //     it as the record of its hand-out), and the reconciler starts it like
 //     any created one.
@@ -348,8 +348,9 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 	// refusing every later create of it (measured: 2 of 6 concurrent
 	// rename/create pairs with the incus CLI). A create under way on the
 	// name is let through first; the claim waits, and is resumed or
-	// deleted once it ended (see resumeClaim). This narrows the window to
-	// Incus's own handling of the two requests; it does not close it.
+	// deleted once it ended (see resumeClaim). Only a create from a
+	// process that does not stage its creates (see staged.go) can be on
+	// the name.
 	if op, err := s.operationOn(ctx, name); err != nil || op != nil {
 		return warmBusy
 	}
@@ -412,6 +413,12 @@ func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult
 	}
 	for _, w := range claimed {
 		wn := w.Name
+		s.warm.mu.Lock()
+		ours := s.warm.taken[wn]
+		s.warm.mu.Unlock()
+		if ours {
+			return warmBusy, nil // this process's own staged create renames it
+		}
 		if op, err := s.operationOn(ctx, wn); err != nil || op != nil {
 			if op != nil {
 				s.log.Info("a hand-out to the owner's name waits for an Incus task on its claimed warm instance",
@@ -667,6 +674,13 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	s.warm.mu.Unlock()
 	for _, w := range drop {
 		claim := w.Config[keyWarmClaim]
+		if claim != "" {
+			// A staged create of a large image can outlive its claim's
+			// freshness: a claim Incus is still building is not stale.
+			if op, err := s.operationOn(ctx, w.Name); err != nil || op != nil {
+				continue
+			}
+		}
 		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return now.Config[keyWarmClaim] == claim })
 	}
 	for _, w := range ready {

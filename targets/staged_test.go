@@ -1,0 +1,124 @@
+package targets
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+)
+
+// A create that finds the pool empty, while the catalog keeps one, builds
+// the owner's instance under a staging name and renames it: the instance
+// at the owner's name carries the claim of that rename, and no create was
+// ever sent to the owner's name.
+func TestStagedCreateWhenThePoolIsEmpty(t *testing.T) {
+	h := warmHarness(t, 1)
+	svc, _ := h.startWarm(h.catalog, prometheus.NewRegistry(), nil)
+	ready := h.awaitPool(t, 1)
+	ctx := ctxT(t)
+	hit, miss := owner("staged-hit"), owner("staged-miss")
+	createUntilID(t, svc, controller.CreateParams{Owner: hit, TemplateID: "w"})
+	// The refill waits a second after a hand-out: this create misses.
+	createUntilID(t, svc, controller.CreateParams{Owner: miss, TemplateID: "w"})
+	for _, o := range []controller.Owner{hit, miss} {
+		until(t, "active", func() (controller.Observation, error) { return svc.GetTarget(ctx, controller.TargetRef{Owner: o}) }, isActive)
+	}
+	inst, _, err := h.client.GetInstance(ctx, Name(miss))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inst.Config[keyWarmClaim] != Name(miss) {
+		t.Fatalf("the missed create's instance carries claim %q, want %q: it was not created under a staging name", inst.Config[keyWarmClaim], Name(miss))
+	}
+	if inst.Config["volatile.uuid"] == ready[0].Config["volatile.uuid"] {
+		t.Fatal("the missed create got the warm instance: the test tested nothing")
+	}
+	h.awaitPool(t, 1)
+	h.checkOnePerOwner(t, []controller.Owner{hit, miss})
+}
+
+// A provider that stops once a staged create is built, before its rename:
+// the next process renames it on its own, and the owner's gets answer
+// provisioning, never notFound, until it is active.
+func TestStagedCreateCrashBeforeItsRename(t *testing.T) {
+	h := warmHarness(t, 1)
+	svc, stop := h.startWarm(h.catalog, nil, func(s string) bool { return s == "staged" })
+	h.awaitPool(t, 1)
+	// The pool's one instance is kept taken: the create misses and stages.
+	svc.warm.mu.Lock()
+	for n := range svc.warm.known {
+		svc.warm.taken[n] = true
+	}
+	svc.warm.mu.Unlock()
+	o := owner("staged-crash")
+	name := Name(o)
+	ctx := ctxT(t)
+	got, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "w"})
+	if err != nil || got.TargetID != "" {
+		t.Fatalf("the staged create answered %+v, %v; want provisioning without an id (the hook held its rename)", got, err)
+	}
+	stop()
+	staged := ""
+	for _, inst := range h.instances() {
+		if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == name {
+			staged = inst.Name
+		}
+		if inst.Name == name {
+			t.Fatal("the owner's name holds an instance though the rename was held: the test tested nothing")
+		}
+	}
+	if staged == "" {
+		t.Fatal("the crash left no staged instance claimed for the owner")
+	}
+	fresh, _ := h.startWarmWith(h.catalog, nil, nil, 30*time.Second)
+	until(t, "active on gets alone", func() (controller.Observation, error) {
+		got, err := fresh.GetTarget(ctx, controller.TargetRef{Owner: o})
+		if err != nil && kindOf(err) == jsonrpc.KindNotFound {
+			t.Fatalf("a get after the crash answered %v: a staged create is a create on its way", err)
+		}
+		return got, err
+	}, isActive)
+	h.awaitPool(t, 1)
+	h.checkOnePerOwner(t, []controller.Owner{o})
+}
+
+// Both replicas keep a pool of three, and each owner's create is sent to
+// both at once: a hand-out and a staged create, two hand-outs or two
+// staged creates race for every owner's name. Each owner ends with one instance, nothing
+// claimed is left, and every owner's target becomes active.
+func TestStagedCreatesRaceHandoutsForOneName(t *testing.T) {
+	const pool, rounds = 3, 6
+	h := warmHarness(t, pool)
+	a, _ := h.startWarm(h.catalog, prometheus.NewRegistry(), nil)
+	b, _ := h.startWarm(h.catalog, prometheus.NewRegistry(), nil)
+	var owners []controller.Owner
+	for round := range rounds {
+		h.awaitPool(t, pool)
+		var wg sync.WaitGroup
+		for i := range pool {
+			o := owner(fmt.Sprintf("staged-race-%d-%d", round, i))
+			owners = append(owners, o)
+			for _, svc := range []*Service{a, b} {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					createUntilID(t, svc, controller.CreateParams{Owner: o, TemplateID: "w"})
+				}()
+			}
+		}
+		wg.Wait()
+	}
+	h.awaitPool(t, pool)
+	h.checkOnePerOwner(t, owners)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	for _, o := range owners {
+		until(t, "active", func() (controller.Observation, error) { return a.GetTarget(ctx, controller.TargetRef{Owner: o}) }, isActive)
+	}
+}
