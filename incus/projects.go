@@ -46,6 +46,34 @@ func (c *Client) GetProject(ctx context.Context, name string) (*Project, error) 
 	return p, err
 }
 
+// GetProjectETag is GetProject with the ETag that UpdateProjectIf takes.
+func (c *Client) GetProjectETag(ctx context.Context, name string) (*Project, string, error) {
+	p, resp, err := get[Project](ctx, c, request{op: "project.get", path: projectPath(name)}, fmt.Sprintf("get project %q", name))
+	if err != nil {
+		return nil, "", err
+	}
+	return p, resp.etag, nil
+}
+
+// UpdateProjectIf replaces a project's description and config (PUT),
+// only while the project is as GetProjectETag answered etag (empty:
+// always); otherwise the error matches ErrPreconditionFailed. There is no
+// partial write: Incus's PATCH of a project replaces its whole config, as
+// a PUT does (measured on 6.0.4: a PATCH of one key dropped the others).
+func (c *Client) UpdateProjectIf(ctx context.Context, name, description string, config map[string]string, etag string) error {
+	body := struct {
+		Description string            `json:"description"`
+		Config      map[string]string `json:"config"`
+	}{description, config}
+	resp, err := c.do(ctx, request{op: "project.put", method: http.MethodPut, path: projectPath(name), body: body, etag: etag})
+	if err != nil {
+		return fmt.Errorf("incus: update project %q: %w", name, err)
+	}
+	return c.finish(ctx, "project.put", resp, func(err error) error {
+		return fmt.Errorf("incus: update project %q: %w", name, err)
+	})
+}
+
 // DeleteProject deletes an empty project. Incus refuses a project that
 // still holds instances (or anything else) with a plain 500 ("Only empty
 // projects can be removed."), not a conflict.

@@ -222,9 +222,8 @@ func (s *Service) landed(ctx context.Context, name string, in Intent) bool {
 // pendingTable holds power requests this process answered but could not
 // yet record, because an Incus operation held the instance. The next step
 // of the reconciler for the instance records each before anything else;
-// until then observations show it. It is the one window in which a request
-// lives in memory only: a provider killed in it loses the request, and
-// says so in its log.
+// until then observations show it. The project's config keeps a copy (see
+// pendingstore.go), from which a process started after a kill takes it.
 type pendingTable struct {
 	mu sync.Mutex
 	m  map[string]pendingWrite
@@ -289,11 +288,19 @@ func (s *Service) flushPending(ctx context.Context, name string) bool {
 	switch {
 	case err == nil, errors.Is(err, ErrSuperseded), errors.Is(err, errGone):
 		s.pending.done(name, w)
+		s.failMu.Lock()
+		delete(s.lockedSince, name) // a later refusal is timed afresh
+		s.failMu.Unlock()
+		s.clearPending(ctx, name, w)
 		return true
 	case ctx.Err() != nil:
-		s.log.Warn("shutting down with a power request not yet recorded; it is lost",
+		s.log.Info("shutting down with a power request not yet recorded; the project keeps it",
 			zap.String("instance", name), zap.String("to", string(w.intent.Power)))
 		return false
+	}
+	s.log.Debug("a kept power request is not recorded yet; retrying", zap.String("instance", name), zap.Error(err))
+	if errors.Is(err, incus.ErrBusy) {
+		s.strandedLock(ctx, name)
 	}
 	return false
 }

@@ -165,7 +165,12 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		// request is kept, recorded as soon as Incus takes it, and the
 		// answer says the move is under way. A retryable error from
 		// this method always means nothing was recorded.
-		s.pending.put(name, pendingWrite{intent: in, extra: extra})
+		w := pendingWrite{intent: in, extra: extra}
+		s.pending.put(name, w)
+		if serr := s.storePending(ctx, name, w); serr != nil {
+			s.log.Warn("storing a power request on the project failed; it is held in memory only",
+				zap.String("instance", name), zap.String("to", string(power)), zap.Error(serr))
+		}
 		s.work.kick(name)
 		if unknown != nil || ctx.Err() != nil {
 			s.log.Warn("a power request waits for Incus to take it", zap.String("instance", name),

@@ -30,6 +30,22 @@ func (h *harness) startWith(cfg Config) *Service {
 	return svc
 }
 
+// startStoppable is startWith, with a stop that acts as a kill would for
+// what the process holds in memory.
+func (h *harness) startStoppable(cfg Config) (*Service, func()) {
+	svc := mustNew(h.t, h.client, h.catalog, h.dialer, zaptest.NewLogger(h.t), cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = svc.Run(ctx)
+	}()
+	var once sync.Once
+	stop := func() { once.Do(func() { cancel(); <-done }) }
+	h.t.Cleanup(stop)
+	return svc, stop
+}
+
 // activeTarget creates the owner's target from t1 and waits until it runs.
 func activeTarget(t *testing.T, svc *Service, o controller.Owner) controller.TargetRef {
 	t.Helper()
@@ -155,13 +171,11 @@ func TestSetPowerWhileMovingThere(t *testing.T) {
 	until(t, "running at last", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerRunning))
 }
 
-// A guest that ignores the halt signal: the graceful stop times out and is
-// forced, and the instance takes later changes.
-func TestSetPowerForcesAStopThatTimesOut(t *testing.T) {
-	h := newHarness(t)
-	svc := h.startWith(Config{GracefulStop: time.Second, ReconcileInterval: time.Second})
+// stubborn makes the target's guest ignore the halt signal, so that a
+// graceful stop holds the instance for its whole bound.
+func (h *harness) stubborn(t *testing.T, svc *Service, ref controller.TargetRef) {
+	t.Helper()
 	ctx := ctxT(t)
-	ref := activeTarget(t, svc, owner("env-stubborn"))
 	// PID 1 of a container ignores a signal it has no handler for: make
 	// Incus halt with one, and restart so that the setting applies.
 	if err := h.client.PatchInstanceConfig(ctx, ref.TargetID, map[string]string{"raw.lxc": "lxc.signal.halt=SIGUSR2"}); err != nil {
@@ -186,6 +200,69 @@ func TestSetPowerForcesAStopThatTimesOut(t *testing.T) {
 	}
 	h.dialer.Forget(ref.TargetID)
 	until(t, "running again", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerRunning))
+}
+
+// A setPower answered while a graceful stop holds the instance (Incus
+// takes no write on it then), and the provider killed before the stop
+// ends: the next process carries the request out, because the project's
+// config kept it, and then clears what it kept.
+func TestABusySetPowerOutlivesItsProcess(t *testing.T) {
+	h := newHarness(t)
+	cfg := Config{GracefulStop: 8 * time.Second, ReconcileInterval: time.Second}
+	svc, stop := h.startStoppable(cfg)
+	ctx := ctxT(t)
+	ref := activeTarget(t, svc, owner("env-busy-kill"))
+	name := ref.TargetID
+	h.stubborn(t, svc, ref)
+	setPower(t, svc, ref, controller.PowerStopped)
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		if op, err := svc.operationOn(ctx, name); err == nil && op != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no graceful stop ever held the instance: the test tests nothing")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if got := setPower(t, svc, ref, controller.PowerRunning); got.Message == "" {
+		t.Logf("setPower running during the stop answered %+v", got)
+	}
+	key := keyPendingPrefix + name
+	p, err := h.client.GetProject(ctx, h.client.Project())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := p.Config[key]; !ok {
+		if inst, _, err := h.client.GetInstance(ctx, name); err == nil && inst.Config[keyPower] == string(controller.PowerRunning) {
+			t.Fatal("the request was recorded on the instance during the stop: the test tests nothing")
+		}
+		t.Fatalf("the request answered during the stop is held in memory only: the project keeps no %s", key)
+	}
+	stop()
+	fresh, _ := h.startStoppable(cfg)
+	for deadline := time.Now().Add(90 * time.Second); ; {
+		inst, _, err := h.client.GetInstance(ctx, name)
+		p, perr := h.client.GetProject(ctx, h.client.Project())
+		if err == nil && perr == nil && inst.Config[keyPower] == string(controller.PowerRunning) &&
+			inst.Status == incus.InstanceRunning && p.Config[key] == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the answered request was never carried out: %v %v; project keeps %q", inst, err, p.Config[key])
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	until(t, "running", func() (controller.Observation, error) { return fresh.GetTarget(ctx, ref) }, powerIs(controller.PowerRunning))
+}
+
+// A guest that ignores the halt signal: the graceful stop times out and is
+// forced, and the instance takes later changes.
+func TestSetPowerForcesAStopThatTimesOut(t *testing.T) {
+	h := newHarness(t)
+	svc := h.startWith(Config{GracefulStop: time.Second, ReconcileInterval: time.Second})
+	ctx := ctxT(t)
+	ref := activeTarget(t, svc, owner("env-stubborn"))
+	h.stubborn(t, svc, ref)
 
 	start := time.Now()
 	setPower(t, svc, ref, controller.PowerStopped)

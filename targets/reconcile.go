@@ -55,6 +55,7 @@ func (s *Service) pass(ctx context.Context) error {
 		return err
 	}
 	s.refreshIngress(list, since)
+	s.restorePending(ctx)
 	for i := range list {
 		inst := &list[i]
 		if _, ok := ownerOf(inst); !ok {
@@ -102,6 +103,10 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 		s.dialer.Forget(name)
 		s.progress.clear(name)
 		s.ingress.drop(name)
+		if w, ok := s.pending.get(name); ok {
+			s.pending.done(name, w)
+			s.clearPending(ctx, name, w)
+		}
 		return 0
 	}
 	if _, ok := ownerOf(inst); !ok {

@@ -114,10 +114,16 @@ type Service struct {
 	// count lives in memory because a restart deserves fresh attempts.
 	failMu        sync.Mutex
 	startFailures map[string]int
+	// lockedSince is when an instance was first seen refusing writes with
+	// no task on it (see strandedLock).
+	lockedSince map[string]time.Time
 	// progress is what the power moves this process carries out wait for.
 	progress progressTable
-	// pending are power requests answered but not yet recorded (see pendingTable).
-	pending pendingTable
+	// pending are power requests answered but not yet recorded (see
+	// pendingTable); projectMu orders this process's writes of the copy
+	// the project's config keeps (see pendingstore.go).
+	pending   pendingTable
+	projectMu sync.Mutex
 	// creates are the creates this process answered and still follows.
 	creates createTable
 	// closed are the names this process answered closed (see closed.go).
@@ -156,7 +162,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 		log = zap.NewNop()
 	}
 	s := &Service{incus: client, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
-		startFailures: map[string]int{}}
+		startFailures: map[string]int{}, lockedSince: map[string]time.Time{}}
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
 	s.ingress.init()
 	s.warm.init()
