@@ -57,7 +57,13 @@ func loadCatalog(t testing.TB, client *incus.Client, image string, deprecated bo
 
 // start runs a service (one "provider process") until the test ends or stop is called.
 func (h *harness) start(catalog *templates.Catalog) (*Service, func()) {
-	svc := mustNew(h.t, h.client, catalog, h.dialer, zaptest.NewLogger(h.t), Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+	return h.startCfg(catalog, Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
+}
+
+// startCfg is start with a configuration of its own; its stop acts as a
+// kill would for what the process holds in memory.
+func (h *harness) startCfg(catalog *templates.Catalog, cfg Config) (*Service, func()) {
+	svc := mustNew(h.t, h.client, catalog, h.dialer, zaptest.NewLogger(h.t), cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {

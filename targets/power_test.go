@@ -3,7 +3,6 @@ package targets
 import (
 	"context"
 	"errors"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,32 +17,8 @@ import (
 
 // startWith runs a service with its own configuration until the test ends.
 func (h *harness) startWith(cfg Config) *Service {
-	svc := mustNew(h.t, h.client, h.catalog, h.dialer, zaptest.NewLogger(h.t), cfg)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = svc.Run(ctx)
-	}()
-	var once sync.Once
-	h.t.Cleanup(func() { once.Do(func() { cancel(); <-done }) })
+	svc, _ := h.startCfg(h.catalog, cfg)
 	return svc
-}
-
-// startStoppable is startWith, with a stop that acts as a kill would for
-// what the process holds in memory.
-func (h *harness) startStoppable(cfg Config) (*Service, func()) {
-	svc := mustNew(h.t, h.client, h.catalog, h.dialer, zaptest.NewLogger(h.t), cfg)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = svc.Run(ctx)
-	}()
-	var once sync.Once
-	stop := func() { once.Do(func() { cancel(); <-done }) }
-	h.t.Cleanup(stop)
-	return svc, stop
 }
 
 // activeTarget creates the owner's target from t1 and waits until it runs.
@@ -209,7 +184,7 @@ func (h *harness) stubborn(t *testing.T, svc *Service, ref controller.TargetRef)
 func TestABusySetPowerOutlivesItsProcess(t *testing.T) {
 	h := newHarness(t)
 	cfg := Config{GracefulStop: 8 * time.Second, ReconcileInterval: time.Second}
-	svc, stop := h.startStoppable(cfg)
+	svc, stop := h.startCfg(h.catalog, cfg)
 	ctx := ctxT(t)
 	ref := activeTarget(t, svc, owner("env-busy-kill"))
 	name := ref.TargetID
@@ -239,7 +214,7 @@ func TestABusySetPowerOutlivesItsProcess(t *testing.T) {
 		t.Fatalf("the request answered during the stop is held in memory only: the project keeps no %s", key)
 	}
 	stop()
-	fresh, _ := h.startStoppable(cfg)
+	fresh, _ := h.startCfg(h.catalog, cfg)
 	for deadline := time.Now().Add(90 * time.Second); ; {
 		inst, _, err := h.client.GetInstance(ctx, name)
 		p, perr := h.client.GetProject(ctx, h.client.Project())
