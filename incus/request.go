@@ -548,7 +548,7 @@ func Operations() []string {
 	return []string{"cluster.group.get", "cluster.members.list", "image.alias.get", "image.get",
 		"instance.create", "instance.delete", "instance.exec", "instance.find", "instance.get", "instance.list", "instance.located",
 		"instance.patch", "instance.put", "instance.rename", "instance.state.get", "instance.state.put",
-		"operation.get", "operation.list", "operation.wait", "profile.get", "project.create", "project.delete", "project.get", "server.get"}
+		"operation.get", "operation.list", "operation.wait", "profile.get", "project.create", "project.delete", "project.get", "project.put", "server.get"}
 }
 
 // CallStatuses are the statuses a call is observed with (Observe).
