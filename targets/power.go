@@ -257,7 +257,14 @@ func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) time.Dur
 		return 0
 	}
 	d := s.progress.failed(name, to, s.now())
-	s.log.Warn("power change failed; retrying", zap.String("instance", name), zap.String("to", string(to)),
+	log := s.log.Warn
+	if errors.Is(err, incus.ErrBusy) && d < 2*time.Second {
+		// Another write held the instance a moment (a lease's release, an
+		// intent, Incus's own update): routine while it is brief, and a
+		// warning only once the retries have backed off past a second.
+		log = s.log.Info
+	}
+	log("power change failed; retrying", zap.String("instance", name), zap.String("to", string(to)),
 		zap.Duration("in", d), zap.Error(err))
 	return d
 }
