@@ -48,7 +48,7 @@ func (s *Service) stagesCreates() bool {
 func stagingName(templateID string) string {
 	var b [5]byte
 	_, _ = rand.Read(b[:])
-	return warmName(templateID, 0)[:len(warmPrefix)+12] + "-s" + hex.EncodeToString(b[:])
+	return warmStem(templateID) + "-s" + hex.EncodeToString(b[:])
 }
 
 // createStaged answers the create of a new owner while pools exist (see
@@ -62,15 +62,8 @@ func (s *Service) createStaged(ctx context.Context, name string, p controller.Cr
 	wn := stagingName(tmpl.Wire.TemplateID)
 	req.Name, req.Start = wn, false
 	req.Config[keyWarmClaim], req.Config[keyWarmClaimAt] = name, msString(s.now())
-	// Taken: this process renames it itself, and its survey must not.
-	s.warm.mu.Lock()
-	s.warm.taken[wn] = true
-	s.warm.mu.Unlock()
-	release := func() {
-		s.warm.mu.Lock()
-		delete(s.warm.taken, wn)
-		s.warm.mu.Unlock()
-	}
+	// This process renames it itself, and its survey must not.
+	release := s.warm.hold(wn)
 	op, err := s.incus.CreateInstance(ctx, req)
 	s.listingChanged()
 	if err != nil {

@@ -101,8 +101,13 @@ const warmRefillDelay = time.Second
 
 // warmName is the name of one slot of a template's pool.
 func warmName(templateID string, slot int) string {
+	return warmStem(templateID) + "-" + strconv.Itoa(slot)
+}
+
+// warmStem is what every pool name of a template starts with.
+func warmStem(templateID string) string {
 	h := sha256.Sum256([]byte("lightspeed/warm/" + templateID))
-	return warmPrefix + hex.EncodeToString(h[:6]) + "-" + strconv.Itoa(slot)
+	return warmPrefix + hex.EncodeToString(h[:6])
 }
 
 // isWarmName says a name is one of the pool's, of any template.
@@ -244,11 +249,24 @@ func (p *warmPool) take(t *templates.Template, tried map[string]bool) (name stri
 	}
 	name = names[rand.IntN(len(names))]
 	p.taken[name] = true
-	return name, func() {
+	return name, p.releaser(name), true
+}
+
+// hold marks a warm instance as this process's own to rename (no survey
+// resumes it, no other create of this process claims it) until release.
+func (p *warmPool) hold(name string) (release func()) {
+	p.mu.Lock()
+	p.taken[name] = true
+	p.mu.Unlock()
+	return p.releaser(name)
+}
+
+func (p *warmPool) releaser(name string) func() {
+	return func() {
 		p.mu.Lock()
 		delete(p.taken, name)
 		p.mu.Unlock()
-	}, true
+	}
 }
 
 func (p *warmPool) forget(name string) {
