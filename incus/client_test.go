@@ -384,6 +384,12 @@ func TestOperationErrorClassification(t *testing.T) {
 	if !errors.Is(busyOp, ErrBusy) || !errors.Is(busyCall, ErrBusy) || errors.Is(busyOp, ErrConflict) {
 		t.Error("a refusal because another operation holds the instance is ErrBusy, from a call or an operation")
 	}
+	// A stop's hold, as a graceful stop that failed its timeout leaves it.
+	stopHeld := &Error{Op: "instance.patch", Status: 500,
+		Message: `Failed to create instance update operation: Instance is busy running a "stop" operation`}
+	if !errors.Is(stopHeld, ErrBusyStopping) || !errors.Is(stopHeld, ErrBusy) || errors.Is(busyCall, ErrBusyStopping) || errors.Is(busyOp, ErrBusyStopping) {
+		t.Error("only a stop's hold is ErrBusyStopping")
+	}
 	if IsRetryable(nil) || IsRetryable(errors.New("x")) {
 		t.Error("IsRetryable of nil / foreign error")
 	}

@@ -35,6 +35,11 @@ var (
 	// same call may succeed once it has.
 	ErrBusy = errors.New("incus: the instance is busy with another operation")
 
+	// ErrBusyStopping is the ErrBusy of an instance a stop holds. Incus
+	// 6.0.4 keeps a graceful stop's hold after the stop failed its
+	// timeout, until a forced stop takes it over.
+	ErrBusyStopping = errors.New("incus: the instance is held by a stop")
+
 	// ErrMalformedResponse: the server answered with something that is not
 	// an Incus response envelope.
 	ErrMalformedResponse = errors.New("incus: malformed response")
@@ -98,6 +103,8 @@ func (e *Error) Is(target error) bool {
 		return e.Status == http.StatusPreconditionFailed
 	case ErrBusy:
 		return e.Status >= 400 && isBusyMessage(e.Message)
+	case ErrBusyStopping:
+		return e.Status >= 400 && isBusyStoppingMessage(e.Message)
 	case ErrUnreachable:
 		return e.unreachable
 	case ErrOutcomeUnknown:
@@ -114,6 +121,10 @@ func (e *Error) Is(target error) bool {
 // 500); Incus gives it no code of its own.
 func isBusyMessage(msg string) bool {
 	return strings.Contains(msg, "is busy running a")
+}
+
+func isBusyStoppingMessage(msg string) bool {
+	return strings.Contains(msg, `is busy running a "stop" operation`)
 }
 
 // isLockRace matches LXD 5.0's answer to a change asked the moment the
@@ -149,6 +160,8 @@ func (e *OperationError) Is(target error) bool {
 		return isDuplicateMessage(e.Err)
 	case ErrBusy:
 		return isBusyMessage(e.Err)
+	case ErrBusyStopping:
+		return isBusyStoppingMessage(e.Err)
 	}
 	return false
 }

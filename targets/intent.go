@@ -299,7 +299,7 @@ func (s *Service) flushPending(ctx context.Context, name string) bool {
 		return false
 	}
 	s.log.Debug("a kept power request is not recorded yet; retrying", zap.String("instance", name), zap.Error(err))
-	if errors.Is(err, incus.ErrBusy) {
+	if errors.Is(err, incus.ErrBusyStopping) {
 		s.strandedLock(ctx, name)
 	}
 	return false

@@ -158,7 +158,7 @@ func (s *Service) restorePending(ctx context.Context) {
 const strandedAfter = 3 * time.Second
 
 // strandedLock frees an instance a dead process's graceful stop left
-// locked. Incus 6.0.4 keeps a graceful stop's lock on the instance after
+// locked (the caller saw a write refused for a stop's hold). Incus 6.0.4 keeps a graceful stop's lock on the instance after
 // the stop's task failed its timeout (the guest ignored the halt): with no
 // task listed, every write is refused ("busy running a stop operation")
 // for as long as no forced stop comes (measured: over a minute; a forced
