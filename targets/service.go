@@ -51,8 +51,9 @@ type Config struct {
 	IngressBase *ingressurl.Base
 	// WarmMetrics counts the warm pools' work (see warm.go); nil counts nothing.
 	WarmMetrics *WarmMetrics
-	// WarmStale is how old a warm instance's claim grows before the pool
-	// deletes it as a hand-out that stopped half-way (default 1 min).
+	// WarmStale bounds how long the pool's survey leaves a claimed warm
+	// instance to its claimant: at half of it, or at the method budget if
+	// sooner, the survey resumes the hand-out itself (default 1 min).
 	WarmStale time.Duration
 	// NoCache turns the observation cache off (see cache.go): every read
 	// goes to Incus. CacheMetrics, when set, records the cache's work.
@@ -421,6 +422,14 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
 		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	if inst == nil && s.creates.following(name) {
+		// This process sent a create for the name whose instance Incus has
+		// not recorded there yet. Another would race it: a staged one is a
+		// second instance for the owner (24 owners racing a pool of one,
+		// asking again every 100 ms, made up to three each), and each adds
+		// to a loaded daemon's work. The create under way answers later.
+		return controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Creating and starting the instance."}, nil
 	}
 	if inst == nil && s.poolsOffered() {
 		if inst, err = s.afterEarlierTask(ctx, name); err != nil {
