@@ -442,7 +442,8 @@ func (h *killHarness) count(s string) int {
 }
 
 // checkPoolSettles waits for the pool to hold at most warm instances, none
-// claimed (a claim a kill left behind is swept once stale, after a minute)
+// claimed (a claim a kill left behind is resumed onto its owner's name by
+// the pool's survey, or deleted once another instance holds that name)
 // and none carrying an owner's metadata.
 func checkPoolSettles(ctx context.Context, t *testing.T, client *incus.Client, warm int) {
 	t.Helper()

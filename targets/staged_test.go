@@ -122,3 +122,66 @@ func TestStagedCreatesRaceHandoutsForOneName(t *testing.T) {
 		until(t, "active", func() (controller.Observation, error) { return a.GetTarget(ctx, controller.TargetRef{Owner: o}) }, isActive)
 	}
 }
+
+// A staged create whose claimant is alive but slow (on a loaded daemon the
+// create outlives its claim's freshness, and the rename comes seconds
+// later) is never deleted under it by another replica's survey: a delete
+// racing the claimant's rename leaves the owner's name with a volume and
+// no instance, and every later create of the owner fails (CI lost an
+// owner so). The survey renames it onto the owner's name instead, and
+// the claimant's own rename then finds it there.
+func TestAnOldStagedClaimIsRenamedNotDeleted(t *testing.T) {
+	h := warmHarness(t, 1)
+	o := owner("staged-slow")
+	name := Name(o)
+	ctx := ctxT(t)
+	uuid := make(chan string, 1)
+	a, _ := h.startWarm(h.catalog, nil, func(stage string) bool {
+		if stage != "staged" {
+			return false
+		}
+		// The claim is made to look as old as a slow create's, and the
+		// claimant waits past several of the other replica's surveys.
+		for _, inst := range h.instances() {
+			if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == name {
+				old := msString(time.Now().Add(-time.Minute))
+				if err := h.client.PatchInstanceConfig(ctx, inst.Name, map[string]string{keyWarmClaimAt: old}); err != nil {
+					t.Errorf("ageing the claim: %v", err)
+				}
+				uuid <- inst.Config["volatile.uuid"]
+			}
+		}
+		time.Sleep(5 * time.Second)
+		return false
+	})
+	h.awaitPool(t, 1)
+	// The pool's one instance is kept taken: the create misses and stages.
+	a.warm.mu.Lock()
+	for n := range a.warm.known {
+		a.warm.taken[n] = true
+	}
+	a.warm.mu.Unlock()
+	h.startWarm(h.catalog, nil, nil)
+	// The other replica's survey may rename it within the answer bound,
+	// so the answer may carry the id already.
+	if _, err := a.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "w"}); err != nil {
+		t.Fatalf("the staged create: %v", err)
+	}
+	var staged string
+	select {
+	case staged = <-uuid:
+	case <-time.After(time.Minute):
+		t.Fatal("no staged instance claimed for the owner")
+	}
+	createUntilID(t, a, controller.CreateParams{Owner: o, TemplateID: "w"})
+	until(t, "active", func() (controller.Observation, error) { return a.GetTarget(ctx, controller.TargetRef{Owner: o}) }, isActive)
+	inst, _, err := h.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inst.Config["volatile.uuid"] != staged {
+		t.Fatal("the owner's target is not the staged instance: the survey deleted it under its claimant")
+	}
+	h.awaitPool(t, 1)
+	h.checkOnePerOwner(t, []controller.Owner{o})
+}

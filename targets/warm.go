@@ -63,8 +63,10 @@ import (
 // A crash after 1 leaves a claimed warm instance that is neither in the
 // pool nor a target: the pool's survey resumes the hand-out once the
 // claimant's method budget has passed, and so does the owner's create
-// should it come first (see resumeHandout); one still claimed when its
-// claim is older than WarmStale is deleted. A crash after 2 leaves the owner's whole target. Either way the owner's name ends on exactly one instance. Should two
+// should it come first (see resumeHandout). A claimed instance is deleted
+// only once another instance holds the owner's name, where no rename can
+// land: deleting one under a slow claimant's rename wrecks the name (see
+// warmSurvey). A crash after 2 leaves the owner's whole target. Either way the owner's name ends on exactly one instance. Should two
 // claims of one instance both have landed (replicas racing inside Incus's
 // ETag check), the instance at an owner's name may carry the other owner's
 // metadata: that unfinished hand-out belongs to whoever's name it has, and
@@ -113,18 +115,14 @@ func warmStem(templateID string) string {
 // isWarmName says a name is one of the pool's, of any template.
 func isWarmName(name string) bool { return strings.HasPrefix(name, warmPrefix) }
 
-// handoutPending says a warm instance is claimed for name by a hand-out
-// that may still rename it there: its claim is younger than WarmStale, so
-// its claimant (this process or another, alive or not) may yet send or
-// finish the rename, which Incus lists as an operation on the warm name
-// only. A close must not answer closed before the rename lands or the
-// claim is swept.
+// handoutPending says a warm instance is claimed for name: its claimant
+// (this process or another, alive or not) or the pool's survey renames it
+// there, since none is deleted while the owner's name is free (see
+// warmSurvey), and Incus lists that rename as an operation on the warm
+// name only. A close must not answer closed before the rename lands.
 func (s *Service) handoutPending(ctx context.Context, name string) (bool, error) {
 	claimed, err := s.claimsFor(ctx, name, false)
-	if err != nil {
-		return false, err
-	}
-	return s.youngClaim(claimed), nil
+	return len(claimed) > 0, err
 }
 
 // handoutPendingNow is handoutPending with a claim the cache shows read
@@ -137,21 +135,7 @@ func (s *Service) handoutPendingNow(ctx context.Context, name string) (bool, err
 		return pending, err
 	}
 	claimed, err := s.claimsFor(ctx, name, true)
-	if err != nil {
-		return false, err
-	}
-	return s.youngClaim(claimed), nil
-}
-
-// youngClaim says one of the claims is younger than WarmStale (or carries
-// no time to tell): its hand-out may still land.
-func (s *Service) youngClaim(claimed []incus.Instance) bool {
-	for _, w := range claimed {
-		if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) < s.cfg.WarmStale {
-			return true
-		}
-	}
-	return false
+	return len(claimed) > 0, err
 }
 
 // unfinishedHandout says an instance under an owner's name came from the
@@ -582,6 +566,9 @@ func (s *Service) deleteWarm(ctx context.Context, wn string, check func(*incus.I
 	if err != nil || !isWarmName(w.Name) || !check(w) || w.Status != incus.InstanceStopped {
 		return
 	}
+	if claim := w.Config[keyWarmClaim]; claim != "" {
+		s.log.Info("deleting a claimed warm instance", zap.String("warm", wn), zap.String("claim", claim))
+	}
 	op, err := s.incus.DeleteInstance(ctx, wn)
 	if err == nil {
 		_, err = s.wait(ctx, op, time.Minute)
@@ -672,9 +659,18 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		}
 		switch {
 		case w.Config[keyWarmClaim] != "":
-			if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) > s.cfg.WarmStale {
-				drop = append(drop, w)
-			} else if s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
+			// Never deleted here, however old: a claimant that is alive
+			// but slow (a staged create on a loaded daemon renames seconds
+			// after its claim) may be renaming it, and Incus 6.0.4 keeps a
+			// rename's volume step when a delete removed the record under
+			// it, which leaves the owner's name with a volume and no
+			// instance, refusing every later create (CI: an owner's 136
+			// creates all lost). A resume renames it onto the owner's
+			// name, or deletes it once another instance holds that name,
+			// where no rename can land.
+			if !looksLikeTargetID(w.Config[keyWarmClaim]) {
+				drop = append(drop, w) // no owner's name: no rename can be on its way
+			} else if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
 				// Past its claimant's own method budget: a live claimant
 				// has sent its rename by now, or never will.
 				resume = append(resume, w)
@@ -691,14 +687,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	s.warm.surveyed, s.warm.seen = true, len(known) > 0
 	s.warm.mu.Unlock()
 	for _, w := range drop {
-		claim := w.Config[keyWarmClaim]
-		if claim != "" {
-			// A staged create of a large image can outlive its claim's
-			// freshness: a claim Incus is still building is not stale.
-			if op, err := s.operationOn(ctx, w.Name); err != nil || op != nil {
-				continue
-			}
-		}
+		claim := w.Config[keyWarmClaim] // as listed: one written since keeps it
 		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return now.Config[keyWarmClaim] == claim })
 	}
 	for _, w := range ready {
