@@ -50,12 +50,7 @@ func TestStagedCreateCrashBeforeItsRename(t *testing.T) {
 	h := warmHarness(t, 1)
 	svc, stop := h.startWarm(h.catalog, nil, func(s string) bool { return s == "staged" })
 	h.awaitPool(t, 1)
-	// The pool's one instance is kept taken: the create misses and stages.
-	svc.warm.mu.Lock()
-	for n := range svc.warm.known {
-		svc.warm.taken[n] = true
-	}
-	svc.warm.mu.Unlock()
+	missThePool(svc)
 	o := owner("staged-crash")
 	name := Name(o)
 	ctx := ctxT(t)
@@ -155,12 +150,7 @@ func TestAnOldStagedClaimIsRenamedNotDeleted(t *testing.T) {
 		return false
 	})
 	h.awaitPool(t, 1)
-	// The pool's one instance is kept taken: the create misses and stages.
-	a.warm.mu.Lock()
-	for n := range a.warm.known {
-		a.warm.taken[n] = true
-	}
-	a.warm.mu.Unlock()
+	missThePool(a)
 	h.startWarm(h.catalog, nil, nil)
 	// The other replica's survey may rename it within the answer bound,
 	// so the answer may carry the id already.
@@ -184,4 +174,14 @@ func TestAnOldStagedClaimIsRenamedNotDeleted(t *testing.T) {
 	}
 	h.awaitPool(t, 1)
 	h.checkOnePerOwner(t, []controller.Owner{o})
+}
+
+// missThePool keeps the pool's instances taken in svc, so that its next
+// create misses and stages.
+func missThePool(svc *Service) {
+	svc.warm.mu.Lock()
+	defer svc.warm.mu.Unlock()
+	for n := range svc.warm.known {
+		svc.warm.taken[n] = true
+	}
 }
