@@ -28,8 +28,8 @@ import (
 // there as a hand-out's warm instance is. A staged instance is a claimed
 // warm instance in every other respect: a get or a close of the owner sees
 // the claim as a create on its way, a crash leaves it to the pool's survey
-// (which resumes the rename once its create has ended), and one that never
-// reaches the name is deleted once its claim is stale.
+// (which resumes the rename once its create has ended), and one is deleted
+// only once another instance holds the owner's name.
 
 // stagesCreates says a hand-out may rename onto an owner's name: this
 // catalog keeps a pool, or the project holds warm instances (another

@@ -333,7 +333,8 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 	s.warm.kick()
 	if err != nil {
 		// Another claimant came first (412), an operation holds it, or the
-		// write's fate is unknown: a claim that landed unseen is swept.
+		// write's fate is unknown: a claim that landed unseen is resumed
+		// by the pool's survey, or deleted once the name is another's.
 		return warmMiss
 	}
 	if s.warmHook != nil && s.warmHook("claimed") {
@@ -619,8 +620,8 @@ func (s *Service) warmWanted() map[string]*templates.Template {
 }
 
 // warmSurvey reads the project's listing: what exists, what is ready, and
-// what must go (a stale claim, a slot the catalog no longer wants, an
-// instance built from another recipe); a create that ended with its
+// what must go (a slot the catalog no longer wants, an instance built
+// from another recipe); a create or a hand-out that ended with its
 // process finishes here.
 func (s *Service) warmSurvey(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
