@@ -499,24 +499,31 @@ func TestIncusDialersReachGuestLoopback(t *testing.T) {
 	if la := c.LocalAddr().(*net.TCPAddr); !la.IP.Equal(net.IPv4(127, 0, 0, 1)) {
 		t.Fatalf("local address %v", la)
 	}
-	if hostHasConn(t, "/proc/self/net", c.LocalAddr().(*net.TCPAddr).Port) {
+	local, remote := c.LocalAddr().(*net.TCPAddr).Port, c.RemoteAddr().(*net.TCPAddr).Port
+	if hostHasConn(t, "/proc/self/net", local, remote) {
 		t.Fatal("the netns connection is visible in the host's namespace")
 	}
-	if !hostHasConn(t, guestNet, c.LocalAddr().(*net.TCPAddr).Port) {
+	if !hostHasConn(t, guestNet, local, remote) {
 		t.Fatal("the netns connection is not in the guest's namespace")
 	}
 }
 
-// hostHasConn reports whether netDir/tcp has a socket with local port.
-func hostHasConn(t *testing.T, netDir string, port int) bool {
+// hostHasConn reports whether netDir/tcp holds the connection from
+// 127.0.0.1:local to 127.0.0.1:remote. Both ends are matched: ports are
+// per namespace, so a host socket of any other connection may hold the
+// same local port by chance (CI met one among the host's many loopback
+// sockets, and the test failed for it).
+func hostHasConn(t *testing.T, netDir string, local, remote int) bool {
 	t.Helper()
 	b, err := os.ReadFile(netDir + "/tcp")
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := fmt.Sprintf(":%04X", port)
+	// /proc/net/tcp writes an IPv4 address as the hex of its bytes in
+	// host order: 127.0.0.1 is 0100007F on this little-endian machine.
+	wantLocal, wantRemote := fmt.Sprintf("0100007F:%04X", local), fmt.Sprintf("0100007F:%04X", remote)
 	for _, line := range strings.Split(string(b), "\n")[1:] {
-		if fs := strings.Fields(line); len(fs) > 2 && strings.HasSuffix(fs[1], want) {
+		if fs := strings.Fields(line); len(fs) > 2 && fs[1] == wantLocal && fs[2] == wantRemote {
 			return true
 		}
 	}
