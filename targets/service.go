@@ -429,7 +429,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		// second instance for the owner (24 owners racing a pool of one,
 		// asking again every 100 ms, made up to three each), and each adds
 		// to a loaded daemon's work. The create under way answers later.
-		return controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Creating and starting the instance."}, nil
+		return creating(p.Owner), nil
 	}
 	if inst == nil && s.poolsOffered() {
 		if inst, err = s.afterEarlierTask(ctx, name); err != nil {
@@ -512,11 +512,17 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	if err != nil {
 		return controller.Observation{}, err
 	}
-	o := controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Creating and starting the instance."}
+	o := creating(p.Owner)
 	if recorded {
 		o.TargetID = name
 	}
 	return o, nil
+}
+
+// creating is the answer to a create whose instance Incus has not recorded
+// at the owner's name yet: no id, and the runtime asks again.
+func creating(owner controller.Owner) controller.Observation {
+	return controller.Observation{Owner: owner, Phase: controller.PhaseProvisioning, Message: "Creating and starting the instance."}
 }
 
 // afterEarlierTask lets an Incus task already on the owner's name end

@@ -97,7 +97,7 @@ func (s *Service) createStaged(ctx context.Context, name string, p controller.Cr
 	if err != nil || inst == nil {
 		// No record at the name yet, so no id: the runtime asks again, and
 		// the claim answers provisioning until the rename lands.
-		return controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Creating and starting the instance."}, nil
+		return creating(p.Owner), nil
 	}
 	if err := checkOwned(inst, p.Owner); err != nil {
 		return controller.Observation{}, err
