@@ -135,8 +135,10 @@ func (l *listener) Accept() (net.Conn, error) {
 		}
 		if l.open.Add(1) > int64(l.opts.MaxConnections) {
 			l.open.Add(-1)
-			_ = c.Close()
+			// Counted before the close, so a client that sees the close
+			// also sees the refusal in the metrics.
 			l.opts.Metrics.refuse(ReasonConnectionLimit)
+			_ = c.Close()
 			l.logEvery.Warn("the controller listener is at its connection ceiling; closing new connections at once",
 				zap.Int("maxConnections", l.opts.MaxConnections))
 			continue
