@@ -33,6 +33,10 @@ import (
 // assignRaw is assign for raw, one valid JSON value without surrounding
 // white space.
 func assignRaw(path string, raw []byte, dst reflect.Value) *FieldError {
+	if dst.Type() == rawMessageType && canonical(raw) {
+		dst.SetBytes(bytes.Clone(raw)) // what the slow path below would build
+		return nil
+	}
 	if dst.Type() == rawMessageType || dst.Kind() == reflect.Interface {
 		generic, fe := genericOf(path, raw)
 		if fe != nil {
