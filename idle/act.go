@@ -61,6 +61,14 @@ func (l *Loop) onAct(r actResult) {
 	e.acting = false
 	l.acting--
 	name := e.t.Name
+	if e.relook {
+		e.relook = false
+		defer func() {
+			if !e.gone {
+				l.onChange(name)
+			}
+		}()
+	}
 	switch {
 	case r.err == nil:
 		l.m.acted(r.action, ResultOK)

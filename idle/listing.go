@@ -170,6 +170,13 @@ func (l *Loop) dispatchLooks(ctx context.Context) {
 
 func (l *Loop) onLook(r lookResult) {
 	l.looking--
+	if e := l.entries[r.name]; e != nil && r.err == nil && (e.acting || e.changedAt.After(r.started)) {
+		// The loop's own action is newer than this reading, so the reading
+		// is set aside; but the change it was asked for may have come after
+		// the action (someone woke the target it just paused), and no other
+		// note will say so: read it again once the action's result is in.
+		l.relook(e)
+	}
 	switch {
 	case r.err != nil:
 		l.log.Debug("reading a changed target failed; the next listing sees it", zap.String("instance", r.name), zap.Error(r.err))
@@ -187,6 +194,16 @@ func (l *Loop) onLook(r lookResult) {
 	if l.pass.remaining == 0 {
 		l.passMaybeStart(time.Now())
 	}
+}
+
+// relook reads e again after a change note whose reading was set aside:
+// at once, or when the action under way has ended.
+func (l *Loop) relook(e *entry) {
+	if e.acting {
+		e.relook = true
+		return
+	}
+	l.onChange(e.t.Name)
 }
 
 // countedTarget is one target as the gauge counts it, and the instant the

@@ -156,6 +156,7 @@ type entry struct {
 	wokeAt    time.Time     // seen running again after a power-down the loop knew of
 	downSince time.Time     // first seen powered down without a recorded idle-since
 	changedAt time.Time     // the loop's own last power change
+	relook    bool          // a change note came while acting: read the target again once the action ends
 	passGen   uint64        // the pass that still waits for this target's probe
 }
 
