@@ -260,9 +260,11 @@ func TestLoopPausesStopsThenClosesOnSchedule(t *testing.T) {
 		}
 		t.Logf("%s at %v idle (threshold %v)", got.action, got.at.Sub(origin).Round(time.Millisecond), w.threshold)
 	}
-	if n := h.counter("incus_provider_idle_actions_total", map[string]string{"result": "ok"}); n != 3 {
-		t.Fatalf("actions ok = %v, want 3", n)
-	}
+	// Counted when the loop takes in the result, which comes after the
+	// inventory recorded the action.
+	eventually(t, "3 actions counted ok", func() bool {
+		return h.counter("incus_provider_idle_actions_total", map[string]string{"result": "ok"}) == 3
+	})
 }
 
 func TestLoopLeavesBusyTargetsAwake(t *testing.T) {
@@ -539,4 +541,70 @@ func TestLoopLooksAtChangedTargetsAtOnce(t *testing.T) {
 	w.changes <- "new"
 	l := h.loop
 	eventually(t, "forgotten", func() bool { return l != nil && l.Stats().Tracked == 0 })
+}
+
+// actHookInventory runs afterAct inside IdleAct, once the action is taken
+// and before its result reaches the loop: the window in which a change
+// note's reading is set aside.
+type actHookInventory struct {
+	*watchingInventory
+	afterAct func()
+	looked   chan string
+}
+
+func (a *actHookInventory) IdleAct(ctx context.Context, t Target, act idlepolicy.Action, since time.Time) error {
+	err := a.watchingInventory.IdleAct(ctx, t, act, since)
+	if err == nil && a.afterAct != nil {
+		a.afterAct()
+	}
+	return err
+}
+
+func (a *actHookInventory) IdleTarget(ctx context.Context, name string) (Target, bool, error) {
+	t, ok, err := a.watchingInventory.IdleTarget(ctx, name)
+	select {
+	case a.looked <- name:
+	default:
+	}
+	return t, ok, err
+}
+
+// A target woken by someone else while the loop's own pause of it was
+// still being answered: the change note's reading comes before the pause's
+// result and is set aside, and no other note follows. The loop reads the
+// target again once the pause is in, sees it running and pauses it again;
+// before, it took the target for paused until the next full listing.
+func TestAWakeNotedWhileTheLoopActsIsNotLost(t *testing.T) {
+	h := newHarness(t)
+	w := &actHookInventory{
+		watchingInventory: &watchingInventory{fakeInventory: h.inv, changes: make(chan string, 8)},
+		looked:            make(chan string, 8),
+	}
+	d := h.fleet.Add("t")
+	d.SetIdleSince(time.Now())
+	h.inv.add(Target{Name: "t", Power: controller.PowerRunning, Policy: policy(300, 0, 0), Stages: containerStages})
+	var woke time.Time
+	var once sync.Once
+	w.afterAct = func() {
+		once.Do(func() {
+			d.SetMode(idletest.Normal)
+			d.SetIdleSince(time.Now())
+			woke = time.Now()
+			h.inv.set("t", func(t *Target) { t.Power, t.IdleSince = controller.PowerRunning, time.Time{} })
+			w.changes <- "t"
+			select {
+			case <-w.looked: // read while the loop still acts
+			case <-time.After(5 * time.Second):
+				t.Error("the change note was not read within 5 s")
+			}
+		})
+	}
+	h.run(func(c *Config) {
+		c.Inventory = w
+		c.RefreshInterval = time.Hour // only the change notes can reveal anything
+	})
+	eventually(t, "paused again after the wake", func() bool { return len(h.inv.actions()) == 2 })
+	if a := h.inv.actions()[1]; a.action != idlepolicy.ActionPause || a.at.Sub(woke) < 300*time.Millisecond {
+		t.Fatalf("second action %s %v after the wake", a.action, a.at.Sub(woke))
+	}
 }
