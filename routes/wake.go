@@ -200,7 +200,20 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 	defer tk.Leave()
 	from := powerLabel(inst, o)
 	outcome := wakeOutcomeGaveUp
-	defer func() { h.metrics.wake(from, outcome, time.Since(started)) }()
+	// The wake is observed before the flight settles, so whoever the
+	// settling lets through (a held dial, a test) finds it counted.
+	observed := false
+	observe := func() {
+		if !observed {
+			observed = true
+			h.metrics.wake(from, outcome, time.Since(started))
+		}
+	}
+	defer observe()
+	settle := func(ref *Refusal) {
+		observe()
+		h.settle(f, ref)
+	}
 
 	wakes := 0
 	for {
@@ -208,13 +221,13 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			if h.ctx.Err() != nil {
 				outcome = wakeOutcomeCancelled
 			}
-			h.settle(f, f.refusalNow())
+			settle(f.refusalNow())
 			return
 		}
 		if ref, _ := terminal(o); ref != nil {
 			h.ready.drop(inst.Name)
 			outcome = wakeOutcomeFailed
-			h.settle(f, ref)
+			settle(ref)
 			return
 		}
 		wakeable := o.Phase == controller.PhaseActive &&
@@ -226,7 +239,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			if _, err := h.opts.Targets.Wake(ctx, inst, f.requested); err != nil {
 				if errors.Is(err, targets.ErrSuperseded) {
 					outcome = wakeOutcomeSuperseded
-					h.settle(f, refuse(StateWaking, time.Second))
+					settle(refuse(StateWaking, time.Second))
 					return
 				}
 				if ctx.Err() == nil {
@@ -240,7 +253,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			if h.probeUntil(ctx, inst) {
 				outcome = wakeOutcomeReady
 				h.ready.mark(inst.Name)
-				h.settle(f, nil)
+				settle(nil)
 				return
 			}
 			f.stage(StateBooting, h.bootingRetry(inst.Name))
@@ -252,12 +265,12 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			if h.wakeAndProbe(ctx, f, inst) {
 				outcome = wakeOutcomeReady
 				h.ready.mark(inst.Name)
-				h.settle(f, nil)
+				settle(nil)
 				return
 			}
 			if f.superseded {
 				outcome = wakeOutcomeSuperseded
-				h.settle(f, refuse(StateWaking, time.Second))
+				settle(refuse(StateWaking, time.Second))
 				return
 			}
 
