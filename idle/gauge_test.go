@@ -29,7 +29,12 @@ func TestTargetsGaugeFollowsChangeNotes(t *testing.T) {
 	created := time.Now().Add(-10 * time.Minute)
 	h.inv.add(Target{Name: "new", Phase: controller.PhaseProvisioning, Location: "m1", PhaseSince: created})
 	w.changes <- "new"
-	eventually(t, "a created target counted", func() bool { return gauge("provisioning", "none") == 1 })
+	// The gauge moves before the oldest instant and the per-member count
+	// (in the loop's goroutine): wait for all three.
+	eventually(t, "a created target counted", func() bool {
+		return gauge("provisioning", "none") == 1 && testutil.ToFloat64(l.m.byMember.WithLabelValues("m1", "provisioning")) == 1 &&
+			l.m.oldestAge(controller.PhaseProvisioning, time.Now()) > 0
+	})
 	if age := l.m.oldestAge(controller.PhaseProvisioning, time.Now()); age < 600 || age > 700 {
 		t.Fatalf("oldest provisioning target is %v s old, want about 600", age)
 	}
@@ -40,7 +45,8 @@ func TestTargetsGaugeFollowsChangeNotes(t *testing.T) {
 	h.inv.set("new", func(t *Target) { t.Phase, t.Power, t.Settled = controller.PhaseActive, controller.PowerPaused, true })
 	w.changes <- "new"
 	eventually(t, "its power change counted", func() bool {
-		return gauge("provisioning", "none") == 0 && gauge("active", "paused") == 1
+		return gauge("provisioning", "none") == 0 && gauge("active", "paused") == 1 &&
+			l.m.oldestAge(controller.PhaseProvisioning, time.Now()) == 0
 	})
 	if age := l.m.oldestAge(controller.PhaseProvisioning, time.Now()); age != 0 {
 		t.Fatalf("no target provisions, yet the oldest is %v s old", age)

@@ -202,6 +202,11 @@ func TestRelayForwardsFramesByteExact(t *testing.T) {
 	}
 	// Counted: every byte, and the data messages (eight each way: seven
 	// unfragmented, one in fragments; pings and pongs are not messages).
+	// A pump counts what it wrote after the write, so the last frame's
+	// reader may see it before its count: wait a bounded time.
+	for deadline := time.Now().Add(5 * time.Second); value(rig.metrics.messages[1]) != 8 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
 	if got := value(rig.metrics.messages[0]); got != 8 {
 		t.Errorf("messages to the guest: %v, want 8", got)
 	}
