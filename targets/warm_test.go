@@ -223,6 +223,11 @@ func TestWarmHandoutBecomesActiveAndThePoolRefills(t *testing.T) {
 	}
 	h.awaitPool(t, 2)
 	h.checkOnePerOwner(t, []controller.Owner{o})
+	// The gauge follows the ready mark awaitPool saw, in the refill's
+	// own goroutine: wait a bounded time for it.
+	for deadline := time.Now().Add(5 * time.Second); testutil.ToFloat64(svc.cfg.WarmMetrics.size.WithLabelValues("w")) != 2 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if n := testutil.ToFloat64(svc.cfg.WarmMetrics.size.WithLabelValues("w")); n != 2 {
 		t.Errorf("the pool size gauge says %v after the refill, want 2", n)
 	}
