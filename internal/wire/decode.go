@@ -227,7 +227,27 @@ func assign(path string, generic any, dst reflect.Value) *FieldError {
 	return check(path, dst)
 }
 
+// checkerType is the Checker interface's type, for mayCheck.
+var checkerType = reflect.TypeFor[Checker]()
+
+// checkers caches, per type, whether a value of it or its pointer is a
+// Checker: asking through Interface boxes the value, and check runs on
+// every value decoded (a tenth of an idle probe's decode).
+var checkers sync.Map // reflect.Type -> bool
+
+func mayCheck(t reflect.Type) bool {
+	if v, ok := checkers.Load(t); ok {
+		return v.(bool)
+	}
+	may := t.Implements(checkerType) || reflect.PointerTo(t).Implements(checkerType)
+	checkers.Store(t, may)
+	return may
+}
+
 func check(path string, dst reflect.Value) *FieldError {
+	if dst.Kind() != reflect.Interface && !mayCheck(dst.Type()) {
+		return nil
+	}
 	var c Checker
 	if dst.CanAddr() {
 		if cc, ok := dst.Addr().Interface().(Checker); ok {
