@@ -71,7 +71,8 @@ type Edge struct {
 	opts  Options
 	log   *zap.Logger
 	proxy *httputil.ReverseProxy
-	tr    *http.Transport
+	tr    *http.Transport // requests with a body
+	rt    *inline         // every request, inline when it has none
 	proto string
 
 	mu    sync.Mutex
@@ -115,9 +116,18 @@ func New(opts Options) (*Edge, error) {
 		WriteBufferSize: 64 << 10,
 		ReadBufferSize:  64 << 10,
 	}
+	e.rt = &inline{
+		fallback:       e.tr,
+		dial:           e.dial,
+		maxIdlePerHost: e.tr.MaxIdleConnsPerHost,
+		idleTimeout:    e.tr.IdleConnTimeout,
+		headerTimeout:  e.tr.ResponseHeaderTimeout,
+		maxHeaderBytes: e.tr.MaxResponseHeaderBytes,
+		bufferSize:     e.tr.ReadBufferSize,
+	}
 	e.proxy = &httputil.ReverseProxy{
 		Rewrite:       e.rewrite,
-		Transport:     e.tr,
+		Transport:     e.rt,
 		FlushInterval: -1, // server-sent events and other streams go out as they come
 		BufferPool:    copyBuffers{},
 		ErrorHandler:  e.upstreamError,
@@ -129,7 +139,7 @@ func New(opts Options) (*Edge, error) {
 }
 
 // Close drops the idle upstream connections.
-func (e *Edge) Close() { e.tr.CloseIdleConnections() }
+func (e *Edge) Close() { e.rt.CloseIdleConnections() }
 
 // Server is the edge's HTTP server: bounded headers and timeouts, so a slow
 // client holds nothing for long; bodies are streamed, so there is no read

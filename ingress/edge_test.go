@@ -87,6 +87,12 @@ func newEdgeRigStall(t *testing.T, app http.Handler, stall time.Duration) *edgeR
 	t.Helper()
 	appSrv := httptest.NewServer(app)
 	t.Cleanup(appSrv.Close)
+	return newEdgeRigTo(t, appSrv.Listener.Addr().String(), stall)
+}
+
+// newEdgeRigTo is an edge whose every target is the app at addr.
+func newEdgeRigTo(t *testing.T, addr string, stall time.Duration) *edgeRig {
+	t.Helper()
 	base, err := ingressurl.Parse("https://{label}.env.example.com")
 	if err != nil {
 		t.Fatal(err)
@@ -97,7 +103,7 @@ func newEdgeRigStall(t *testing.T, app http.Handler, stall time.Duration) *edgeR
 	}}
 	wk := &fakeWaker{}
 	reg := relays.New(time.Second)
-	e, err := New(Options{Targets: tg, Waker: wk, Dialer: appDialer{addr: appSrv.Listener.Addr().String()}, Relays: reg, Base: base, Stall: stall})
+	e, err := New(Options{Targets: tg, Waker: wk, Dialer: appDialer{addr: addr}, Relays: reg, Base: base, Stall: stall})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,230 @@
+package ingress
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httptrace"
+	"net/textproto"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// The inline transport: what it must keep of http.Transport's behaviour
+// for the requests it carries (no body, idempotent).
+
+// rawApp is a guest app written by hand: serve runs for each connection
+// accepted, with its number.
+func rawApp(t *testing.T, serve func(c net.Conn, n int)) string {
+	t.Helper()
+	var lc net.ListenConfig
+	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { _ = ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for n := 0; ; n++ {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+				serve(c, n)
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+func (r *edgeRig) host() string { return r.label + ".env.example.com" }
+
+func TestSmallRequestsShareOneKeptUpstreamConnection(t *testing.T) {
+	var conns atomic.Int32
+	app := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
+	app.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	app.Start()
+	t.Cleanup(app.Close)
+	r := newEdgeRigTo(t, app.Listener.Addr().String(), 0)
+	for i := range 20 {
+		method := []string{http.MethodGet, http.MethodHead, http.MethodOptions}[i%3]
+		req, _ := http.NewRequest(method, r.srv.URL+"/", nil)
+		req.Host = r.host()
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("request %d (%s): %s", i, method, resp.Status)
+		}
+	}
+	if n := conns.Load(); n != 1 {
+		t.Fatalf("20 requests one after another opened %d upstream connections, want 1", n)
+	}
+	if n := r.reg.Open(instance); n != 1 {
+		t.Fatalf("the registry counts %d connections, want the kept one", n)
+	}
+}
+
+// An app that closes each connection after one answer, with no
+// Connection: close (as a server whose keep-alive timeout is shorter
+// than the edge's does): each next request finds its kept connection
+// dead and is sent again on a new one, not answered 502.
+func TestARequestOnAKeptConnectionTheAppClosedIsSentAgain(t *testing.T) {
+	addr := rawApp(t, func(c net.Conn, n int) {
+		if _, err := http.ReadRequest(bufio.NewReader(c)); err != nil {
+			return
+		}
+		_, _ = fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nok-%d", n)
+	})
+	r := newEdgeRigTo(t, addr, 0)
+	for i := range 5 {
+		resp, body := r.get(t, r.host(), "/", nil)
+		if resp.StatusCode != http.StatusOK || body != fmt.Sprintf("ok-%d", i) {
+			t.Fatalf("request %d: %s %q", i, resp.Status, body)
+		}
+		time.Sleep(20 * time.Millisecond) // the close reaches the edge's kept connection
+	}
+}
+
+func TestAnAnswerHeadOverTheLimitIsRefused(t *testing.T) {
+	addr := rawApp(t, func(c net.Conn, _ int) {
+		if _, err := http.ReadRequest(bufio.NewReader(c)); err != nil {
+			return
+		}
+		w := bufio.NewWriter(c)
+		_, _ = io.WriteString(w, "HTTP/1.1 200 OK\r\nX-Big: ")
+		_, _ = io.WriteString(w, strings.Repeat("x", 200<<10))
+		_, _ = io.WriteString(w, "\r\nContent-Length: 2\r\n\r\nok")
+		_ = w.Flush()
+	})
+	r := newEdgeRigTo(t, addr, 0)
+	resp, _ := r.get(t, r.host(), "/", nil)
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Fatalf("an answer with a 200 KiB head: %s, want 502", resp.Status)
+	}
+	if n := r.reg.Open(instance); n != 0 {
+		t.Fatalf("%d upstream connections left open after a refused head", n)
+	}
+}
+
+func TestAKeptConnectionIsClosedOnceIdleTooLong(t *testing.T) {
+	closed := make(chan struct{})
+	addr := rawApp(t, func(c net.Conn, _ int) {
+		br := bufio.NewReader(c)
+		if _, err := http.ReadRequest(br); err != nil {
+			return
+		}
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		if _, err := br.ReadByte(); err != nil {
+			close(closed) // the edge closed its kept connection
+		}
+	})
+	r := newEdgeRigTo(t, addr, 0)
+	r.edge.rt.idleTimeout = 200 * time.Millisecond
+	if resp, body := r.get(t, r.host(), "/", nil); resp.StatusCode != http.StatusOK || body != "ok" {
+		t.Fatalf("%s %q", resp.Status, body)
+	}
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the kept connection was still open 5 s after its 200 ms idle timeout")
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for r.reg.Open(instance) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the registry still counts %d connections", r.reg.Open(instance))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// A client that leaves in the middle of an answer takes the upstream
+// connection with it: it is closed, not kept with half an answer unread.
+func TestAClientThatLeavesMidAnswerClosesTheUpstream(t *testing.T) {
+	gone := make(chan struct{})
+	app := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		_, _ = io.WriteString(w, "first\n")
+		_ = http.NewResponseController(w).Flush()
+		<-req.Context().Done()
+		close(gone)
+	}))
+	t.Cleanup(app.Close)
+	r := newEdgeRigTo(t, app.Listener.Addr().String(), 0)
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, r.srv.URL+"/", nil)
+	req.Host = r.host()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || line != "first\n" {
+		t.Fatalf("%q, %v", line, err)
+	}
+	cancel()
+	resp.Body.Close()
+	select {
+	case <-gone:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the app's connection was still open 5 s after the client left")
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for r.reg.Open(instance) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the registry still counts %d connections", r.reg.Open(instance))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestInformationalAnswersPassThrough(t *testing.T) {
+	app := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Link", "</style.css>; rel=preload")
+		w.WriteHeader(http.StatusEarlyHints)
+		w.Header().Del("Link")
+		_, _ = io.WriteString(w, "page")
+	}))
+	t.Cleanup(app.Close)
+	r := newEdgeRigTo(t, app.Listener.Addr().String(), 0)
+	var hints []string
+	ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{
+		Got1xxResponse: func(code int, h textproto.MIMEHeader) error {
+			hints = append(hints, fmt.Sprintf("%d %s", code, h.Get("Link")))
+			return nil
+		},
+	})
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, r.srv.URL+"/", nil)
+	req.Host = r.host()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK || string(body) != "page" {
+		t.Fatalf("%s %q", resp.Status, body)
+	}
+	if len(hints) != 1 || hints[0] != "103 </style.css>; rel=preload" {
+		t.Fatalf("informational answers seen by the client: %q", hints)
+	}
+}
