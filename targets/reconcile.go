@@ -277,6 +277,12 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 			return err
 		}
 	}
+	// The socket goes before the instance does: a close is observed
+	// closed the moment Incus no longer lists the instance (through the
+	// cache's event, before this delete's wait returns), and whoever saw
+	// that must not find the socket still there. A stopped instance does
+	// not listen on it; a start would make it again.
+	guest.Removed(s.dialer, name)
 	op, err := s.incus.DeleteInstance(ctx, name)
 	s.listingChanged()
 	if errors.Is(err, incus.ErrNotFound) {
