@@ -286,7 +286,6 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 	op, err := s.incus.DeleteInstance(ctx, name)
 	s.listingChanged()
 	if errors.Is(err, incus.ErrNotFound) {
-		guest.Removed(s.dialer, name)
 		return nil
 	}
 	if err != nil {
@@ -300,7 +299,6 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 	// with it, instead of waiting for the next listing.
 	s.changes.note(name)
 	if err == nil || errors.Is(err, incus.ErrNotFound) {
-		guest.Removed(s.dialer, name)
 		return nil
 	}
 	return err
