@@ -63,7 +63,7 @@ func (l *Loop) onList(r listResult) {
 		}
 	}
 	for name, e := range l.entries {
-		if _, ok := seen[name]; !ok && !e.acting && !e.changedAt.After(r.started) {
+		if _, ok := seen[name]; !ok && !e.newerThan(r.started) {
 			l.remove(e)
 		}
 	}
@@ -78,7 +78,7 @@ func (l *Loop) apply(t Target, started, now time.Time, first bool) bool {
 	e := l.entries[t.Name]
 	level, known := LevelOf(t.Power)
 	if t.Phase != controller.PhaseActive || !known || t.Policy == nil {
-		if e != nil && !e.acting && !e.changedAt.After(started) {
+		if e != nil && !e.newerThan(started) {
 			l.remove(e)
 		}
 		return false
@@ -99,7 +99,7 @@ func (l *Loop) apply(t Target, started, now time.Time, first bool) bool {
 		}
 		return true
 	}
-	if e.acting || e.changedAt.After(started) {
+	if e.newerThan(started) {
 		return true // the loop's own knowledge is newer than this reading
 	}
 	was := e.t
@@ -170,7 +170,7 @@ func (l *Loop) dispatchLooks(ctx context.Context) {
 
 func (l *Loop) onLook(r lookResult) {
 	l.looking--
-	if e := l.entries[r.name]; e != nil && r.err == nil && (e.acting || e.changedAt.After(r.started)) {
+	if e := l.entries[r.name]; e != nil && r.err == nil && e.newerThan(r.started) {
 		// The loop's own action is newer than this reading, so the reading
 		// is set aside; but the change it was asked for may have come after
 		// the action (someone woke the target it just paused), and no other
@@ -181,7 +181,7 @@ func (l *Loop) onLook(r lookResult) {
 	case r.err != nil:
 		l.log.Debug("reading a changed target failed; the next listing sees it", zap.String("instance", r.name), zap.Error(r.err))
 	case !r.ok:
-		if e := l.entries[r.name]; e != nil && !e.acting && !e.changedAt.After(r.started) {
+		if e := l.entries[r.name]; e != nil && !e.newerThan(r.started) {
 			l.remove(e)
 		}
 	default:

@@ -167,6 +167,13 @@ type entry struct {
 	passGen   uint64        // the pass that still waits for this target's probe
 }
 
+// newerThan says whether the loop's own knowledge of e is newer than a
+// reading begun at started: an action of its own is under way, or ended
+// after the reading began. Such a reading is set aside.
+func (e *entry) newerThan(started time.Time) bool {
+	return e.acting || e.changedAt.After(started)
+}
+
 // New builds a loop; Run starts it.
 func New(cfg Config) *Loop {
 	cfg.defaults()
