@@ -53,6 +53,19 @@ func rawApp(t *testing.T, serve func(c net.Conn, n int)) string {
 
 func (r *edgeRig) host() string { return r.label + ".env.example.com" }
 
+// awaitNoUpstream waits, at most 2 s, until the registry counts no upstream
+// connection of the target: the edge closes them on its own goroutines.
+func (r *edgeRig) awaitNoUpstream(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for r.reg.Open(instance) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the registry still counts %d connections", r.reg.Open(instance))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 func TestSmallRequestsShareOneKeptUpstreamConnection(t *testing.T) {
 	var conns atomic.Int32
 	app := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
@@ -150,13 +163,7 @@ func TestAKeptConnectionIsClosedOnceIdleTooLong(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the kept connection was still open 5 s after its 200 ms idle timeout")
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for r.reg.Open(instance) != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the registry still counts %d connections", r.reg.Open(instance))
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	r.awaitNoUpstream(t)
 }
 
 // A client that leaves in the middle of an answer takes the upstream
@@ -188,13 +195,7 @@ func TestAClientThatLeavesMidAnswerClosesTheUpstream(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the app's connection was still open 5 s after the client left")
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for r.reg.Open(instance) != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the registry still counts %d connections", r.reg.Open(instance))
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	r.awaitNoUpstream(t)
 }
 
 func TestInformationalAnswersPassThrough(t *testing.T) {
