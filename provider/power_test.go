@@ -109,8 +109,8 @@ func wakeCloseAndPowerDown(r *rig, route routes.Route, p controller.Power, delay
 			if p != controller.PowerPaused {
 				want = incus.InstanceStopped
 			}
-			if st := r.status(route.TargetID); st != want {
-				return fmt.Errorf("observed %s but Incus shows %s", p, st)
+			if err := incusAgrees(r, route.TargetID, want); err != nil {
+				return fmt.Errorf("observed %s but %w", p, err)
 			}
 			return nil
 		}
@@ -118,6 +118,35 @@ func wakeCloseAndPowerDown(r *rig, route routes.Route, p controller.Power, delay
 			return fmt.Errorf("the target never reached %s: last %+v, %w", p, o, err)
 		}
 		time.Sleep(time.Duration(10+rng.IntN(20)) * time.Millisecond)
+	}
+}
+
+// incusAgrees checks that Incus shows the instance at want, once the
+// provider has observed it there. Incus can report "Running" for a moment
+// after a container has exited: while it cleans up after one that stopped
+// outside a stop operation (a graceful stop that timed out, a forced stop
+// that found it already exiting, a guest that shut itself down), its
+// status answers from the operation it holds, not from the container.
+// Measured here with a guest that stopped itself: Running, Stopped for a
+// few ms, Running again for 0.6 s with no init process, then Stopped. So
+// a status other than want is a failure only while the instance's init
+// process runs (a start that came after the power-down); otherwise Incus
+// is waited for, within a bound.
+func incusAgrees(r *rig, name string, want incus.InstanceStatus) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		st := r.status(name)
+		if st == want {
+			return nil
+		}
+		pid, err := r.client.InitPID(r.ctx(), name)
+		if err == nil && pid > 0 {
+			return fmt.Errorf("Incus shows %s and runs its init process (pid %d)", st, pid)
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("Incus still shows %s 30 s later, with no init process (%v)", st, err)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 
