@@ -229,3 +229,53 @@ func TestInformationalAnswersPassThrough(t *testing.T) {
 		t.Fatalf("informational answers seen by the client: %q", hints)
 	}
 }
+
+// A client that stops reading a long answer is cut after the stall bound,
+// and so is the guest's connection, at once: the edge does not read the
+// rest of the answer from the guest first, which an answer's Close does to
+// keep a connection, unless the request's end has closed it already (the
+// server ends the request when a write to its client fails).
+func TestAClientThatStallsADownloadLetsTheGuestGo(t *testing.T) {
+	const declared = 64 << 30 // more than the app can write before its 10 s deadline
+	var written atomic.Int64
+	ended := make(chan error, 1)
+	addr := rawApp(t, func(c net.Conn, _ int) {
+		if _, err := http.ReadRequest(bufio.NewReader(c)); err != nil {
+			ended <- err
+			return
+		}
+		_, _ = fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n", declared)
+		chunk := make([]byte, 64<<10)
+		for {
+			n, err := c.Write(chunk)
+			written.Add(int64(n))
+			if err != nil {
+				ended <- err
+				return
+			}
+		}
+	})
+	r := newEdgeRigTo(t, addr, 300*time.Millisecond)
+	var d net.Dialer
+	conn, err := d.DialContext(context.Background(), "tcp", r.srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_, _ = io.WriteString(conn, "GET /big HTTP/1.1\r\nHost: "+r.host()+"\r\n\r\n")
+	// The head and a little of the body, then the client reads no more.
+	if _, err := io.ReadFull(conn, make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ended:
+	case <-time.After(8 * time.Second):
+		t.Fatalf("the app's connection was still open 8 s after the client stopped reading (%d MiB written)", written.Load()>>20)
+	}
+	r.awaitNoUpstream(t)
+	// What a stalled client leaves in the socket buffers is megabytes; a
+	// drain reads on at loopback speed, gigabytes in these seconds.
+	if w := written.Load(); w > 256<<20 {
+		t.Fatalf("the app wrote %d MiB to a client that read 4 KiB: the edge read on after the stall", w>>20)
+	}
+}
