@@ -201,6 +201,28 @@ func run(ctx context.Context, cfg config) error {
 	direct := clientTo(func(ctx context.Context) (net.Conn, error) {
 		return dialer.DialContext(ctx, guest.Target{Instance: name, Port: 8080})
 	})
+	// The floor of any second hop: a byte relay that parses nothing, on
+	// its own loopback listener, to the app through the same GuestDialer.
+	// io.Copy between the two sockets splices, so it copies nothing in
+	// user space either.
+	relayLn, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
+	if err != nil {
+		return fmt.Errorf("byte relay listener: %w", err)
+	}
+	var rwg sync.WaitGroup
+	rctx, rcancel := context.WithCancel(ctx)
+	rwg.Add(1)
+	go func() {
+		defer rwg.Done()
+		byteRelay(rctx, relayLn, func(ctx context.Context) (net.Conn, error) {
+			return dialer.DialContext(ctx, guest.Target{Instance: name, Port: 8080})
+		})
+	}()
+	defer func() { rcancel(); _ = relayLn.Close(); rwg.Wait() }()
+	floor := clientTo(func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", relayLn.Addr().String())
+	})
 	// The direct client names the same host, so the app answers alike.
 	if err := waitOK(ctx, edge, endpoint+"/"); err != nil {
 		return err
@@ -224,26 +246,31 @@ func run(ctx context.Context, cfg config) error {
 			err = fmt.Errorf("small GET answered %d", s)
 		}
 		return err
-	}, edge, direct)
+	}, edge, direct, floor)
 	if err != nil {
 		return err
 	}
 	e50, e95 := quantiles(lat[0])
 	d50, d95 := quantiles(lat[1])
+	f50, f95 := quantiles(lat[2])
 	ratio := float64(e50) / float64(d50)
 	row("small GET p50 / p95, edge", fmtDur(e50)+" / "+fmtDur(e95), "")
 	row("small GET p50 / p95, direct", fmtDur(d50)+" / "+fmtDur(d95), "")
+	row("small GET p50 / p95, byte relay", fmtDur(f50)+" / "+fmtDur(f95), "")
 	row("small GET p50 ratio edge/direct", fmt.Sprintf("%.2f×", ratio), goal(ratio <= 1.3, "≤ 1.3×"))
+	row("small GET p50 ratio byte relay/direct, edge/byte relay",
+		fmt.Sprintf("%.2f×, %.2f×", float64(f50)/float64(d50), float64(e50)/float64(f50)), "")
 
 	progress("1 MiB bodies")
 	for _, dir := range []string{"download", "upload"} {
-		took, err := interleaved(cfg.mib, func(c *http.Client) error { return moveMiB(ctx, c, endpoint, dir) }, edge, direct)
+		took, err := interleaved(cfg.mib, func(c *http.Client) error { return moveMiB(ctx, c, endpoint, dir) }, edge, direct, floor)
 		if err != nil {
 			return err
 		}
-		et, dt := mbps(took[0]), mbps(took[1])
-		row("1 MiB "+dir+", edge / direct", fmt.Sprintf("%.0f / %.0f MB/s", et, dt), "")
+		et, dt, ft := mbps(took[0]), mbps(took[1]), mbps(took[2])
+		row("1 MiB "+dir+", edge / direct / byte relay", fmt.Sprintf("%.0f / %.0f / %.0f MB/s", et, dt, ft), "")
 		row("1 MiB "+dir+" ratio edge/direct", fmt.Sprintf("%.2f×", et/dt), goal(et/dt >= 0.9, "≥ 0.9×"))
+		row("1 MiB "+dir+" ratio byte relay/direct, edge/byte relay", fmt.Sprintf("%.2f×, %.2f×", ft/dt, et/ft), "")
 	}
 
 	if cfg.gib > 0 {
@@ -384,6 +411,42 @@ func goal(met bool, what string) string {
 		return what + ": met"
 	}
 	return what + ": MISSED"
+}
+
+// byteRelay serves ln until ctx ends: each connection is carried to a
+// connection of its own from dial, byte for byte both ways.
+func byteRelay(ctx context.Context, ln net.Listener, dial func(context.Context) (net.Conn, error)) {
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer c.Close()
+			up, err := dial(ctx)
+			if err != nil {
+				return
+			}
+			defer up.Close()
+			stop := context.AfterFunc(ctx, func() { _ = c.Close(); _ = up.Close() })
+			defer stop()
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				_, _ = io.Copy(up, c)
+				if tc, ok := up.(interface{ CloseWrite() error }); ok {
+					_ = tc.CloseWrite()
+				}
+			}()
+			_, _ = io.Copy(c, up)
+			_ = c.Close()
+			<-done
+		}()
+	}
 }
 
 func clientTo(dial func(context.Context) (net.Conn, error)) *http.Client {
