@@ -279,3 +279,42 @@ func TestAClientThatStallsADownloadLetsTheGuestGo(t *testing.T) {
 		t.Fatalf("the app wrote %d MiB to a client that read 4 KiB: the edge read on after the stall", w>>20)
 	}
 }
+
+// An app that takes a request and never answers its head is given up at
+// the transport's header bound, for both of its paths: the request is
+// answered 502 and the upstream connection closed, whichever carried it.
+func TestAnAppThatNeverAnswersIsGivenUpAtTheHeaderBound(t *testing.T) {
+	const bound = 300 * time.Millisecond
+	release := make(chan struct{})
+	addr := rawApp(t, func(c net.Conn, _ int) {
+		if req, err := http.ReadRequest(bufio.NewReader(c)); err == nil {
+			_, _ = io.Copy(io.Discard, req.Body)
+		}
+		<-release
+	})
+	t.Cleanup(func() { close(release) }) // before rawApp's, which waits for the handlers
+	r := newEdgeRigTo(t, addr, 0)
+	r.edge.rt.headerTimeout = bound
+	r.edge.tr.ResponseHeaderTimeout = bound
+	for _, method := range []string{http.MethodGet, http.MethodPost} {
+		req, _ := http.NewRequest(method, r.srv.URL+"/", strings.NewReader("body"))
+		if method == http.MethodGet {
+			req.Body, req.ContentLength = nil, 0 // the inline path
+		}
+		req.Host = r.host()
+		start := time.Now()
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+		took := time.Since(start)
+		if resp.StatusCode != http.StatusBadGateway {
+			t.Fatalf("%s to an app that never answers: %s, want 502", method, resp.Status)
+		}
+		if took < bound || took > bound+5*time.Second {
+			t.Fatalf("%s answered after %s; the bound is %s", method, took, bound)
+		}
+		r.awaitNoUpstream(t)
+	}
+}
