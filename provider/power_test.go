@@ -144,7 +144,7 @@ func incusAgrees(r *rig, name string, want incus.InstanceStatus) error {
 			return fmt.Errorf("Incus shows %s and runs its init process (pid %d)", st, pid)
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("Incus still shows %s 30 s later, with no init process (%v)", st, err)
+			return fmt.Errorf("Incus still shows %s 30 s later, with no init process (reading it: %w)", st, err)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
