@@ -144,7 +144,10 @@ func incusAgrees(r *rig, name string, want incus.InstanceStatus) error {
 			return fmt.Errorf("Incus shows %s and runs its init process (pid %d)", st, pid)
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("Incus still shows %s 30 s later, with no init process (reading it: %w)", st, err)
+			if err != nil {
+				return fmt.Errorf("Incus still shows %s 30 s later, and its state does not read: %w", st, err)
+			}
+			return fmt.Errorf("Incus still shows %s 30 s later, with no init process", st)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
