@@ -183,6 +183,11 @@ type warmPool struct {
 	// resuming are the claimed ones whose hand-out the survey is
 	// finishing (see resumeClaim).
 	resuming map[string]bool
+	// resumeAfter backs off the survey's resume of a claimed instance
+	// whose hand-out did not finish: a name Incus has wrecked (a volume
+	// and no instance) refuses every rename, for as long as no operator
+	// mends it, and each try is a rename, a read and a warning.
+	resumeAfter map[string]resumeRetry
 	// renaming counts the renames this process has under way, by the
 	// owner's name they go to: while one runs, neither name may read as
 	// the instance's (the cache can drop the warm name first), and a get
@@ -202,9 +207,42 @@ type warmPool struct {
 func (p *warmPool) init() {
 	p.known, p.filling, p.taken, p.resuming = map[string]bool{}, map[string]bool{}, map[string]bool{}, map[string]bool{}
 	p.renaming = map[string]int{}
+	p.resumeAfter = map[string]resumeRetry{}
 	p.retryAt, p.delay = map[string]time.Time{}, map[string]time.Duration{}
 	p.kickc = make(chan struct{}, 1)
 	p.sem = make(chan struct{}, warmCreates)
+}
+
+// resumeRetry is when a claimed instance's hand-out is resumed next, after
+// fails tries that did not finish it.
+type resumeRetry struct {
+	fails int
+	next  time.Time
+}
+
+// resumeBackoffMost bounds the wait between resumes of one claim: a name
+// an operator mended is taken within it.
+const resumeBackoffMost = 5 * time.Minute
+
+// resumeFailed records a resume of wn that did not finish its hand-out:
+// the next survey tries again (most such are an operation that was still
+// on the instance), the one after waits an interval, and each wait after
+// is twice the last.
+func (p *warmPool) resumeFailed(wn string, now time.Time, interval time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r := p.resumeAfter[wn]
+	r.fails++
+	var wait time.Duration
+	switch {
+	case r.fails == 1:
+	case r.fails <= 20:
+		wait = min(interval<<(r.fails-2), resumeBackoffMost)
+	default:
+		wait = resumeBackoffMost
+	}
+	r.next = now.Add(wait)
+	p.resumeAfter[wn] = r
 }
 
 func (p *warmPool) kick() {
@@ -453,27 +491,32 @@ func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult
 // and the owner with nothing (the kill matrix with a pool found it in CI).
 // A claim whose name another create holds is deleted: it carries the
 // owner's ids and never returns to the pool.
-func (s *Service) resumeClaim(ctx context.Context, wn, name string) {
+//
+// It says whether the claim is settled: handed out, or up for deletion.
+func (s *Service) resumeClaim(ctx context.Context, wn, name string) (settled bool) {
 	if !looksLikeTargetID(name) {
-		return
+		return true
 	}
 	unlock, err := s.locks.lock(ctx, name)
 	if err != nil {
-		return
+		return false
 	}
 	defer unlock()
 	inst, err := s.lookup(ctx, name)
 	switch {
 	case err != nil:
-		return
+		return false
 	case inst != nil:
 		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == name })
-		return
+		return true
 	}
-	if r, err := s.resumeHandout(ctx, name); err == nil && r == warmHit {
-		s.changes.note(name)
-		s.work.kick(name)
+	r, err := s.resumeHandout(ctx, name)
+	if err != nil || r != warmHit {
+		return false
 	}
+	s.changes.note(name)
+	s.work.kick(name)
+	return true
 }
 
 // claimsFor is the warm instances claimed for name, for a create (which
@@ -674,9 +717,16 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			} else if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
 				// Past its claimant's own method budget: a live claimant
 				// has sent its rename by now, or never will.
-				resume = append(resume, w)
+				if r, backing := s.warm.resumeAfter[w.Name]; !backing || !s.now().Before(r.next) {
+					resume = append(resume, w)
+				}
 			}
-			continue // claimed: not the pool's
+			// Claimed: not the pool's, but its name is taken until the
+			// hand-out moves it, so the slot is not refilled meanwhile
+			// (Incus would fail that create, and hold the name with it
+			// while the resume waits for its operation to end).
+			known[w.Name] = false
+			continue
 		case t == nil || w.Config[keyWarm] != t.Wire.TemplateID || w.Config[keyWarmRecipe] != recipes[t.Wire.TemplateID]:
 			drop = append(drop, w)
 		case w.Config[keyWarmReady] == "":
@@ -686,6 +736,15 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	}
 	s.warm.known = known
 	s.warm.surveyed, s.warm.seen = true, len(known) > 0
+	listed := make(map[string]bool, len(list))
+	for i := range list {
+		listed[list[i].Name] = true
+	}
+	for wn := range s.warm.resumeAfter {
+		if !listed[wn] {
+			delete(s.warm.resumeAfter, wn)
+		}
+	}
 	s.warm.mu.Unlock()
 	for _, w := range drop {
 		claim := w.Config[keyWarmClaim] // as listed: one written since keeps it
@@ -721,7 +780,13 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			defer done()
 			ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 			defer cancel()
-			s.resumeClaim(ctx, wn, name)
+			if s.resumeClaim(ctx, wn, name) {
+				s.warm.mu.Lock()
+				delete(s.warm.resumeAfter, wn)
+				s.warm.mu.Unlock()
+			} else if ctx.Err() == nil {
+				s.warm.resumeFailed(wn, s.now(), s.cfg.ReconcileInterval)
+			}
 		}) {
 			done()
 		}
