@@ -146,6 +146,7 @@ func (s *Service) wantPatient(ctx context.Context, patience time.Time, name stri
 		err = s.incus.PatchInstanceConfigIf(ctx, name, set, etag)
 		s.listingChanged()
 		if err == nil {
+			s.wrote(name, in)
 			return inst, true, nil
 		}
 		if errors.Is(err, incus.ErrBusy) {
@@ -159,6 +160,7 @@ func (s *Service) wantPatient(ctx context.Context, patience time.Time, name stri
 		if !errors.Is(err, incus.ErrPreconditionFailed) || attempt >= 12 {
 			if landed := s.landed(ctx, name, in); landed {
 				// The answer was lost, not the write.
+				s.wrote(name, in)
 				return inst, true, nil
 			}
 			err = fmt.Errorf("record power %s: %w", in.Power, err)

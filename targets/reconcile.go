@@ -89,9 +89,18 @@ func needsWork(inst *incus.Instance) bool {
 }
 
 // converge takes one idempotent step towards the instance's intent and
-// answers when to look at it again (0: when kicked, or at the next pass).
-// It is never run twice at once for one name (see worker).
+// answers when to look at it again (0: when kicked, or at the next pass),
+// no later than an intent this process wrote is due to be checked (see
+// written.go). It is never run twice at once for one name (see worker).
 func (s *Service) converge(ctx context.Context, name string) time.Duration {
+	d := s.convergeStep(ctx, name)
+	if look := s.written.lookIn(name, time.Now()); look > 0 && (d <= 0 || look < d) {
+		return look
+	}
+	return d
+}
+
+func (s *Service) convergeStep(ctx context.Context, name string) time.Duration {
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -101,6 +110,7 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 	}
 	if inst == nil {
 		s.dialer.Forget(name)
+		s.written.forget(name)
 		s.progress.clear(name)
 		s.ingress.drop(name)
 		if w, ok := s.pending.get(name); ok {
@@ -116,6 +126,11 @@ func (s *Service) converge(ctx context.Context, name string) time.Duration {
 		if !s.flushPending(ctx, name) {
 			return 100 * time.Millisecond
 		}
+		if inst, err = s.lookup(ctx, name); err != nil || inst == nil {
+			return 100 * time.Millisecond
+		}
+	}
+	if s.rewriteOvertaken(ctx, inst) {
 		if inst, err = s.lookup(ctx, name); err != nil || inst == nil {
 			return 100 * time.Millisecond
 		}
@@ -496,6 +511,23 @@ func (w *worker) run(name string, j *job) {
 		j.again, j.done, j.next = false, j.next, nil
 		w.mu.Unlock()
 	}
+}
+
+// soon kicks name after d, unless a kick or a retry is already due: a
+// run then returns when to look again itself.
+func (w *worker) soon(name string, d time.Duration) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if _, due := w.timers[name]; due || w.ctx.Err() != nil {
+		return
+	}
+	if _, running := w.jobs[name]; running {
+		// The run may have asked when to look again before this write:
+		// one more run answers it anew (see converge).
+		w.kickLocked(name)
+		return
+	}
+	w.retryLocked(name, d)
 }
 
 // retryLocked kicks name again after d, unless a kick comes first.

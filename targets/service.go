@@ -123,7 +123,10 @@ type Service struct {
 	// pending are power requests answered but not yet recorded (see
 	// pendingTable); projectMu orders this process's writes of the copy
 	// the project's config keeps (see pendingstore.go).
-	pending   pendingTable
+	pending pendingTable
+	// written are intents this process wrote, checked again once settled
+	// (see written.go).
+	written   writtenTable
 	projectMu sync.Mutex
 	// creates are the creates this process answered and still follows.
 	creates createTable
