@@ -234,12 +234,8 @@ func (p *warmPool) resumeFailed(wn string, now time.Time, interval time.Duration
 	r := p.resumeAfter[wn]
 	r.fails++
 	var wait time.Duration
-	switch {
-	case r.fails == 1:
-	case r.fails <= 20:
-		wait = min(interval<<(r.fails-2), resumeBackoffMost)
-	default:
-		wait = resumeBackoffMost
+	if r.fails > 1 {
+		wait = min(interval<<min(r.fails-2, 20), resumeBackoffMost) // the shift bounded short of overflow
 	}
 	r.next = now.Add(wait)
 	p.resumeAfter[wn] = r
@@ -736,12 +732,8 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	}
 	s.warm.known = known
 	s.warm.surveyed, s.warm.seen = true, len(known) > 0
-	listed := make(map[string]bool, len(list))
-	for i := range list {
-		listed[list[i].Name] = true
-	}
 	for wn := range s.warm.resumeAfter {
-		if !listed[wn] {
+		if _, listed := known[wn]; !listed { // known holds every warm instance listed
 			delete(s.warm.resumeAfter, wn)
 		}
 	}
