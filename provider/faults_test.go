@@ -24,15 +24,7 @@ const answerBound = 8 * time.Second
 // faultRig is a provider whose every Incus call goes through a fault proxy.
 func faultRig(t *testing.T) (*rig, *incusfault.Proxy) {
 	t.Helper()
-	proxy, err := incusfault.Start(t.Context(), incusfault.Config{Upstream: incustest.Socket(), Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := proxy.Close(); err != nil {
-			t.Error(err)
-		}
-	})
+	proxy := incustest.FaultProxy(t)
 	r := newRig(t, rigOptions{providerIncus: func(project string) *incus.Client {
 		c, err := incus.New(incus.Config{Socket: proxy.Socket(), Project: project})
 		if err != nil {

@@ -157,15 +157,7 @@ func incusAgrees(r *rig, name string, want incus.InstanceStatus) error {
 // provider stopping between its answer and the move, delays it but never
 // loses it.
 func TestPowerSurvivesIncusFaultsAndRestart(t *testing.T) {
-	proxy, err := incusfault.Start(t.Context(), incusfault.Config{Upstream: incustest.Socket(), Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := proxy.Close(); err != nil {
-			t.Error(err)
-		}
-	})
+	proxy := incustest.FaultProxy(t)
 	viaProxy := func(project string) *incus.Client {
 		c, err := incus.New(incus.Config{Socket: proxy.Socket(), Project: project, CallTimeout: 5 * time.Second})
 		if err != nil {

@@ -41,11 +41,7 @@ func newCacheRig(t *testing.T) *cacheRig {
 	t.Helper()
 	h := newHarness(t)
 	r := &cacheRig{t: t, h: h, other: h.client, calls: map[string]int{}}
-	p, err := incusfault.Start(t.Context(), incusfault.Config{Upstream: incustest.Socket(), Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = p.Close() })
+	p := incustest.FaultProxy(t)
 	r.proxy = p
 	client, err := incus.New(incus.Config{Socket: p.Socket(), Project: h.client.Project(),
 		Observe: func(op, _ string, _ time.Duration) { r.mu.Lock(); r.calls[op]++; r.mu.Unlock() }})

@@ -37,15 +37,7 @@ func TestWarmResumeThatKeepsFailingBacksOff(t *testing.T) {
 		t.Fatal("the crash after the claim left no claimed warm instance: the test tests nothing")
 	}
 
-	proxy, err := incusfault.Start(t.Context(), incusfault.Config{Upstream: incustest.Socket(), Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := proxy.Close(); err != nil {
-			t.Error(err)
-		}
-	})
+	proxy := incustest.FaultProxy(t)
 	// A rename is POST /1.0/instances/{name}; a create posts to the
 	// collection, so the pool's refill is not refused.
 	refused := proxy.Add(incusfault.Rule{Method: "POST", Path: "/1.0/instances/" + claimed, Fault: incusfault.Fail,

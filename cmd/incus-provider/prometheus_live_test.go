@@ -21,7 +21,6 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
-	"github.com/lightspeed-dev/incus-provider/internal/incusfault"
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/routes"
@@ -46,11 +45,7 @@ func TestLivePrometheus(t *testing.T) {
 	}
 	edge := freePort(t)
 	// Incus through a proxy the workload cuts for an outage.
-	fault, err := incusfault.Start(t.Context(), incusfault.Config{Upstream: incustest.Socket(), Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = fault.Close() })
+	fault := incustest.FaultProxy(t)
 	c := startProvider(t, "INCUS_SOCKET="+fault.Socket(),
 		"PROVIDER_INGRESS_LISTEN="+edge, "PROVIDER_INGRESS_BASE_URL=http://{label}.localhost:"+edge[strings.LastIndexByte(edge, ':')+1:])
 	prom := startPrometheus(t, promBin, strings.TrimSuffix(strings.TrimPrefix(c.metrics, "http://"), "/metrics"))
