@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
@@ -49,8 +50,7 @@ func TestStagedCreateWhenThePoolIsEmpty(t *testing.T) {
 func TestStagedCreateCrashBeforeItsRename(t *testing.T) {
 	h := warmHarness(t, 1)
 	svc, stop := h.startWarm(h.catalog, nil, func(s string) bool { return s == "staged" })
-	h.awaitPool(t, 1)
-	missThePool(svc)
+	missThePool(svc, h.awaitPool(t, 1))
 	o := owner("staged-crash")
 	name := Name(o)
 	ctx := ctxT(t)
@@ -149,8 +149,7 @@ func TestAnOldStagedClaimIsRenamedNotDeleted(t *testing.T) {
 		time.Sleep(5 * time.Second)
 		return false
 	})
-	h.awaitPool(t, 1)
-	missThePool(a)
+	missThePool(a, h.awaitPool(t, 1))
 	h.startWarm(h.catalog, nil, nil)
 	// The other replica's survey may rename it within the answer bound,
 	// so the answer may carry the id already.
@@ -176,12 +175,18 @@ func TestAnOldStagedClaimIsRenamedNotDeleted(t *testing.T) {
 	h.checkOnePerOwner(t, []controller.Owner{o})
 }
 
-// missThePool keeps the pool's instances taken in svc, so that its next
-// create misses and stages.
-func missThePool(svc *Service) {
+// missThePool keeps the ready warm instances Incus listed taken in svc, so
+// that its next create misses and stages. The names come from Incus, not
+// from svc's own map: a fill marks its instance ready in Incus before it
+// records it (CI: the pool's one instance was handed out, missing from
+// the map a moment before).
+func missThePool(svc *Service, ready []incus.Instance) {
 	svc.warm.mu.Lock()
 	defer svc.warm.mu.Unlock()
 	for n := range svc.warm.known {
 		svc.warm.taken[n] = true
+	}
+	for _, inst := range ready {
+		svc.warm.taken[inst.Name] = true
 	}
 }
