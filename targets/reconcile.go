@@ -445,7 +445,13 @@ type worker struct {
 
 	mu     sync.Mutex
 	jobs   map[string]*job
-	timers map[string]*time.Timer
+	timers map[string]*retryTimer
+}
+
+// retryTimer is a pending kick and when it fires.
+type retryTimer struct {
+	t  *time.Timer
+	at time.Time
 }
 
 type job struct {
@@ -456,7 +462,7 @@ type job struct {
 
 func newWorker(fn func(ctx context.Context, name string) time.Duration) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &worker{fn: fn, ctx: ctx, cancel: cancel, jobs: map[string]*job{}, timers: map[string]*time.Timer{}}
+	return &worker{fn: fn, ctx: ctx, cancel: cancel, jobs: map[string]*job{}, timers: map[string]*retryTimer{}}
 }
 
 // kick schedules a converge of name and returns a channel closed once a run
@@ -468,8 +474,8 @@ func (w *worker) kick(name string) <-chan struct{} {
 }
 
 func (w *worker) kickLocked(name string) <-chan struct{} {
-	if t := w.timers[name]; t != nil {
-		t.Stop() // this run covers the retry
+	if r := w.timers[name]; r != nil {
+		r.t.Stop() // this run covers the retry
 		delete(w.timers, name)
 	}
 	if j, running := w.jobs[name]; running {
@@ -513,12 +519,14 @@ func (w *worker) run(name string, j *job) {
 	}
 }
 
-// soon kicks name after d, unless a kick or a retry is already due: a
-// run then returns when to look again itself.
+// soon kicks name after d, unless a kick or a retry is already due by
+// then: a run then returns when to look again itself. A retry due later
+// (a backoff of minutes) is brought forward, or the look a write asked for
+// would wait for it.
 func (w *worker) soon(name string, d time.Duration) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if _, due := w.timers[name]; due || w.ctx.Err() != nil {
+	if r, due := w.timers[name]; (due && !r.at.After(time.Now().Add(d))) || w.ctx.Err() != nil {
 		return
 	}
 	if _, running := w.jobs[name]; running {
@@ -532,20 +540,20 @@ func (w *worker) soon(name string, d time.Duration) {
 
 // retryLocked kicks name again after d, unless a kick comes first.
 func (w *worker) retryLocked(name string, d time.Duration) {
-	if t := w.timers[name]; t != nil {
-		t.Stop()
+	if r := w.timers[name]; r != nil {
+		r.t.Stop()
 	}
-	var t *time.Timer
-	t = time.AfterFunc(d, func() {
+	r := &retryTimer{at: time.Now().Add(d)}
+	r.t = time.AfterFunc(d, func() {
 		w.mu.Lock()
 		defer w.mu.Unlock()
-		if w.timers[name] != t || w.ctx.Err() != nil {
+		if w.timers[name] != r || w.ctx.Err() != nil {
 			return
 		}
 		delete(w.timers, name)
 		w.kickLocked(name)
 	})
-	w.timers[name] = t
+	w.timers[name] = r
 }
 
 // spawn runs fn on a goroutine the worker owns; false when it is stopping.
@@ -566,8 +574,8 @@ func (w *worker) spawn(fn func(ctx context.Context)) bool {
 func (w *worker) stop() {
 	w.mu.Lock()
 	w.cancel()
-	for name, t := range w.timers {
-		t.Stop()
+	for name, r := range w.timers {
+		r.t.Stop()
 		delete(w.timers, name)
 	}
 	w.mu.Unlock()
