@@ -16,7 +16,11 @@
 //     small-GET latency of the known host under the flood.
 //
 // The provider runs in this process (provider.New, the edge on a loopback
-// listener of its own). It needs root (the netns GuestDialer), a running
+// listener of its own). The small GETs and the 1 MiB bodies are sent from
+// a child process of this binary (-client process, the default), as a real
+// client is never in the edge's process; -client inline sends them from
+// this one, the shape of earlier runs. -procs sets this process's
+// GOMAXPROCS. It needs root (the netns GuestDialer), a running
 // Incus and the development guest image (deploy/guest/build-image.sh). It
 // works in an Incus project of its own, lsbench-<random>, and removes it
 // at the end, also on an error or Ctrl-C. Everything it dials is on
@@ -26,7 +30,7 @@
 // Usage:
 //
 //	go build -o bin/ingressbench ./cmd/ingressbench
-//	sudo bin/ingressbench [-image lightspeed-dev-guest] [-gets 2000] [-mib 64] [-gib 1] [-wakes 10] [-flood 1000] [-flood-for 3s]
+//	sudo bin/ingressbench [-image lightspeed-dev-guest] [-gets 2000] [-mib 64] [-gib 1] [-wakes 10] [-flood 1000] [-flood-for 3s] [-client process|inline] [-procs N]
 package main
 
 import (
@@ -43,6 +47,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"runtime/pprof"
 	"slices"
 	"strconv"
@@ -69,6 +74,8 @@ type config struct {
 	flood            int
 	floodFor         time.Duration
 	cpuprofile       string
+	client           string
+	procs            int
 }
 
 func main() {
@@ -81,10 +88,27 @@ func main() {
 	flag.IntVar(&cfg.wakes, "wakes", 10, "wakes on request from paused and from stopped")
 	flag.IntVar(&cfg.flood, "flood", 1000, "unknown-host requests per second")
 	flag.DurationVar(&cfg.floodFor, "flood-for", 3*time.Second, "how long the unknown-host flood lasts")
-	flag.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the small GETs and the 1 MiB bodies to this file")
+	flag.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the small GETs and the 1 MiB bodies to this file (of the edge alone with -client process)")
+	flag.StringVar(&cfg.client, "client", "process", "where the small GETs and 1 MiB bodies are sent from: process (a process of their own) or inline (this one)")
+	flag.IntVar(&cfg.procs, "procs", 0, "GOMAXPROCS of this process, the edge's (0 keeps Go's default; the client process keeps its own)")
+	clientJobArg := flag.String("client-job", "", "internal: run as the measuring client process of this job")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if *clientJobArg != "" {
+		if err := runClient(ctx, *clientJobArg); err != nil {
+			fmt.Fprintln(os.Stderr, "ingressbench client:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if cfg.procs > 0 {
+		runtime.GOMAXPROCS(cfg.procs)
+	}
+	if cfg.client != "process" && cfg.client != "inline" {
+		fmt.Fprintf(os.Stderr, "ingressbench: -client is process or inline, not %q\n", cfg.client)
+		os.Exit(2)
+	}
 	if err := run(ctx, cfg); err != nil {
 		fmt.Fprintln(os.Stderr, "ingressbench:", err)
 		os.Exit(1)
@@ -194,13 +218,6 @@ func run(ctx context.Context, cfg config) error {
 	endpoint := o.Ingress.Endpoint
 	name := targets.Name(owner)
 
-	edge := clientTo(func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "tcp", edgeLn.Addr().String())
-	})
-	direct := clientTo(func(ctx context.Context) (net.Conn, error) {
-		return dialer.DialContext(ctx, guest.Target{Instance: name, Port: 8080})
-	})
 	// The floor of any second hop: a byte relay that parses nothing, on
 	// its own loopback listener, to the app through the same GuestDialer.
 	// io.Copy between the two sockets splices, so it copies nothing in
@@ -219,10 +236,9 @@ func run(ctx context.Context, cfg config) error {
 		})
 	}()
 	defer func() { rcancel(); _ = relayLn.Close(); rwg.Wait() }()
-	floor := clientTo(func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "tcp", relayLn.Addr().String())
-	})
+	job := clientJob{Edge: edgeLn.Addr().String(), Relay: relayLn.Addr().String(), Instance: name,
+		Endpoint: endpoint, Gets: cfg.gets, MiB: cfg.mib}
+	edge, direct, floor := clients(job, dialer)
 	// The direct client names the same host, so the app answers alike.
 	if err := waitOK(ctx, edge, endpoint+"/"); err != nil {
 		return err
@@ -239,17 +255,22 @@ func run(ctx context.Context, cfg config) error {
 		}
 		defer stop()
 	}
-	progress("small GETs")
-	lat, err := interleaved(cfg.gets, func(c *http.Client) error {
-		s, err := get(ctx, c, endpoint+"/bytes?n=64")
-		if err == nil && s != http.StatusOK {
-			err = fmt.Errorf("small GET answered %d", s)
+	var res clientResult
+	if cfg.client == "process" {
+		pid, err := client.InitPID(ctx, name)
+		if err != nil {
+			return fmt.Errorf("the guest's init PID: %w", err)
 		}
-		return err
-	}, edge, direct, floor)
-	if err != nil {
+		job.PID = pid
+		res, err = measureApart(ctx, job)
+		if err != nil {
+			return err
+		}
+	} else if res, err = measure(ctx, job, edge, direct, floor); err != nil {
 		return err
 	}
+	row("client; the edge process's GOMAXPROCS", fmt.Sprintf("%s; %d", cfg.client, runtime.GOMAXPROCS(0)), "")
+	lat := res.Get
 	e50, e95 := quantiles(lat[0])
 	d50, d95 := quantiles(lat[1])
 	f50, f95 := quantiles(lat[2])
@@ -261,12 +282,8 @@ func run(ctx context.Context, cfg config) error {
 	row("small GET p50 ratio byte relay/direct, edge/byte relay",
 		fmt.Sprintf("%.2f×, %.2f×", float64(f50)/float64(d50), float64(e50)/float64(f50)), "")
 
-	progress("1 MiB bodies")
-	for _, dir := range []string{"download", "upload"} {
-		took, err := interleaved(cfg.mib, func(c *http.Client) error { return moveMiB(ctx, c, endpoint, dir) }, edge, direct, floor)
-		if err != nil {
-			return err
-		}
+	for i, took := range [][][]time.Duration{res.Download, res.Upload} {
+		dir := []string{"download", "upload"}[i]
 		et, dt, ft := mbps(took[0]), mbps(took[1]), mbps(took[2])
 		row("1 MiB "+dir+", edge / direct / byte relay", fmt.Sprintf("%.0f / %.0f / %.0f MB/s", et, dt, ft), "")
 		row("1 MiB "+dir+" ratio edge/direct", fmt.Sprintf("%.2f×", et/dt), goal(et/dt >= 0.9, "≥ 0.9×"))
