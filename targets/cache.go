@@ -116,6 +116,21 @@ func (s *Service) read(ctx context.Context, name string) (*incus.Instance, error
 	return s.lookup(ctx, name)
 }
 
+// readPresent is read for a method that changes the target: the cache
+// answers only an instance it holds, and an absence is asked of Incus. The
+// change itself reads the instance from Incus with its ETag (want,
+// patchIf), so a cached instance that is gone by then is found there; but
+// an absence is answered to the caller as notFound at once, and a create
+// another replica just answered may not have reached the cache yet.
+func (s *Service) readPresent(ctx context.Context, name string) (*incus.Instance, error) {
+	if s.cache != nil {
+		if inst, hit := s.cache.get(name); hit && inst != nil {
+			return inst, nil
+		}
+	}
+	return s.lookup(ctx, name)
+}
+
 // Bounds of the cache's own work.
 const (
 	settleAfterConnect = 500 * time.Millisecond

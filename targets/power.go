@@ -114,7 +114,7 @@ func (s *Service) powerUp(ctx context.Context, inst *incus.Instance) error {
 func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (controller.Observation, error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
-	name, inst, err := s.resolve(ctx, ref)
+	name, inst, err := s.resolveWith(ctx, ref, s.readPresent)
 	if err != nil {
 		return controller.Observation{}, err
 	}
@@ -192,7 +192,9 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	if wrote {
 		s.kickAndWait(ctx, name)
 	}
-	after, lerr := s.lookup(ctx, name)
+	// The converge just read the instance and offered it to the cache,
+	// which serves it unless something changed it since.
+	after, lerr := s.read(ctx, name)
 	if lerr != nil {
 		// The request is recorded: the reconciler carries it out whatever
 		// this answer says, so say it is under way rather than unavailable.
