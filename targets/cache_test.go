@@ -398,3 +398,47 @@ func TestSlimKeepsWhatReadersUse(t *testing.T) {
 		t.Fatal("slim(nil) is not nil")
 	}
 }
+
+// A method that changes a target reads it through the cache only when the
+// cache holds it: an absence is asked of Incus, since another replica's
+// create may not have reached this one's cache yet (here the entry is
+// taken out by hand, as an event still on its way would leave it), and
+// notFound would be answered at once.
+func TestAChangeAsksIncusWhatTheCacheLacks(t *testing.T) {
+	h := newHarness(t)
+	a, _ := h.start(h.catalog)
+	b, _ := h.start(h.catalog)
+	ctx := ctxT(t)
+	o := owner("cache-lacks")
+	ref := controller.TargetRef{Owner: o}
+	if _, err := a.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1"}); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "active", func() (controller.Observation, error) { return a.GetTarget(ctx, ref) }, isActive)
+	forget := func() bool {
+		c := b.cache
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if !c.confirmed {
+			return false
+		}
+		delete(c.entries, Name(o))
+		c.view = nil
+		return true
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for !forget() {
+		if time.Now().After(deadline) {
+			t.Fatal("the second replica's cache never became confirmed")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if inst, hit := b.cache.get(Name(o)); !hit || inst != nil {
+		t.Fatalf("the cache answers %v, hit %v; want a hit with no instance: the test tested nothing", inst, hit)
+	}
+	if _, err := b.SetPower(ctx, ref, controller.PowerPaused); err != nil {
+		t.Fatalf("setPower through a replica whose cache lacks the target: %v", err)
+	}
+	until(t, "paused", func() (controller.Observation, error) { return a.GetTarget(ctx, ref) },
+		func(o controller.Observation, err error) bool { return err == nil && o.Power == controller.PowerPaused })
+}
