@@ -555,7 +555,7 @@ func interleaved(n int, op func(*http.Client) error, clients ...*http.Client) ([
 		for i, c := range clients {
 			start := time.Now()
 			if err := op(c); err != nil {
-				return nil, fmt.Errorf("%s: %w", []string{"edge", "direct"}[min(i, 1)], err)
+				return nil, fmt.Errorf("%s: %w", []string{"edge", "direct", "byte relay"}[min(i, 2)], err)
 			}
 			out[i] = append(out[i], time.Since(start))
 		}
