@@ -72,6 +72,22 @@ func newLBRig(t *testing.T) *lbRig {
 	if err := os.WriteFile(filepath.Join(r.dir, "peer.secret"), []byte(peerSecret(t)+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	// A failure here has shown up only in CI, where the logs go with the
+	// test's directory: the end of each is printed with the failure.
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		for _, name := range []string{"lbr1.log", "lbr2.log", "haproxy.log"} {
+			out, err := os.ReadFile(filepath.Join(r.dir, name))
+			if err != nil {
+				t.Logf("%s: %v", name, err)
+				continue
+			}
+			lines := strings.Split(strings.TrimRight(string(out), "\n"), "\n")
+			t.Logf("the last %d lines of %s:\n%s", min(len(lines), 60), name, strings.Join(lines[max(0, len(lines)-60):], "\n"))
+		}
+	})
 	for i, m := range []string{"lsm1", "lsm2"} {
 		r.replicas[i] = &lbReplica{id: fmt.Sprintf("lbr%d", i+1), member: m, addr: loopback.FreeAddr(t), metrics: loopback.FreeAddr(t), peer: loopback.FreeAddr(t)}
 	}
