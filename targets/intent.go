@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"syscall"
 	"time"
 
@@ -226,10 +225,7 @@ func (s *Service) landed(ctx context.Context, name string, in Intent) bool {
 // of the reconciler for the instance records each before anything else;
 // until then observations show it. The project's config keeps a copy (see
 // pendingstore.go), from which a process started after a kill takes it.
-type pendingTable struct {
-	mu sync.Mutex
-	m  map[string]pendingWrite
-}
+type pendingTable struct{ byName[pendingWrite] }
 
 type pendingWrite struct {
 	intent Intent
@@ -238,43 +234,18 @@ type pendingWrite struct {
 
 // put keeps w unless a newer request is kept already.
 func (t *pendingTable) put(name string, w pendingWrite) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.m == nil {
-		t.m = map[string]pendingWrite{}
-	}
-	if cur, ok := t.m[name]; ok && cur.intent.At.After(w.intent.At) {
-		return
-	}
-	t.m[name] = w
-}
-
-func (t *pendingTable) get(name string) (pendingWrite, bool) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	w, ok := t.m[name]
-	return w, ok
+	t.putUnless(name, w, func(cur pendingWrite) bool { return cur.intent.At.After(w.intent.At) })
 }
 
 // done drops w once it is recorded, unless a newer one came meanwhile.
 func (t *pendingTable) done(name string, w pendingWrite) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if cur, ok := t.m[name]; ok && cur.intent == w.intent {
-		delete(t.m, name)
-	}
+	t.dropIf(name, func(cur pendingWrite) bool { return cur.intent == w.intent })
 }
 
 // drop forgets a kept request older than at (a newer one was recorded),
 // and says whether there was one.
 func (t *pendingTable) drop(name string, at time.Time) bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if cur, ok := t.m[name]; ok && !cur.intent.At.After(at) {
-		delete(t.m, name)
-		return true
-	}
-	return false
+	return t.dropIf(name, func(cur pendingWrite) bool { return !cur.intent.At.After(at) })
 }
 
 // flushPending records the instance's pending request, if any; false when

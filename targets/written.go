@@ -3,7 +3,6 @@ package targets
 import (
 	"context"
 	"errors"
-	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -36,41 +35,18 @@ type writtenIntent struct {
 }
 
 // writtenTable holds the intents written and not yet settled, by name.
-type writtenTable struct {
-	mu sync.Mutex
-	m  map[string]writtenIntent
-}
+type writtenTable struct{ byName[writtenIntent] }
 
 func (t *writtenTable) put(name string, in Intent, now time.Time) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.m == nil {
-		t.m = map[string]writtenIntent{}
-	}
-	t.m[name] = writtenIntent{intent: in, at: now}
-}
-
-func (t *writtenTable) get(name string) (writtenIntent, bool) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	w, ok := t.m[name]
-	return w, ok
+	t.putUnless(name, writtenIntent{intent: in, at: now}, nil)
 }
 
 // drop forgets name's entry if it is still w (a newer write keeps its own).
 func (t *writtenTable) drop(name string, w writtenIntent) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if cur, ok := t.m[name]; ok && cur == w {
-		delete(t.m, name)
-	}
+	t.dropIf(name, func(cur writtenIntent) bool { return cur == w })
 }
 
-func (t *writtenTable) forget(name string) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	delete(t.m, name)
-}
+func (t *writtenTable) forget(name string) { t.dropIf(name, nil) }
 
 // lookIn is how soon name's written intent is due to be looked at again
 // (0: nothing written, or due now).

@@ -1,0 +1,50 @@
+package targets
+
+import (
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+)
+
+// The two tables on byName keep their own rules: a kept power request is
+// replaced only by a newer one and dropped only once recorded or
+// outranked; a written intent is replaced by any later write and dropped
+// only while it is still the one settled.
+func TestTablesByNameKeepTheirRules(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	older := pendingWrite{intent: Intent{Power: controller.PowerRunning, At: t0}}
+	newer := pendingWrite{intent: Intent{Power: controller.PowerPaused, At: t0.Add(time.Second)}}
+	var p pendingTable
+	p.put("a", newer)
+	p.put("a", older)
+	if w, _ := p.get("a"); w.intent != newer.intent {
+		t.Fatalf("an older request replaced a newer one: %+v", w.intent)
+	}
+	p.done("a", older)
+	if _, ok := p.get("a"); !ok {
+		t.Fatal("done of another request dropped the kept one")
+	}
+	if p.drop("a", t0) {
+		t.Fatal("a record older than the kept request dropped it")
+	}
+	if !p.drop("a", newer.intent.At) {
+		t.Fatal("a record as new as the kept request did not drop it")
+	}
+
+	var w writtenTable
+	w.put("a", older.intent, t0)
+	first, _ := w.get("a")
+	w.put("a", newer.intent, t0.Add(time.Second))
+	w.drop("a", first)
+	if cur, ok := w.get("a"); !ok || cur.intent != newer.intent {
+		t.Fatalf("the settled look of an earlier write dropped a later one: %+v, %v", cur, ok)
+	}
+	if got := w.lookIn("a", t0.Add(1500*time.Millisecond)); got != 500*time.Millisecond {
+		t.Fatalf("lookIn half a second after the write = %v, want 500ms (the first look)", got)
+	}
+	w.forget("a")
+	if _, ok := w.get("a"); ok {
+		t.Fatal("forget left the entry")
+	}
+}
