@@ -224,13 +224,17 @@ type resumeRetry struct {
 // an operator mended is taken within it.
 const resumeBackoffMost = 5 * time.Minute
 
-// resumeFailed records a resume of wn that did not finish its hand-out:
-// the next survey tries again (most such are an operation that was still
-// on the instance), the one after waits an interval, and each wait after
-// is twice the last.
-func (p *warmPool) resumeFailed(wn string, now time.Time, interval time.Duration) {
+// resumed records how a resume of wn ended. One that settled the claim
+// clears its backoff. After one that did not, the next survey tries again
+// (most such are an operation that was still on the instance), the one
+// after waits an interval, and each wait after is twice the last.
+func (p *warmPool) resumed(wn string, settled bool, now time.Time, interval time.Duration) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if settled {
+		delete(p.resumeAfter, wn)
+		return
+	}
 	r := p.resumeAfter[wn]
 	r.fails++
 	var wait time.Duration
@@ -772,12 +776,8 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			defer done()
 			ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 			defer cancel()
-			if s.resumeClaim(ctx, wn, name) {
-				s.warm.mu.Lock()
-				delete(s.warm.resumeAfter, wn)
-				s.warm.mu.Unlock()
-			} else if ctx.Err() == nil {
-				s.warm.resumeFailed(wn, s.now(), s.cfg.ReconcileInterval)
+			if settled := s.resumeClaim(ctx, wn, name); settled || ctx.Err() == nil {
+				s.warm.resumed(wn, settled, s.now(), s.cfg.ReconcileInterval)
 			}
 		}) {
 			done()
