@@ -455,9 +455,10 @@ type retryTimer struct {
 }
 
 type job struct {
-	again bool
-	done  chan struct{} // closed when the run that covers the latest kick ends
-	next  chan struct{}
+	again  bool
+	lookAt time.Time     // a look asked for (soon) while it ran; zero: none
+	done   chan struct{} // closed when the run that covers the latest kick ends
+	next   chan struct{}
 }
 
 func newWorker(fn func(ctx context.Context, name string) time.Duration) *worker {
@@ -508,6 +509,13 @@ func (w *worker) run(name string, j *job) {
 				close(j.next)
 			}
 			delete(w.jobs, name)
+			if !j.lookAt.IsZero() {
+				// The run may have said when to look again before the
+				// look was asked for: the sooner of the two.
+				if in := max(time.Until(j.lookAt), time.Millisecond); again <= 0 || in < again {
+					again = in
+				}
+			}
 			if again > 0 && w.ctx.Err() == nil {
 				w.retryLocked(name, again)
 			}
@@ -515,6 +523,9 @@ func (w *worker) run(name string, j *job) {
 			return
 		}
 		j.again, j.done, j.next = false, j.next, nil
+		if !j.lookAt.After(time.Now()) {
+			j.lookAt = time.Time{} // the run starting now is that look
+		}
 		w.mu.Unlock()
 	}
 }
@@ -529,10 +540,13 @@ func (w *worker) soon(name string, d time.Duration) {
 	if r, due := w.timers[name]; (due && !r.at.After(time.Now().Add(d))) || w.ctx.Err() != nil {
 		return
 	}
-	if _, running := w.jobs[name]; running {
-		// The run may have asked when to look again before this write:
-		// one more run answers it anew (see converge).
-		w.kickLocked(name)
+	if j, running := w.jobs[name]; running {
+		// The run may have said when to look again before this write:
+		// its end takes the sooner of the two. Kicking another run now
+		// would read the instance once more for nothing.
+		if at := time.Now().Add(d); j.lookAt.IsZero() || at.Before(j.lookAt) {
+			j.lookAt = at
+		}
 		return
 	}
 	w.retryLocked(name, d)
