@@ -26,8 +26,9 @@ import (
 // catalog without any pool in a project of its own, whose creates go to
 // the owner's name: b.N owners one after the other (before each
 // warm one the pool is refilled, untimed), then b.N owners at once (the
-// warm pool holds b.N first, at most 32). Every target is closed after its
-// phase, untimed.
+// warm pool holds b.N first, at most 32). A phase without hand-outs starts
+// with the pool full, so that no refill runs beside it. Every target is
+// closed after its phase, untimed.
 //
 //	INCUS_PROVIDER_REQUIRE_INCUS=1 go test -run '^$' -bench WarmCreate -benchtime 20x ./targets/
 //
@@ -150,12 +151,17 @@ func BenchmarkWarmCreate(b *testing.B) {
 	toActive(svc, "cold")
 	closeAll(ph, plain)
 	closeAll(h, svc)
+	// Every phase without a hand-out starts with the pool full, so that
+	// no refill runs beside it: with 40,000 files a refill is seconds of
+	// disk work per instance.
+	awaitPool(pool)
 	b.ResetTimer()
 	plainSeq := sequential(ph, plain, "cold")
 	coldSeq := sequential(h, svc, "cold")
 	before := hits()
 	warmSeq := sequential(h, svc, "warm")
 	seqHits := hits() - before
+	awaitPool(pool)
 	plainAll := concurrent(ph, plain, "cold")
 	coldAll := concurrent(h, svc, "cold")
 	before = hits()
