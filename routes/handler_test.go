@@ -56,6 +56,7 @@ type fakeTargets struct {
 
 	resolves atomic.Int32
 	wakes    atomic.Int32
+	keptDown atomic.Bool // a power-down kept until Incus takes it; a wake replaces it
 }
 
 func (f *fakeTargets) set(status incus.InstanceStatus) {
@@ -98,6 +99,8 @@ func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, ta
 	return &incus.Instance{Name: testInstance, Status: f.status}, f.observation(), nil
 }
 
+func (f *fakeTargets) KeptPowerDown(string, time.Time) bool { return f.keptDown.Load() }
+
 func (f *fakeTargets) Wake(ctx context.Context, _ *incus.Instance, _ time.Time) (controller.Power, error) {
 	f.wakes.Add(1)
 	f.mu.Lock()
@@ -112,6 +115,7 @@ func (f *fakeTargets) Wake(ctx context.Context, _ *incus.Instance, _ time.Time) 
 	if werr != nil {
 		return from, werr
 	}
+	f.keptDown.Store(false) // recorded over it, as Wake drops an older kept request
 	f.mu.Lock()
 	f.status = incus.InstanceRunning
 	on := f.onWake
@@ -789,5 +793,29 @@ func TestRouteOverTLSCarriesLargeMessages(t *testing.T) {
 	}
 	if err := json.Unmarshal(msg, &answer); err != nil || answer.Result.Data != enc {
 		t.Fatalf("fs/readFile did not return what was written (%v)", err)
+	}
+}
+
+// A running target with a power-down asked before the dial but not yet
+// taken by Incus (kept in memory): the dial records its own request for
+// running, or the older power-down would land after it. Found by the kill
+// matrix: an accepted dial ended stopped.
+func TestADialOutranksAKeptPowerDown(t *testing.T) {
+	r := newHandlerRig(t, nil)
+	for _, ready := range []bool{false, true} {
+		r.targets.keptDown.Store(true)
+		before := r.targets.wakes.Load()
+		ws, _, err := r.dial(ownRoute, nil)
+		if err != nil {
+			t.Fatalf("dial (daemon proved ready before: %v): %v", ready, err)
+		}
+		initialize(t, ws)
+		_ = ws.Close()
+		if got := r.targets.wakes.Load() - before; got != 1 {
+			t.Fatalf("%d wakes for a dial over a kept power-down (daemon proved ready before: %v), want 1", got, ready)
+		}
+		if r.targets.keptDown.Load() {
+			t.Fatal("the kept power-down outlived the dial's request")
+		}
 	}
 }

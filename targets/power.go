@@ -76,12 +76,25 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 	if err != nil {
 		return "", err
 	}
+	// Recorded over any older request kept until Incus takes it, which
+	// must not land after this one (as SetPower does).
+	s.pending.drop(inst.Name, at)
 	st := StateOf(cur)
 	if err := s.powerUp(ctx, cur); err != nil {
 		return st.Power, err
 	}
 	s.changes.note(inst.Name) // a wake is a use: the idle loop counts from it
 	return st.Power, nil
+}
+
+// KeptPowerDown says whether a power-down asked of name before at is kept
+// in memory because Incus has not taken it yet (see pendingTable). It is
+// not on the instance, so a dial made at at that finds the target running
+// must still record its own request for running (Wake), or the older
+// power-down lands after the dial.
+func (s *Service) KeptPowerDown(name string, at time.Time) bool {
+	w, ok := s.pending.get(name)
+	return ok && w.intent.Power != controller.PowerRunning && !w.intent.At.After(at)
 }
 
 // powerUp brings a target to running and clears the recorded idle-since
