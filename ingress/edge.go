@@ -37,6 +37,9 @@ type Targets interface {
 	// asks only for a target it has not seen serve since its last power
 	// change.
 	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error)
+	// PowerDownPending: a request arriving at at that finds the target
+	// running goes through the shared wake (see targets.Service).
+	PowerDownPending(inst *incus.Instance, at time.Time) bool
 }
 
 // Waker is the data routes' shared wake: *routes.Handler.
@@ -308,7 +311,7 @@ func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived tim
 	case controller.PhaseUnknown:
 		return http.StatusServiceUnavailable, 5 * time.Second
 	}
-	if inst.Status.Running() && !targets.StateOf(inst).PowerPending() {
+	if inst.Status.Running() && !e.opts.Targets.PowerDownPending(inst, arrived) {
 		e.markReady(inst.Name)
 		return 0, 0
 	}

@@ -39,6 +39,10 @@ func (f *fakeTargets) IngressLookup(label string) (targets.IngressRoute, bool) {
 	return r, ok
 }
 
+func (f *fakeTargets) PowerDownPending(inst *incus.Instance, _ time.Time) bool {
+	return targets.StateOf(inst).PowerPending()
+}
+
 func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, id string) (*incus.Instance, controller.Observation, error) {
 	f.resolves.Add(1)
 	o := controller.Observation{TargetID: id, Owner: owner, Phase: controller.PhaseActive, Power: controller.PowerRunning}

@@ -30,10 +30,10 @@ type Targets interface {
 	// Wake records a dial's request for running, made at its arrival, and
 	// unfreezes a paused target or starts a stopped or suspended one.
 	Wake(ctx context.Context, inst *incus.Instance, at time.Time) (controller.Power, error)
-	// KeptPowerDown says a power-down asked of the instance before at is
-	// not yet on it (Incus has not taken it): a dial made at at outranks
-	// it as it outranks a recorded one, through Wake.
-	KeptPowerDown(name string, at time.Time) bool
+	// PowerDownPending says a power-down asked before at, recorded or
+	// kept until Incus takes it, is not carried out yet: a dial made at
+	// at replaces it through Wake.
+	PowerDownPending(inst *incus.Instance, at time.Time) bool
 }
 
 var _ Targets = (*targets.Service)(nil)
@@ -297,7 +297,7 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 
 	// A dial is a request for running: one that finds a power-down still
 	// pending goes through the wake, which replaces it.
-	downPending := targets.StateOf(inst).PowerPending() || h.opts.Targets.KeptPowerDown(inst.Name, arrived)
+	downPending := h.opts.Targets.PowerDownPending(inst, arrived)
 	if running(inst) && !downPending {
 		if h.ready.ok(inst.Name) {
 			link, err := h.openGuest(ctx, inst, tk)

@@ -99,7 +99,9 @@ func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, ta
 	return &incus.Instance{Name: testInstance, Status: f.status}, f.observation(), nil
 }
 
-func (f *fakeTargets) KeptPowerDown(string, time.Time) bool { return f.keptDown.Load() }
+func (f *fakeTargets) PowerDownPending(inst *incus.Instance, _ time.Time) bool {
+	return targets.StateOf(inst).PowerPending() || f.keptDown.Load()
+}
 
 func (f *fakeTargets) Wake(ctx context.Context, _ *incus.Instance, _ time.Time) (controller.Power, error) {
 	f.wakes.Add(1)

@@ -233,7 +233,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 		wakeable := o.Phase == controller.PhaseActive &&
 			(inst.Status == incus.InstanceFrozen || inst.Status == incus.InstanceStopped)
 		switch {
-		case running(inst) && (targets.StateOf(inst).PowerPending() || h.opts.Targets.KeptPowerDown(inst.Name, f.requested)):
+		case running(inst) && h.opts.Targets.PowerDownPending(inst, f.requested):
 			// Running, with a power-down asked and not yet carried out
 			// (recorded on the instance, or kept until Incus takes it): the
 			// dial's request for running replaces it, unless it came later.

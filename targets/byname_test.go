@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
 // The two tables on byName keep their own rules: a kept power request is
@@ -52,26 +53,26 @@ func TestTablesByNameKeepTheirRules(t *testing.T) {
 // A dial outranks a power-down kept until Incus takes it only when the
 // power-down was asked before the dial; a kept request for running is no
 // power-down.
-func TestKeptPowerDownIsOneAskedBeforeTheDial(t *testing.T) {
+func TestAKeptPowerDownIsPendingForAUseAfterIt(t *testing.T) {
 	s := &Service{}
 	t0 := time.UnixMilli(1_700_000_000_000)
-	if s.KeptPowerDown("a", t0) {
+	if s.PowerDownPending(&incus.Instance{Name: "a"}, t0) {
 		t.Fatal("nothing kept, yet a power-down is")
 	}
 	s.pending.put("a", pendingWrite{intent: Intent{Power: controller.PowerStopped, At: t0, By: BySetPower}})
-	if !s.KeptPowerDown("a", t0.Add(time.Millisecond)) || !s.KeptPowerDown("a", t0) {
+	if !s.PowerDownPending(&incus.Instance{Name: "a"}, t0.Add(time.Millisecond)) || !s.PowerDownPending(&incus.Instance{Name: "a"}, t0) {
 		t.Fatal("a power-down asked before the dial is not seen")
 	}
-	if s.KeptPowerDown("a", t0.Add(-time.Millisecond)) {
+	if s.PowerDownPending(&incus.Instance{Name: "a"}, t0.Add(-time.Millisecond)) {
 		t.Fatal("a power-down asked after the dial is counted as older")
 	}
 	s.pending.put("b", pendingWrite{intent: Intent{Power: controller.PowerRunning, At: t0, By: BySetPower}})
-	if s.KeptPowerDown("b", t0.Add(time.Second)) {
+	if s.PowerDownPending(&incus.Instance{Name: "b"}, t0.Add(time.Second)) {
 		t.Fatal("a kept request for running counted as a power-down")
 	}
 	// What Wake does once its request is recorded.
 	s.pending.drop("a", t0.Add(time.Millisecond))
-	if s.KeptPowerDown("a", t0.Add(time.Second)) {
+	if s.PowerDownPending(&incus.Instance{Name: "a"}, t0.Add(time.Second)) {
 		t.Fatal("the older power-down outlived a newer recorded request")
 	}
 }

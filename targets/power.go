@@ -87,13 +87,16 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 	return st.Power, nil
 }
 
-// KeptPowerDown says whether a power-down asked of name before at is kept
-// in memory because Incus has not taken it yet (see pendingTable). It is
-// not on the instance, so a dial made at at that finds the target running
-// must still record its own request for running (Wake), or the older
-// power-down lands after the dial.
-func (s *Service) KeptPowerDown(name string, at time.Time) bool {
-	w, ok := s.pending.get(name)
+// PowerDownPending says whether a use made at at (a dial, an ingress
+// request) that finds inst running must still record its own request for
+// running (Wake): a power-down is recorded on inst and not yet carried
+// out, or one asked before at is kept in memory because Incus has not
+// taken it yet (see pendingTable), and would otherwise land after the use.
+func (s *Service) PowerDownPending(inst *incus.Instance, at time.Time) bool {
+	if StateOf(inst).PowerPending() {
+		return true
+	}
+	w, ok := s.pending.get(inst.Name)
 	return ok && w.intent.Power != controller.PowerRunning && !w.intent.At.After(at)
 }
 
