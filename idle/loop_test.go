@@ -14,6 +14,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idle/idletest"
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
+	"github.com/lightspeed-dev/incus-provider/internal/envd"
 )
 
 func ms(v uint64) *uint64 { return &v }
@@ -606,5 +607,66 @@ func TestAWakeNotedWhileTheLoopActsIsNotLost(t *testing.T) {
 	eventually(t, "paused again after the wake", func() bool { return len(h.inv.actions()) == 2 })
 	if a := h.inv.actions()[1]; a.action != idlepolicy.ActionPause || a.at.Sub(woke) < 300*time.Millisecond {
 		t.Fatalf("second action %s %v after the wake", a.action, a.at.Sub(woke))
+	}
+}
+
+// The ceiling is from answer to answer: after an answer the next probe is
+// due a gap before the ceiling at the latest (the gap is for waiting for a
+// slot and for the answer), and may start a gap earlier, with the targets
+// due about then. A probe timed to a threshold never starts early.
+func TestAProbeAtTheCeilingMayStartAGapEarlyAndNeverPastIt(t *testing.T) {
+	const ceiling = 10 * time.Second
+	l := New(Config{MaxInterval: ceiling})
+	if l.gap != timerGap {
+		t.Fatalf("gap %v at a %v ceiling, want %v", l.gap, ceiling, timerGap)
+	}
+	answer := func(idleMs uint64, p *idlepolicy.Policy) (*entry, time.Time) {
+		e := &entry{index: -1, t: Target{Name: "t", Power: controller.PowerRunning, Settled: true, Policy: p, Stages: containerStages}}
+		l.entries["t"] = e
+		e.probing, l.probing = true, 1
+		at := time.Now()
+		l.onProbe(probeResult{e: e, at: at, outcome: OutcomeOK, idle: envd.Idle{IdleForMs: idleMs}})
+		return e, at
+	}
+	for range 200 {
+		e, at := answer(0, policy(0, 0, 3_600_000))
+		if latest := at.Add(ceiling - l.gap); e.due.After(latest) {
+			t.Fatalf("due %v after the answer: past the ceiling less a gap (%v)", e.due.Sub(at), ceiling-l.gap)
+		}
+		if earliest := at.Add(ceiling*9/10 - l.gap); e.due.Before(earliest) {
+			t.Fatalf("due %v after the answer: before the ceiling's last tenth", e.due.Sub(at))
+		}
+		if w := e.due.Sub(e.from); w != l.gap {
+			t.Fatalf("a ceiling probe may start %v early, want a gap (%v)", w, l.gap)
+		}
+		l.unschedule(e)
+	}
+	// Idle for 1 s of a 2 s pause: the threshold comes before the ceiling.
+	e, at := answer(1000, policy(2000, 0, 0))
+	if !e.from.Equal(e.due) {
+		t.Fatalf("a threshold probe may start %v early: it would find the target not yet idle enough", e.due.Sub(e.from))
+	}
+	if want := at.Add(time.Second + thresholdSlack); !e.due.Equal(want) {
+		t.Fatalf("threshold probe due %v after the answer, want %v", e.due.Sub(at), want.Sub(at))
+	}
+	l.unschedule(e)
+
+	// fire takes a ceiling probe whose window has begun, not a threshold
+	// probe before its instant.
+	now := time.Now()
+	early := &entry{index: -1, t: Target{Name: "early", Power: controller.PowerRunning, Settled: true}}
+	exact := &entry{index: -1, t: Target{Name: "exact", Power: controller.PowerRunning, Settled: true}}
+	l.scheduleWithin(early, now.Add(minDelay), now.Add(minDelay+l.gap))
+	l.scheduleAt(exact, now.Add(minDelay+time.Millisecond))
+	l.fire(now.Add(minDelay + time.Millisecond/2))
+	if len(l.ready) != 1 || l.ready[0] != early {
+		t.Fatalf("fired %d, want only the probe whose window began", len(l.ready))
+	}
+}
+
+// A short ceiling gets a gap to match, so that probes are not due at once.
+func TestAShortCeilingHasAShortGap(t *testing.T) {
+	if l := New(Config{MaxInterval: 200 * time.Millisecond}); l.gap != 10*time.Millisecond {
+		t.Fatalf("gap %v at a 200 ms ceiling, want 10 ms", l.gap)
 	}
 }

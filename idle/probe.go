@@ -198,11 +198,17 @@ func (l *Loop) onProbe(r probeResult) {
 		l.startAct(e, a, truncMs(r.at.Add(-msDuration(idleMs))))
 		return
 	}
-	d := jitter(l.cfg.MaxInterval)
+	// The ceiling is from answer to answer: the next probe starts a gap
+	// before it at the latest, which leaves that gap for waiting for a
+	// slot and for the answer, and it may start a gap earlier still.
+	due := r.at.Add(jitter(l.cfg.MaxInterval) - l.gap)
 	if th, ok := e.t.Policy.NextThreshold(idleMs, e.t.Stages, idlepolicy.ActionNone); ok {
-		d = min(d, msDuration(th-idleMs)+thresholdSlack)
+		if at := r.at.Add(msDuration(th-idleMs) + thresholdSlack); at.Before(due) {
+			l.scheduleAt(e, at)
+			return
+		}
 	}
-	l.scheduleAt(e, r.at.Add(d))
+	l.scheduleWithin(e, due.Add(-l.gap), due)
 }
 
 func (l *Loop) dropSession(e *entry) {

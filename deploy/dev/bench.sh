@@ -22,11 +22,11 @@ printf '\n== data routes: wake latency, relayed vs direct, memory per idle relay
 go run ./cmd/routebench
 printf '\n== public ingress: edge vs direct, a 1 GiB download, wake on request, unknown hosts\n'
 go run ./cmd/ingressbench
-printf '\n== idle loop: 10,000 fake daemons in a process of their own, the default 25 s ceiling, without the observation cache (the baseline)\n'
+printf '\n== idle loop: 10,000 fake daemons in a process of their own, the default 10 s ceiling, without the observation cache (the baseline)\n'
 go run ./cmd/idlebench -cache=false
 printf '\n== idle loop: the same with the observation cache, as the provider runs by default\n'
 go run ./cmd/idlebench
-printf '\n== idle loop: the same with every target probed at least every 10 s\n'
-go run ./cmd/idlebench -max-interval 10s
+printf '\n== idle loop: the same with the ceiling of earlier releases, 25 s\n'
+go run ./cmd/idlebench -max-interval 25s
 printf '\n== target/get: observation cache on and off, 10 and 10,000 targets (fake Incus in a child process), 20 on the real Incus\n'
 go run ./cmd/getbench
