@@ -95,14 +95,13 @@ func (c *Config) defaults() {
 const minRefreshGap = time.Second
 
 // timerGap is the least time between two wakes of the loop by its own
-// timer. At 10,000 targets the running ones come due every millisecond at
-// a 10 s ceiling, and a wake per target cost more in the scheduler (an
-// idle thread woken, the poller entered) than the probe itself. A probe
-// due at the ceiling may start up to a gap early, so the targets due
-// within a gap start together and their answers come back together:
-// 20 ms gave 0.105 of a core at 10,000 targets and a 10 s ceiling, 100 ms
-// 0.077 (BENCHMARKS.md). A probe timed to a policy threshold never starts
-// early, and is late by at most a gap.
+// timer, so a target is looked at up to a gap after it is due, with the
+// others due by then. At 10,000 targets and a 10 s ceiling a running
+// target comes due every millisecond, and a wake per target cost more in
+// the scheduler (an idle thread woken, the poller entered) than the probe
+// itself: a 20 ms gap gave 0.105 of a core, 100 ms 0.077 (BENCHMARKS.md),
+// since a hundred probes then start together and their answers come back
+// together.
 const timerGap = 100 * time.Millisecond
 
 // Loop applies the idle policy to the provider's targets. Each target runs
@@ -156,11 +155,8 @@ type entry struct {
 	t     Target
 	level idlepolicy.Action // where t.Power stands on the ladder
 
-	// The target is looked at once the time is in [from, due]: from the
-	// first wake of the loop at or after from, which the timer makes no
-	// later than due (or, when from is due, a gap after it).
-	from, due time.Time
-	index     int // in queue; -1 when not scheduled
+	due   time.Time
+	index int // in queue; -1 when not scheduled
 
 	probing bool
 	acting  bool
@@ -276,8 +272,8 @@ func (l *Loop) nextWake(now time.Time) time.Duration {
 	if l.listing {
 		wake = now.Add(time.Hour)
 	}
-	if len(l.queue) > 0 && l.queue[0].from.Before(wake) {
-		wake = l.queue[0].from
+	if len(l.queue) > 0 && l.queue[0].due.Before(wake) {
+		wake = l.queue[0].due
 	}
 	return max(wake.Sub(now), time.Millisecond)
 }

@@ -611,10 +611,10 @@ func TestAWakeNotedWhileTheLoopActsIsNotLost(t *testing.T) {
 }
 
 // The ceiling is from answer to answer: after an answer the next probe is
-// due a gap before the ceiling at the latest (the gap is for waiting for a
-// slot and for the answer), and may start a gap earlier, with the targets
-// due about then. A probe timed to a threshold never starts early.
-func TestAProbeAtTheCeilingMayStartAGapEarlyAndNeverPastIt(t *testing.T) {
+// due two gaps before the ceiling at the latest, since the loop may start
+// it a gap after it is due (its timer) and the answer needs the other gap.
+// A probe timed to a threshold is due at the threshold, never before.
+func TestAProbeAtTheCeilingIsDueTwoGapsBeforeIt(t *testing.T) {
 	const ceiling = 10 * time.Second
 	l := New(Config{MaxInterval: ceiling})
 	if l.gap != timerGap {
@@ -630,37 +630,30 @@ func TestAProbeAtTheCeilingMayStartAGapEarlyAndNeverPastIt(t *testing.T) {
 	}
 	for range 200 {
 		e, at := answer(0, policy(0, 0, 3_600_000))
-		if latest := at.Add(ceiling - l.gap); e.due.After(latest) {
-			t.Fatalf("due %v after the answer: past the ceiling less a gap (%v)", e.due.Sub(at), ceiling-l.gap)
+		if latest := at.Add(ceiling - 2*l.gap); e.due.After(latest) {
+			t.Fatalf("due %v after the answer: past the ceiling less two gaps (%v)", e.due.Sub(at), ceiling-2*l.gap)
 		}
-		if earliest := at.Add(ceiling*9/10 - l.gap); e.due.Before(earliest) {
+		if earliest := at.Add(ceiling*9/10 - 2*l.gap); e.due.Before(earliest) {
 			t.Fatalf("due %v after the answer: before the ceiling's last tenth", e.due.Sub(at))
-		}
-		if w := e.due.Sub(e.from); w != l.gap {
-			t.Fatalf("a ceiling probe may start %v early, want a gap (%v)", w, l.gap)
 		}
 		l.unschedule(e)
 	}
 	// Idle for 1 s of a 2 s pause: the threshold comes before the ceiling.
 	e, at := answer(1000, policy(2000, 0, 0))
-	if !e.from.Equal(e.due) {
-		t.Fatalf("a threshold probe may start %v early: it would find the target not yet idle enough", e.due.Sub(e.from))
-	}
 	if want := at.Add(time.Second + thresholdSlack); !e.due.Equal(want) {
-		t.Fatalf("threshold probe due %v after the answer, want %v", e.due.Sub(at), want.Sub(at))
+		t.Fatalf("threshold probe due %v after the answer, want %v: earlier would find the target not yet idle enough", e.due.Sub(at), want.Sub(at))
 	}
 	l.unschedule(e)
 
-	// fire takes a ceiling probe whose window has begun, not a threshold
-	// probe before its instant.
+	// fire takes a probe that is due, not one due a moment later.
 	now := time.Now()
-	early := &entry{index: -1, t: Target{Name: "early", Power: controller.PowerRunning, Settled: true}}
-	exact := &entry{index: -1, t: Target{Name: "exact", Power: controller.PowerRunning, Settled: true}}
-	l.scheduleWithin(early, now.Add(minDelay), now.Add(minDelay+l.gap))
-	l.scheduleAt(exact, now.Add(minDelay+time.Millisecond))
+	due := &entry{index: -1, t: Target{Name: "due", Power: controller.PowerRunning, Settled: true}}
+	later := &entry{index: -1, t: Target{Name: "later", Power: controller.PowerRunning, Settled: true}}
+	l.scheduleAt(due, now.Add(minDelay))
+	l.scheduleAt(later, now.Add(minDelay+time.Millisecond))
 	l.fire(now.Add(minDelay + time.Millisecond/2))
-	if len(l.ready) != 1 || l.ready[0] != early {
-		t.Fatalf("fired %d, want only the probe whose window began", len(l.ready))
+	if len(l.ready) != 1 || l.ready[0] != due {
+		t.Fatalf("fired %d, want only the probe that is due", len(l.ready))
 	}
 }
 

@@ -198,17 +198,14 @@ func (l *Loop) onProbe(r probeResult) {
 		l.startAct(e, a, truncMs(r.at.Add(-msDuration(idleMs))))
 		return
 	}
-	// The ceiling is from answer to answer: the next probe starts a gap
-	// before it at the latest, which leaves that gap for waiting for a
-	// slot and for the answer, and it may start a gap earlier still.
-	due := r.at.Add(jitter(l.cfg.MaxInterval) - l.gap)
+	// The ceiling is from answer to answer: due two gaps before it, the
+	// probe starts at most a gap later (the loop's timer), which leaves a
+	// gap for a free slot and the answer.
+	d := jitter(l.cfg.MaxInterval) - 2*l.gap
 	if th, ok := e.t.Policy.NextThreshold(idleMs, e.t.Stages, idlepolicy.ActionNone); ok {
-		if at := r.at.Add(msDuration(th-idleMs) + thresholdSlack); at.Before(due) {
-			l.scheduleAt(e, at)
-			return
-		}
+		d = min(d, msDuration(th-idleMs)+thresholdSlack)
 	}
-	l.scheduleWithin(e, due.Add(-l.gap), due)
+	l.scheduleAt(e, r.at.Add(d))
 }
 
 func (l *Loop) dropSession(e *entry) {

@@ -15,7 +15,7 @@ const minDelay = 10 * time.Millisecond
 
 // fire evaluates every target whose time has come.
 func (l *Loop) fire(now time.Time) {
-	for len(l.queue) > 0 && !l.queue[0].from.After(now) {
+	for len(l.queue) > 0 && !l.queue[0].due.After(now) {
 		e := heap.Pop(&l.queue).(*entry)
 		l.evaluate(e, now)
 	}
@@ -82,19 +82,11 @@ func (l *Loop) dispatch(ctx context.Context) {
 
 func (l *Loop) scheduleIn(e *entry, d time.Duration) { l.scheduleAt(e, time.Now().Add(max(d, 0))) }
 
-func (l *Loop) scheduleAt(e *entry, at time.Time) { l.scheduleWithin(e, at, at) }
-
-// scheduleWithin looks at e again once the time is in [from, at]: from
-// before at lets the loop take e with others due about then.
-func (l *Loop) scheduleWithin(e *entry, from, at time.Time) {
-	floor := time.Now().Add(minDelay)
-	if from.Before(floor) {
-		from = floor
+func (l *Loop) scheduleAt(e *entry, at time.Time) {
+	if floor := time.Now().Add(minDelay); at.Before(floor) {
+		at = floor
 	}
-	if at.Before(from) {
-		at = from
-	}
-	e.from, e.due = from, at
+	e.due = at
 	if e.index >= 0 {
 		heap.Fix(&l.queue, e.index)
 		return
@@ -150,12 +142,11 @@ func msDuration(ms uint64) time.Duration {
 	return time.Duration(ms) * time.Millisecond
 }
 
-// dueQueue is a min-heap of scheduled entries by the earliest time each
-// may be looked at.
+// dueQueue is a min-heap of scheduled entries by due time.
 type dueQueue []*entry
 
 func (q dueQueue) Len() int           { return len(q) }
-func (q dueQueue) Less(i, j int) bool { return q[i].from.Before(q[j].from) }
+func (q dueQueue) Less(i, j int) bool { return q[i].due.Before(q[j].due) }
 func (q dueQueue) Swap(i, j int) {
 	q[i], q[j] = q[j], q[i]
 	q[i].index, q[j].index = i, j
