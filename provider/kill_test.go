@@ -316,6 +316,17 @@ func accepted(l *ownerLog) int {
 	return n
 }
 
+// acceptedByKind counts the requests accepted from every owner, by op.
+func acceptedByKind(logs []*ownerLog) map[string]int {
+	total := map[string]int{}
+	for _, l := range logs {
+		for op, n := range l.counts {
+			total[op] += n
+		}
+	}
+	return total
+}
+
 // coveredOps are the kinds of request the matrix must have seen accepted.
 var coveredOps = []string{"create", "paused", "stopped", "dial"}
 
@@ -361,12 +372,7 @@ func killMatrix(t *testing.T, warm int) {
 	// of it.
 	const rounds, mostRounds = 8, 12
 	covered := func() bool {
-		total := map[string]int{}
-		for _, l := range logs {
-			for op, n := range l.counts {
-				total[op] += n
-			}
-		}
+		total := acceptedByKind(logs)
 		for _, op := range coveredOps {
 			if total[op] == 0 {
 				return false
@@ -398,11 +404,8 @@ func killMatrix(t *testing.T, warm int) {
 		t.Logf("round %d: killed after %s", round, life)
 	}
 
-	total, cut := map[string]int{}, 0
+	total, cut := acceptedByKind(logs), 0
 	for _, l := range logs {
-		for op, n := range l.counts {
-			total[op] += n
-		}
 		cut += l.cut
 	}
 	t.Logf("accepted requests by kind %v; %d requests cut by a kill", total, cut)
