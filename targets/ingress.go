@@ -259,8 +259,19 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 
 // patchIf writes the keys decide answers (none: nothing to write) to the
 // instance as read, conditional on its ETag, reading again when another
-// writer came first. It answers the instance as written.
+// writer came first. It answers the instance as written. The reads and the
+// write hold the instance's gate (owner.go).
 func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.Instance) (map[string]string, error)) (*incus.Instance, error) {
+	var inst *incus.Instance
+	err := s.owned(ctx, name, func(ctx context.Context) error {
+		var err error
+		inst, err = s.patchIfHeld(ctx, name, decide)
+		return err
+	})
+	return inst, err
+}
+
+func (s *Service) patchIfHeld(ctx context.Context, name string, decide func(*incus.Instance) (map[string]string, error)) (*incus.Instance, error) {
 	for attempt := 0; ; attempt++ {
 		inst, etag, err := s.incus.GetInstance(ctx, name)
 		if errors.Is(err, incus.ErrNotFound) {

@@ -89,17 +89,30 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 // that holds the instance or the ETag churn of one that moves it, and says
 // ErrBusy: nothing was recorded, and the caller may keep the request.
 func (s *Service) wantPatient(ctx context.Context, patience time.Time, name string, in Intent, extra map[string]string, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
-	// One writer of a name's intent at a time in this process. Incus
+	// The read and the write hold the instance's gate (owner.go). Incus
 	// checks a PATCH's ETag before it applies the write, not with it, so
 	// two writes read at one ETag can both pass, and the one applied last
 	// wins whatever its time (the kill matrix met it: a kept paused
 	// request, flushed by the reconciler, landing over a newer dial's
-	// running). A dial does not take the owner's lock, so this is its own.
-	unlock, err := s.intents.lock(ctx, name)
-	if err != nil {
-		return nil, false, fmt.Errorf("record power %s: %w", in.Power, err)
+	// running). Waiting for the gate stops at patience, as waiting out
+	// Incus's own operations does.
+	var (
+		inst  *incus.Instance
+		wrote bool
+	)
+	err := s.ownedBy(ctx, patience, name, func(ctx context.Context) error {
+		var err error
+		inst, wrote, err = s.wantHeld(ctx, patience, name, in, extra, check)
+		return err
+	})
+	if isHeld(err) {
+		err = fmt.Errorf("record power %s: %w", in.Power, err)
 	}
-	defer unlock()
+	return inst, wrote, err
+}
+
+// wantHeld is wantPatient's read and write, under the instance's gate.
+func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string, in Intent, extra map[string]string, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
 	wait := func(d time.Duration) bool {
 		if !patience.IsZero() {
 			d = min(d, time.Until(patience))

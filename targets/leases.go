@@ -147,7 +147,7 @@ func (s *Service) leaseOne(ctx context.Context, name string) {
 		return
 	}
 	next := now.Add(leaseTTL)
-	if err := s.incus.PatchInstanceConfig(ctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: msString(next)}); err != nil {
+	if err := s.patch(ctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: msString(next)}); err != nil {
 		s.log.Debug("writing a relay lease failed; retrying", zap.String("instance", name), zap.Error(err))
 		return
 	}
@@ -177,7 +177,7 @@ func (s *Service) dropLeases(ctx context.Context, held map[string]bool) {
 			return
 		}
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		err := s.incus.PatchInstanceConfig(rctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: ""})
+		err := s.patch(rctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: ""})
 		cancel()
 		if err != nil && !errors.Is(err, incus.ErrNotFound) {
 			s.log.Debug("removing a relay lease failed; retrying", zap.String("instance", name), zap.Error(err))
@@ -206,7 +206,7 @@ func (s *Service) forgetStaleLease(ctx context.Context, inst *incus.Instance) {
 	}
 	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	if err := s.incus.PatchInstanceConfig(rctx, inst.Name, map[string]string{key: ""}); err != nil && !errors.Is(err, incus.ErrNotFound) {
+	if err := s.patch(rctx, inst.Name, map[string]string{key: ""}); err != nil && !errors.Is(err, incus.ErrNotFound) {
 		s.log.Debug("removing an earlier run's relay lease failed; retrying on the next pass", zap.String("instance", inst.Name), zap.Error(err))
 	}
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
@@ -21,15 +22,33 @@ import (
 const drainWait = 8 * time.Second
 
 // act runs one Incus state action and waits for it within most.
+// It holds the instance's gate (owner.go) until the operation ends. A busy
+// refusal can then only come from outside this process (another
+// replica's write, an operator): it is waited out for up to busyPatience
+// within ctx, as routine, before it is the caller's to handle.
 func (s *Service) act(ctx context.Context, name string, put incus.InstanceStatePut, most time.Duration) error {
-	op, err := s.incus.UpdateInstanceState(ctx, name, put)
-	if err != nil {
+	return s.owned(ctx, name, func(ctx context.Context) error {
+		op, err := s.incus.UpdateInstanceState(ctx, name, put)
+		until := time.Now().Add(busyPatience)
+		for delay := 10 * time.Millisecond; errors.Is(err, incus.ErrBusy) && time.Now().Add(delay).Before(until); delay = min(2*delay, 200*time.Millisecond) {
+			if !clock.Sleep(ctx, delay) {
+				break
+			}
+			op, err = s.incus.UpdateInstanceState(ctx, name, put)
+		}
+		if err != nil {
+			return err
+		}
+		_, err = s.wait(ctx, op, most)
+		s.listingChanged()
 		return err
-	}
-	_, err = s.wait(ctx, op, most)
-	s.listingChanged()
-	return err
+	})
 }
+
+// busyPatience bounds how long a state action waits out another writer's
+// hold on the instance before it reports the refusal: a config write
+// takes tens of milliseconds, a start or a freeze under a second here.
+const busyPatience = 3 * time.Second
 
 // stop stops gracefully within grace, then forcibly: on Incus a graceful
 // stop that never ends would otherwise block every later change.
@@ -101,8 +120,14 @@ func (s *Service) PowerDownPending(inst *incus.Instance, at time.Time) bool {
 }
 
 // powerUp brings a target to running and clears the recorded idle-since
-// instant, so that the idle clock is the daemon's again.
+// instant, so that the idle clock is the daemon's again. Both under one
+// hold of the instance's gate: the clear comes straight after the action,
+// before any other write of this process.
 func (s *Service) powerUp(ctx context.Context, inst *incus.Instance) error {
+	return s.owned(ctx, inst.Name, func(ctx context.Context) error { return s.powerUpHeld(ctx, inst) })
+}
+
+func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 	var err error
 	switch inst.Status {
 	case incus.InstanceFrozen:
@@ -276,10 +301,11 @@ func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) time.Dur
 	}
 	d := s.progress.failed(name, to, s.now())
 	log := s.log.Warn
-	if errors.Is(err, incus.ErrBusy) && d < 2*time.Second {
-		// Another write held the instance a moment (a lease's release, an
-		// intent, Incus's own update): routine while it is brief, and a
-		// warning only once the retries have backed off past a second.
+	if errors.Is(err, incus.ErrBusy) {
+		// Another writer holds the instance (another replica, an
+		// operator, an operation Incus still finishes): routine, retried
+		// with backoff. A stop that never lets go is forced elsewhere
+		// (strandedLock).
 		log = s.log.Info
 	}
 	log("power change failed; retrying", zap.String("instance", name), zap.String("to", string(to)),

@@ -298,15 +298,15 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 	// that must not find the socket still there. A stopped instance does
 	// not listen on it; a start would make it again.
 	guest.Removed(s.dialer, name)
-	op, err := s.incus.DeleteInstance(ctx, name)
-	s.listingChanged()
-	if errors.Is(err, incus.ErrNotFound) {
-		return nil
-	}
-	if err != nil {
+	err = s.owned(ctx, name, func(ctx context.Context) error {
+		op, err := s.incus.DeleteInstance(ctx, name)
+		s.listingChanged()
+		if err != nil {
+			return err
+		}
+		_, err = s.wait(ctx, op, time.Minute)
 		return err
-	}
-	_, err = s.wait(ctx, op, time.Minute)
+	})
 	if err == nil {
 		s.log.Info("deleted a closed target", zap.String("instance", name))
 	}
@@ -378,10 +378,13 @@ func (s *Service) listingChanged() {
 }
 
 // patch sets instance config keys (an empty value removes one).
+// It holds the instance's gate (owner.go).
 func (s *Service) patch(ctx context.Context, name string, set map[string]string) error {
-	err := s.incus.PatchInstanceConfig(ctx, name, set)
-	s.listingChanged()
-	return err
+	return s.owned(ctx, name, func(ctx context.Context) error {
+		err := s.incus.PatchInstanceConfig(ctx, name, set)
+		s.listingChanged()
+		return err
+	})
 }
 
 // keyedMutex serializes work per instance name within this process; across

@@ -104,9 +104,8 @@ type Service struct {
 	now     func() time.Time
 
 	locks keyedMutex
-	// intents serializes this process's writes of an instance's wanted
-	// power (see wantPatient).
-	intents keyedMutex
+	// gate is each instance's one writer in this process (see owner.go).
+	gate    keyedMutex
 	listing listing
 	work    *worker
 	// relays is the process's relay registry: no power-down without it.

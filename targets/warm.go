@@ -365,7 +365,9 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 	}
 	claim[keyWarmClaim], claim[keyWarmClaimAt] = name, msString(s.now())
 	devices := s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort})
-	err = s.incus.PatchInstanceIf(ctx, wn, claim, devices, etag)
+	err = s.owned(ctx, wn, func(ctx context.Context) error {
+		return s.incus.PatchInstanceIf(ctx, wn, claim, devices, etag)
+	})
 	s.listingChanged()
 	s.warm.forget(wn) // claimed, refused or unknown: not handable any more as far as this process knows
 	s.warm.kick()
@@ -405,10 +407,13 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 		}
 		s.warm.mu.Unlock()
 	}()
-	op, err := s.incus.RenameInstance(ctx, wn, name)
-	if err == nil {
-		_, err = s.wait(ctx, op, answerWait(ctx, 2*time.Second))
-	}
+	err := s.owned(ctx, wn, func(ctx context.Context) error {
+		op, err := s.incus.RenameInstance(ctx, wn, name)
+		if err == nil {
+			_, err = s.wait(ctx, op, answerWait(ctx, 2*time.Second))
+		}
+		return err
+	})
 	s.listingChanged()
 	switch {
 	case err == nil:
@@ -589,7 +594,9 @@ func (s *Service) finishHandout(ctx context.Context, inst *incus.Instance, p con
 	}
 	set[keyWarmClaim] = inst.Name
 	devices := s.dialer.Devices(guest.Target{Instance: inst.Name, Port: t.DaemonPort})
-	err = s.incus.PatchInstanceIf(ctx, inst.Name, set, devices, "")
+	err = s.owned(ctx, inst.Name, func(ctx context.Context) error {
+		return s.incus.PatchInstanceIf(ctx, inst.Name, set, devices, "")
+	})
 	s.listingChanged()
 	return err
 }
@@ -613,10 +620,13 @@ func (s *Service) deleteWarm(ctx context.Context, wn string, check func(*incus.I
 	if claim := w.Config[keyWarmClaim]; claim != "" {
 		s.log.Info("deleting a claimed warm instance", zap.String("warm", wn), zap.String("claim", claim))
 	}
-	op, err := s.incus.DeleteInstance(ctx, wn)
-	if err == nil {
-		_, err = s.wait(ctx, op, time.Minute)
-	}
+	err = s.owned(ctx, wn, func(ctx context.Context) error {
+		op, err := s.incus.DeleteInstance(ctx, wn)
+		if err == nil {
+			_, err = s.wait(ctx, op, time.Minute)
+		}
+		return err
+	})
 	s.listingChanged()
 	s.warm.forget(wn)
 	if err != nil && !errors.Is(err, incus.ErrNotFound) {

@@ -1,0 +1,78 @@
+package targets
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+// The race that failed a fresh clone's make test: a wake's start (or
+// unfreeze) and this process's config writes of the same instance (a
+// lease renewal, an intent, the idle-since clear) met in Incus, which
+// refused one of them as busy. Through the instance's gate they take
+// turns, so none of them is ever refused.
+func TestOwnWritesNeverMeetEachOtherBusy(t *testing.T) {
+	h := newHarness(t)
+	svc := h.startWith(Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Hour})
+	ref := activeTarget(t, svc, owner("env-gate"))
+	for _, down := range []controller.Power{controller.PowerStopped, controller.PowerPaused, controller.PowerStopped} {
+		setPower(t, svc, ref, down)
+		until(t, string(down), func() (controller.Observation, error) { return svc.GetTarget(ctxT(t), ref) }, powerIs(down))
+		inst := h.instance(ref.TargetID)
+
+		// Writers of the same instance, as the lease loop and the idle
+		// loop would make them, all through the wake's window.
+		ctx, cancel := context.WithCancel(ctxT(t))
+		var wg sync.WaitGroup
+		var writes, refused atomic.Int64
+		var firstErr atomic.Value
+		for w := range 3 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; ctx.Err() == nil && i < 200; i++ {
+					key := keyRelayPrefix + svc.cfg.Replica
+					err := svc.patch(ctx, ref.TargetID, map[string]string{key: strconv.Itoa(w*1000 + i)})
+					if ctx.Err() != nil {
+						return
+					}
+					writes.Add(1)
+					if err != nil {
+						refused.Add(1)
+						firstErr.CompareAndSwap(nil, err)
+					}
+				}
+			}()
+		}
+		time.Sleep(20 * time.Millisecond) // the writers are under way when the wake comes
+		from, err := svc.Wake(ctxT(t), inst, time.Now())
+		cancel()
+		wg.Wait()
+		if err != nil {
+			t.Fatalf("wake from %s during config writes: %v", down, err)
+		}
+		if from != down {
+			t.Fatalf("the wake saw %s, want %s", from, down)
+		}
+		if n := refused.Load(); n > 0 {
+			e, _ := firstErr.Load().(error)
+			t.Fatalf("%d of %d config writes during a wake from %s were refused (first: %v; busy: %v)",
+				n, writes.Load(), down, e, errors.Is(e, incus.ErrBusy))
+		}
+		if writes.Load() == 0 {
+			t.Fatal("no config write went on during the wake: the test staged nothing")
+		}
+		if got := h.instance(ref.TargetID).Status; got != incus.InstanceRunning {
+			t.Fatalf("after the wake from %s the instance is %s", down, got)
+		}
+		t.Logf("wake from %s: %d config writes beside it, none refused", down, writes.Load())
+		_ = svc.patch(ctxT(t), ref.TargetID, map[string]string{keyRelayPrefix + svc.cfg.Replica: ""})
+	}
+}
