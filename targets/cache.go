@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
@@ -116,19 +117,44 @@ func (s *Service) read(ctx context.Context, name string) (*incus.Instance, error
 	return s.lookup(ctx, name)
 }
 
-// readPresent is read for a method that changes the target: the cache
-// answers only an instance it holds, and an absence is asked of Incus. The
-// change itself reads the instance from Incus with its ETag (want,
-// patchIf), so a cached instance that is gone by then is found there; but
-// an absence is answered to the caller as notFound at once, and a create
-// another replica just answered may not have reached the cache yet.
-func (s *Service) readPresent(ctx context.Context, name string) (*incus.Instance, error) {
+// readSure is read for an answer that is final for the runtime (notFound,
+// ownerMismatch, a data route's 410 or 409): the cache answers only an
+// instance it holds that would not make such an answer (final false), and
+// anything else is asked of Incus. A lost event, or another replica's
+// create not seen yet, is exactly such an absence in the cache; these
+// answers are rare, so the read costs nothing at steady state. A method
+// that changes the target reads it this way too: the change itself reads
+// the instance from Incus with its ETag (want, patchIf), so a cached
+// instance gone by then is found there.
+func (s *Service) readSure(ctx context.Context, name string, final func(*incus.Instance) bool) (*incus.Instance, error) {
 	if s.cache != nil {
-		if inst, hit := s.cache.get(name); hit && inst != nil {
+		if inst, hit := s.cache.get(name); hit && inst != nil && !final(inst) {
 			return inst, nil
 		}
 	}
 	return s.lookup(ctx, name)
+}
+
+// readFor is the read of a method of owner's: an absence, another owner's
+// instance, or a target closing or failed (what a runtime takes as final)
+// is confirmed with Incus (readSure).
+func (s *Service) readFor(owner controller.Owner) func(context.Context, string) (*incus.Instance, error) {
+	return func(ctx context.Context, name string) (*incus.Instance, error) {
+		return s.readSure(ctx, name, func(inst *incus.Instance) bool { return finalFor(inst, owner) })
+	}
+}
+
+// finalFor says whether inst, as owner's target, makes an answer that no
+// later request of the owner can undo.
+func finalFor(inst *incus.Instance, owner controller.Owner) bool {
+	if checkOwned(inst, owner) != nil {
+		return true
+	}
+	switch StateOf(inst).Phase {
+	case controller.PhaseClosing, controller.PhaseClosed, controller.PhaseFailed:
+		return true
+	}
+	return false
 }
 
 // Bounds of the cache's own work.

@@ -188,7 +188,7 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 	}
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
-	name, inst, err := s.resolveWith(ctx, ref, s.readPresent)
+	name, inst, err := s.resolveWith(ctx, ref, s.readFor(ref.Owner))
 	if err != nil {
 		return controller.Observation{}, err
 	}

@@ -155,7 +155,7 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (controller.Observation, error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
-	name, inst, err := s.resolveWith(ctx, ref, s.readPresent)
+	name, inst, err := s.resolveWith(ctx, ref, s.readFor(ref.Owner))
 	if err != nil {
 		return controller.Observation{}, err
 	}

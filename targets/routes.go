@@ -35,7 +35,9 @@ var (
 // route of the wrong owner reaches nothing, whatever that target's state.
 // Otherwise the owner's instance is read once (from the observation cache
 // when it is confirmed, see cache.go); a missing one is
-// ErrRouteGone, one whose recorded owner differs ErrRouteOwner. Any other
+// ErrRouteGone, one whose recorded owner differs ErrRouteOwner. Both, and
+// an observation a dial is refused for good on (closing, closed, failed),
+// are read from Incus, never from the cache alone (readSure). Any other
 // error is Incus's, unchanged. Nothing is ever changed.
 func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error) {
 	name := Name(owner)
@@ -45,7 +47,7 @@ func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targ
 		}
 		return nil, controller.Observation{}, ErrRouteGone
 	}
-	inst, err := s.read(ctx, name)
+	inst, err := s.readFor(owner)(ctx, name)
 	if err != nil {
 		return nil, controller.Observation{}, err
 	}

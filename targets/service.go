@@ -358,11 +358,12 @@ func (s *Service) resolveWith(ctx context.Context, ref controller.TargetRef,
 	return name, inst, nil
 }
 
-// GetTarget is a pure read.
+// GetTarget is a pure read. It answers from the observation cache, but a
+// notFound or an ownerMismatch only once Incus confirms it (readSure).
 func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
-	name, inst, err := s.resolveWith(ctx, ref, s.read)
+	name, inst, err := s.resolveWith(ctx, ref, s.readFor(ref.Owner))
 	if err != nil {
 		return controller.Observation{}, err
 	}
