@@ -315,6 +315,24 @@ func TestLoopTreatsAMalformedAnswerAsNotIdle(t *testing.T) {
 	}
 }
 
+// The readiness probe relays a daemon of another version (the runtime fails
+// the environment); the idle loop cannot ask it env/getIdle, so it still
+// counts it as not idle, a failed handshake.
+func TestLoopTreatsADaemonOfAnotherVersionAsNotIdle(t *testing.T) {
+	h := newHarness(t)
+	d := h.fleet.Add("v6")
+	d.SetIdleSince(time.Now().Add(-time.Hour))
+	d.SetMode(idletest.OtherVersion)
+	h.inv.add(Target{Name: "v6", Power: controller.PowerRunning, Policy: policy(1, 2, 3), Stages: containerStages})
+	h.run(nil)
+	eventually(t, "failed handshakes counted", func() bool {
+		return h.counter("incus_provider_idle_probes_total", map[string]string{"outcome": OutcomeHandshake}) >= 2
+	})
+	if acts := h.inv.actions(); len(acts) != 0 {
+		t.Fatalf("a daemon of another version is not idle, yet: %+v", acts)
+	}
+}
+
 func TestLoopAcceptsDiagnosticCountMembers(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("chatty")

@@ -16,8 +16,12 @@
 //     resumes and its daemon starts answering, proved by a data-plane
 //     initialize (internal/envd.Handshake) on the provider's own connection
 //     through the GuestDialer, never by a TCP connect (a frozen guest's
-//     kernel accepts those). A running target whose daemon was proved ready,
-//     and whose power has not changed since, is dialed at once.
+//     kernel accepts those). Any well-formed answer to that initialize
+//     proves the daemon there, versionMismatch or a result of another plane
+//     included: the dial is relayed, so that the runtime's own handshake
+//     meets the answer and fails the environment naming both versions.
+//     A running target whose daemon was proved ready, and whose power has
+//     not changed since, is dialed at once.
 //  5. Refuse: everything from the request's arrival to the upgrade or the
 //     refusal, Incus calls included, is bounded by the hold (5 s at most,
 //     MaxHold). A dial that cannot be upgraded in time gets the spec's typed

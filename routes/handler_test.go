@@ -36,8 +36,10 @@ import (
 // simulated guest: a loopback listener in front of a real development
 // daemon (internal/devguest), which can be "frozen" (it accepts connections
 // and leaves them unanswered, as a frozen guest's kernel does, until it is
-// thawed), "stopped" (dials fail as for an instance without init) or
-// "silent" (a listening socket with nothing behind it, for ever).
+// thawed), "stopped" (dials fail as for an instance without init),
+// "silent" (a listening socket with nothing behind it, for ever), "closing"
+// (each connection closed as soon as it is accepted) or "refusing" (dials
+// reach a port nothing listens on). useDaemon puts another daemon behind it.
 
 const testInstance = "ls-00000000000000000001"
 
@@ -134,12 +136,15 @@ type guestSim struct {
 	daemon string // the development daemon's address
 	ln     net.Listener
 
-	mu      sync.Mutex
-	frozen  bool
-	stopped bool
-	silent  bool
-	held    []net.Conn
-	dials   atomic.Int32
+	mu       sync.Mutex
+	frozen   bool
+	stopped  bool
+	silent   bool
+	closing  bool
+	refusing bool
+	closed   string // an address nothing listens on, for refusing
+	held     []net.Conn
+	dials    atomic.Int32
 }
 
 func newGuestSim(t testing.TB) *guestSim {
@@ -154,7 +159,12 @@ func newGuestSim(t testing.TB) *guestSim {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := &guestSim{t: t, daemon: srv.Listener.Addr().String(), ln: ln}
+	gone, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone.Close()
+	g := &guestSim{t: t, daemon: srv.Listener.Addr().String(), ln: ln, closed: gone.Addr().String()}
 	t.Cleanup(func() {
 		ln.Close()
 		g.mu.Lock()
@@ -179,13 +189,29 @@ func (g *guestSim) serve() {
 			g.mu.Unlock()
 			continue
 		}
+		closing := g.closing
 		g.mu.Unlock()
+		if closing {
+			c.Close()
+			continue
+		}
 		g.pipe(c)
 	}
 }
 
+// useDaemon puts the daemon at addr behind the guest, for the connections
+// accepted from now on.
+func (g *guestSim) useDaemon(addr string) {
+	g.mu.Lock()
+	g.daemon = addr
+	g.mu.Unlock()
+}
+
 func (g *guestSim) pipe(c net.Conn) {
-	d, err := net.Dial("tcp", g.daemon)
+	g.mu.Lock()
+	daemon := g.daemon
+	g.mu.Unlock()
+	d, err := net.Dial("tcp", daemon)
 	if err != nil {
 		c.Close()
 		return
@@ -215,13 +241,16 @@ func (g *guestSim) thaw() {
 func (g *guestSim) DialContext(ctx context.Context, t guest.Target) (net.Conn, error) {
 	g.dials.Add(1)
 	g.mu.Lock()
-	stopped := g.stopped
+	stopped, addr := g.stopped, g.ln.Addr().String()
+	if g.refusing {
+		addr = g.closed
+	}
 	g.mu.Unlock()
 	if stopped {
 		return nil, fmt.Errorf("sim: %w", guest.ErrNotRunning)
 	}
 	var d net.Dialer
-	return d.DialContext(ctx, "tcp", g.ln.Addr().String())
+	return d.DialContext(ctx, "tcp", addr)
 }
 func (g *guestSim) Devices(guest.Target) map[string]map[string]string { return nil }
 func (g *guestSim) Forget(string)                                     {}

@@ -8,21 +8,25 @@ import (
 
 // Dial outcomes, the values of the outcome label.
 const (
-	OutcomeUpgraded      = "upgraded"
-	OutcomeWaking        = "waking"
-	OutcomeBooting       = "booting"
-	OutcomeGone          = "gone"
-	OutcomeFailed        = "failed"
-	OutcomeUnauthorized  = "unauthorized"
-	OutcomeRefusedOwner  = "refused_owner"
-	OutcomeShed          = "shed"
-	OutcomeMalformed     = "malformed"         // not a data route, or not a WebSocket handshake
-	OutcomeAborted       = "aborted"           // the runtime went away before its upgrade
-	OutcomeUnavailable   = "incus_unavailable" // Incus did not answer the fence (a 503 booting)
-	wakeOutcomeReady     = "ready"
-	wakeOutcomeFailed    = "failed"
-	wakeOutcomeGaveUp    = "gave_up"
-	wakeOutcomeCancelled = "cancelled"
+	OutcomeUpgraded     = "upgraded"
+	OutcomeWaking       = "waking"
+	OutcomeBooting      = "booting"
+	OutcomeGone         = "gone"
+	OutcomeFailed       = "failed"
+	OutcomeUnauthorized = "unauthorized"
+	OutcomeRefusedOwner = "refused_owner"
+	OutcomeShed         = "shed"
+	OutcomeMalformed    = "malformed"         // not a data route, or not a WebSocket handshake
+	OutcomeAborted      = "aborted"           // the runtime went away before its upgrade
+	OutcomeUnavailable  = "incus_unavailable" // Incus did not answer the fence (a 503 booting)
+	wakeOutcomeReady    = "ready"
+	// The daemon answered initialize, but not with a data-plane success of
+	// this version (versionMismatch, another plane): its dials are relayed
+	// all the same, so that the runtime sees the answer.
+	wakeOutcomeIncompatible = "incompatible"
+	wakeOutcomeFailed       = "failed"
+	wakeOutcomeGaveUp       = "gave_up"
+	wakeOutcomeCancelled    = "cancelled"
 	// A power change asked after the dial replaced its request for running.
 	wakeOutcomeSuperseded = "superseded"
 )
@@ -68,7 +72,7 @@ func newMetrics() *Metrics {
 		}, []string{"outcome"}),
 		wakes: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "incus_provider_route_wake_duration_seconds",
-			Help:    "Time from the start of a wake (or readiness probe) to the daemon answering, by the power the target started from and the outcome.",
+			Help:    "Time from the start of a wake (or readiness probe) to the daemon answering, by the power the target started from and the outcome (ready, incompatible: answered initialize but not as a data plane of this version, failed, gave_up, cancelled, superseded).",
 			Buckets: []float64{.01, .025, .05, .075, .1, .15, .25, .5, 1, 2, 5, 10, 30},
 		}, []string{"from", "outcome"}),
 		held: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -110,7 +114,7 @@ func newMetrics() *Metrics {
 	// Wakes exist from the start too, so that increase() counts the first
 	// wake from each power rather than missing it.
 	for _, from := range []string{"running", "paused", "stopped", "suspended"} {
-		for _, o := range []string{wakeOutcomeReady, wakeOutcomeFailed, wakeOutcomeGaveUp, wakeOutcomeCancelled, wakeOutcomeSuperseded} {
+		for _, o := range []string{wakeOutcomeReady, wakeOutcomeIncompatible, wakeOutcomeFailed, wakeOutcomeGaveUp, wakeOutcomeCancelled, wakeOutcomeSuperseded} {
 			m.wakes.WithLabelValues(from, o)
 		}
 	}

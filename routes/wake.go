@@ -13,6 +13,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/envd"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
@@ -28,10 +29,34 @@ type readiness struct {
 	// down holds the instances last seen powered down, so that a dial
 	// Incus cannot answer for is told the likelier truth (waking).
 	down map[string]struct{}
+	// odd holds, per instance, the last answer to initialize that was not
+	// a compatible success, as already logged: it outlives power changes so
+	// that a daemon of another version is logged once, not once per wake.
+	odd map[string]string
 }
 
 func newReadiness() *readiness {
-	return &readiness{ready: map[string]struct{}{}, unready: map[string]time.Time{}, down: map[string]struct{}{}}
+	return &readiness{ready: map[string]struct{}{}, unready: map[string]time.Time{}, down: map[string]struct{}{}, odd: map[string]string{}}
+}
+
+// oddAnswer records an incompatible answer of the instance's daemon and
+// says whether it differs from the one recorded last (and so is news).
+func (r *readiness) oddAnswer(instance, answer string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.odd[instance] == answer {
+		return false
+	}
+	r.odd[instance] = answer
+	return true
+}
+
+// compatible records that the instance's daemon answered a compatible
+// success, so that a later incompatible answer is news again.
+func (r *readiness) compatible(instance string) {
+	r.mu.Lock()
+	delete(r.odd, instance)
+	r.mu.Unlock()
 }
 
 // seen records whether the instance was last seen powered down.
@@ -98,6 +123,7 @@ func (r *readiness) drop(instance string) {
 	delete(r.ready, instance)
 	delete(r.unready, instance)
 	delete(r.down, instance)
+	delete(r.odd, instance)
 	r.mu.Unlock()
 }
 
@@ -251,8 +277,8 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 
 		case running(inst):
 			f.stage(StateBooting, h.bootingRetry(inst.Name))
-			if h.probeUntil(ctx, inst) {
-				outcome = wakeOutcomeReady
+			if a := h.probeUntil(ctx, inst); a != probeSilent {
+				outcome = a.wakeOutcome()
 				h.ready.mark(inst.Name)
 				settle(nil)
 				return
@@ -263,8 +289,8 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 		case wakeable && wakes < 3:
 			wakes++
 			f.stage(StateWaking, time.Second)
-			if h.wakeAndProbe(ctx, f, inst) {
-				outcome = wakeOutcomeReady
+			if a := h.wakeAndProbe(ctx, f, inst); a != probeSilent {
+				outcome = a.wakeOutcome()
 				h.ready.mark(inst.Name)
 				settle(nil)
 				return
@@ -320,8 +346,8 @@ func (h *Handler) reread(ctx context.Context, f *flight, owner controller.Owner,
 // wakeAndProbe asks Incus to wake the instance and probes its daemon at
 // the same time: a frozen guest answers the probe the moment it thaws,
 // before Incus has reported the unfreeze, and a started one as soon as its
-// daemon listens. It reports whether the daemon answered.
-func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Instance) bool {
+// daemon listens. It reports what the daemon answered, if anything.
+func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Instance) probeAnswer {
 	// The wake has its own bound: Incus carries it out whatever happens to
 	// the dials, and Wake also clears the recorded idle-since instant.
 	wakeDone := make(chan struct{})
@@ -340,7 +366,7 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 	}()
 	pctx, cancelProbe := context.WithCancel(ctx)
 	defer cancelProbe()
-	probed := make(chan bool, 1)
+	probed := make(chan probeAnswer, 1)
 	paused := inst.Status == incus.InstanceFrozen
 	go func() {
 		if !paused {
@@ -349,11 +375,11 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 			select {
 			case <-wakeDone:
 				if wakeErr != nil {
-					probed <- false
+					probed <- probeSilent
 					return
 				}
 			case <-pctx.Done():
-				probed <- false
+				probed <- probeSilent
 				return
 			}
 		}
@@ -362,8 +388,8 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 	done := wakeDone
 	for {
 		select {
-		case ok := <-probed:
-			return ok
+		case a := <-probed:
+			return a
 		case <-done:
 			done = nil
 			if wakeErr != nil {
@@ -374,17 +400,45 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 				}
 				cancelProbe()
 				<-probed
-				return false
+				return probeSilent
 			}
 			f.stage(StateBooting, time.Second) // the probe goes on
 		}
 	}
 }
 
+// probeAnswer is what the readiness probe found of a daemon.
+type probeAnswer int
+
+const (
+	// probeSilent: no answer to initialize yet (see probeUntil).
+	probeSilent probeAnswer = iota
+	// probeReady: a data-plane initialize success of this version.
+	probeReady
+	// probeIncompatible: an answer all the same, such as versionMismatch
+	// or a result of another plane (an *envd.AnsweredError). The daemon is
+	// there; the runtime's own handshake meets the answer and fails the
+	// environment if it must, which a refusal as booting would keep it
+	// from ever doing.
+	probeIncompatible
+)
+
+func (a probeAnswer) wakeOutcome() string {
+	if a == probeIncompatible {
+		return wakeOutcomeIncompatible
+	}
+	return wakeOutcomeReady
+}
+
 // probeUntil proves the daemon answers: a data-plane initialize through the
-// GuestDialer, repeated with a short backoff until it succeeds or ctx ends.
-// A TCP connect alone proves nothing (a frozen guest's kernel accepts it).
-func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance) bool {
+// GuestDialer, repeated with a short backoff until it is answered or ctx
+// ends. A TCP connect alone proves nothing (a frozen guest's kernel accepts
+// it), nor does a WebSocket upgrade (a daemon's listener may be up before
+// it serves), nor a frame that is no JSON-RPC response to the request
+// (something other than a daemon of any version holds the port): these
+// keep the target booting, so the runtime is told to come back. An answer
+// that is not a compatible success ends the probe like a success.
+func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance) probeAnswer {
 	t := guest.Target{Instance: inst.Name, Port: h.opts.Port(inst), Location: inst.Location}
 	delay := 5 * time.Millisecond
 	for {
@@ -392,14 +446,50 @@ func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance) bool {
 		err := h.probeOnce(actx, t)
 		cancel()
 		if err == nil {
-			return true
+			h.ready.compatible(inst.Name)
+			return probeReady
+		}
+		var answered *envd.AnsweredError
+		if errors.As(err, &answered) {
+			h.noteIncompatible(inst.Name, answered)
+			return probeIncompatible
 		}
 		h.ready.silent(inst.Name, time.Now())
 		if !clock.Sleep(ctx, delay) {
-			return false
+			if h.ctx.Err() == nil {
+				h.log.Debug("the daemon has not answered the readiness probe", zap.String("instance", inst.Name), zap.Error(err))
+			}
+			return probeSilent
 		}
 		delay = min(delay*2, 100*time.Millisecond)
 	}
+}
+
+// noteIncompatible logs a daemon's incompatible answer once per instance
+// and answer: every wake of the target probes it again, and an operator
+// needs to hear of a daemon of another version once, naming both versions.
+func (h *Handler) noteIncompatible(instance string, answered *envd.AnsweredError) {
+	field, daemon, provider, mismatch := answered.Mismatch()
+	var key string
+	var rpc *jsonrpc.Error
+	switch {
+	case mismatch:
+		key = field + " " + daemon + " " + provider
+	case errors.As(answered, &rpc):
+		key = "error " + string(rpc.Kind)
+	default:
+		key = "result"
+	}
+	if !h.ready.oddAnswer(instance, key) {
+		return
+	}
+	if mismatch {
+		h.log.Warn("the guest daemon answered initialize with another "+field+"; its dials are relayed so that the runtime's handshake fails the environment",
+			zap.String("instance", instance), zap.String("daemon", daemon), zap.String("provider", provider), zap.Error(answered))
+		return
+	}
+	h.log.Warn("the guest daemon answered initialize, but not with a data-plane success of this version; its dials are relayed so that the runtime sees the answer",
+		zap.String("instance", instance), zap.Error(answered))
 }
 
 func (h *Handler) probeOnce(ctx context.Context, t guest.Target) error {

@@ -44,6 +44,9 @@ const (
 	Malformed
 	// Refusing refuses the dial, as a stopped guest does.
 	Refusing
+	// OtherVersion is a daemon of data-plane version 6: it answers
+	// initialize with versionMismatch.
+	OtherVersion
 )
 
 // Daemon is one fake guest daemon.
@@ -331,9 +334,13 @@ func (f *Fleet) serve(w http.ResponseWriter, r *http.Request) {
 		f.mu.Unlock()
 		_ = ws.Close()
 	}()
+	version := uint64(5)
+	if Mode(d.mode.Load()) == OtherVersion {
+		version = 6
+	}
 	srv := &jsonrpc.Server{
 		Plane:           "data",
-		ProtocolVersion: 5,
+		ProtocolVersion: version,
 		Initialize: func(context.Context, json.RawMessage) (any, error) {
 			d.Handshakes.Add(1)
 			d.mu.Lock()

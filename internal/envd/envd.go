@@ -70,6 +70,62 @@ func (e *HandshakeError) Error() string {
 	return fmt.Sprintf("envd: the daemon answered initialize with %s %s, but this client needs %s", e.Field, e.Received, e.Expected)
 }
 
+// AnsweredError says the daemon answered initialize, in a well-formed
+// JSON-RPC response to this client's request, but not with a data-plane
+// initialize result of this version: an error object (versionMismatch
+// among them, or one whose kind this version does not know), a result of
+// another plane or version (a *HandshakeError), or a result this version
+// cannot read. Something that speaks the protocol's
+// envelope is listening, which is all a readiness probe asks: the runtime's
+// own handshake meets the same answer and judges it (it fails an
+// environment whose daemon speaks another version, naming both).
+//
+// Everything else Handshake returns means no answer came: the dial, the
+// WebSocket upgrade or the connection failed, the context ended first, or
+// what came back was no JSON-RPC response to the request (not JSON, a
+// binary frame, a request of the server's, a null id).
+type AnsweredError struct {
+	// Err is the answer's problem: a *jsonrpc.Error, a *HandshakeError or a
+	// decoding error.
+	Err error
+}
+
+func (e *AnsweredError) Error() string { return "envd: initialize answered: " + e.Err.Error() }
+
+func (e *AnsweredError) Unwrap() error { return e.Err }
+
+// Answered says whether err is a well-formed answer to initialize that was
+// not a compatible success (an *AnsweredError).
+func Answered(err error) bool {
+	var ae *AnsweredError
+	return errors.As(err, &ae)
+}
+
+// Mismatch names what the daemon's answer disagrees on and both sides'
+// values: "protocolVersion" with the daemon's number and this client's, or
+// "plane" with the daemon's plane and this client's. ok is false for any
+// other answer.
+func (e *AnsweredError) Mismatch() (field, daemon, client string, ok bool) {
+	var rpc *jsonrpc.Error
+	if errors.As(e.Err, &rpc) && rpc.Kind == jsonrpc.KindVersionMismatch {
+		// The daemon's refusal states its number as expected, and ours, as
+		// it read it, as received.
+		daemon, client = "unknown", strconv.Itoa(ProtocolVersion)
+		if rpc.Expected != nil {
+			daemon = strconv.FormatUint(*rpc.Expected, 10)
+		}
+		if rpc.Received != nil {
+			client = strconv.FormatUint(*rpc.Received, 10)
+		}
+		return "protocolVersion", daemon, client, true
+	}
+	var he *HandshakeError
+	if errors.As(e.Err, &he) {
+		return he.Field, he.Received, he.Expected, true
+	}
+	return "", "", "", false
+}
+
 // IsVersionMismatch says whether err is a version disagreement, either way
 // round: the daemon refused our version, or it answered with another one.
 func IsVersionMismatch(err error) bool {
@@ -90,6 +146,8 @@ type Session struct {
 // Handshake upgrades conn to a WebSocket (URL ws://guest/), then sends the
 // data-plane initialize with protocolVersion 5 and checks the answer's plane
 // and protocolVersion. It is bounded by ctx; on any failure conn is closed.
+// A daemon that answered, but not with a usable success, fails it with an
+// *AnsweredError.
 func Handshake(ctx context.Context, conn net.Conn, client ClientInfo) (*Session, error) {
 	if problem := wire.CheckGrammar(wire.GrammarInfo, client.Name); problem != "" {
 		conn.Close()
@@ -156,15 +214,35 @@ func initialize(ctx context.Context, rpc *jsonrpc.Client, client ClientInfo) (*S
 		ProtocolVersion uint64     `json:"protocolVersion"`
 		ClientInfo      ClientInfo `json:"clientInfo"`
 	}{ProtocolVersion, client}
-	var members map[string]json.RawMessage
-	if err := rpc.Call(ctx, "initialize", params, &members); err != nil {
+	// The result is taken raw and read here, so that a result that does
+	// not decode (an answer all the same) is told from a transport failure.
+	// The envelope's own depth bound keeps the raw decode from failing.
+	var raw json.RawMessage
+	if err := rpc.Call(ctx, "initialize", params, &raw); err != nil {
+		if answeredWithError(err) {
+			return nil, &AnsweredError{Err: err}
+		}
 		return nil, err
+	}
+	var members map[string]json.RawMessage
+	if err := wire.Decode(raw, &members); err != nil {
+		return nil, &AnsweredError{Err: fmt.Errorf("envd: initialize answered a result that is not an object: %w", err)}
 	}
 	res, err := checkInitialize(members)
 	if err != nil {
-		return nil, err
+		return nil, &AnsweredError{Err: err}
 	}
 	return &Session{client: rpc, init: *res}, nil
+}
+
+// answeredWithError says whether a failed call is the daemon's error answer
+// to it. The client returns that answer's *jsonrpc.Error as it is; when the
+// connection ended instead (a null-id refusal of a frame among the causes)
+// the error is jsonrpc.ErrClosed, whatever it wraps: a daemon that cannot
+// read a well-formed initialize did not answer it.
+func answeredWithError(err error) bool {
+	var rpc *jsonrpc.Error
+	return errors.As(err, &rpc) && !errors.Is(err, jsonrpc.ErrClosed)
 }
 
 // checkInitialize reads the members a client relies on: plane and

@@ -268,3 +268,196 @@ func TestHandshakeBoundedByContext(t *testing.T) {
 		t.Fatal("Handshake ignored its context")
 	}
 }
+
+// scriptedDaemon upgrades every connection and answers the first frame it
+// reads with reply(id), id being that request's id as sent; a nil reply
+// stays silent. Frames are text unless binary is set.
+func scriptedDaemon(t *testing.T, binary bool, reply func(id string) string) *httptest.Server {
+	t.Helper()
+	up := websocket.Upgrader{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ws, err := up.Upgrade(w, r, nil)
+		if err != nil {
+			return
+		}
+		defer ws.Close()
+		_, data, err := ws.ReadMessage()
+		if err != nil {
+			return
+		}
+		var req struct {
+			ID json.RawMessage `json:"id"`
+		}
+		if err := json.Unmarshal(data, &req); err != nil {
+			t.Errorf("the client sent %s", data)
+			return
+		}
+		if reply != nil {
+			kind := websocket.TextMessage
+			if binary {
+				kind = websocket.BinaryMessage
+			}
+			if err := ws.WriteMessage(kind, []byte(reply(string(req.ID)))); err != nil {
+				return
+			}
+		}
+		// Hold the connection until the client ends it.
+		for {
+			if _, _, err := ws.ReadMessage(); err != nil {
+				return
+			}
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func response(member string) func(id string) string {
+	return func(id string) string { return `{"jsonrpc":"2.0","id":` + id + `,` + member + `}` }
+}
+
+// TestHandshakeTellsAnAnswerFromNone: a daemon that answered initialize in
+// any well-formed way is an AnsweredError (the readiness probe lets the
+// runtime meet that answer); a daemon that did not answer is not.
+func TestHandshakeTellsAnAnswerFromNone(t *testing.T) {
+	withAnswer := func(change map[string]any) map[string]any {
+		a := goodAnswer()
+		for k, v := range change {
+			if v == nil {
+				delete(a, k)
+			} else {
+				a[k] = v
+			}
+		}
+		return a
+	}
+	for _, tc := range []struct {
+		name string
+		srv  func(t *testing.T) *httptest.Server
+		// mismatch is "field daemon client" for an answer that disagrees on
+		// the version or plane, "" for another answer.
+		mismatch string
+		kind     jsonrpc.Kind // the error kind answered, if any
+	}{
+		{"versionMismatch", func(t *testing.T) *httptest.Server { return fakeDaemon(t, 6, goodAnswer()) }, "protocolVersion 6 5", jsonrpc.KindVersionMismatch},
+		{"another plane", func(t *testing.T) *httptest.Server {
+			return fakeDaemon(t, 5, withAnswer(map[string]any{"plane": "controller"}))
+		}, `plane "controller" "data"`, ""},
+		{"another version in the result", func(t *testing.T) *httptest.Server {
+			return fakeDaemon(t, 5, withAnswer(map[string]any{"protocolVersion": 4}))
+		}, "protocolVersion 4 5", ""},
+		{"another typed error", func(t *testing.T) *httptest.Server {
+			return scriptedDaemon(t, false, response(`"error":{"code":-32019,"message":"starting","data":{"kind":"unavailable","retryAfterMs":100}}`))
+		}, "", jsonrpc.KindUnavailable},
+		{"an error of a kind this version does not know", func(t *testing.T) *httptest.Server {
+			return scriptedDaemon(t, false, response(`"error":{"code":-32099,"message":"x","data":{"kind":"futureKind"}}`))
+		}, "", jsonrpc.KindInternal},
+		{"a result that is not an object", func(t *testing.T) *httptest.Server {
+			return scriptedDaemon(t, false, response(`"result":[5]`))
+		}, "", ""},
+		{"a result without daemonInstanceId", func(t *testing.T) *httptest.Server {
+			return fakeDaemon(t, 5, withAnswer(map[string]any{"daemonInstanceId": nil}))
+		}, "", ""},
+	} {
+		t.Run("answered/"+tc.name, func(t *testing.T) {
+			_, err := Handshake(testCtx(t), dialTCP(t, tc.srv(t)), ClientInfo{Name: "incus-provider"})
+			var ae *AnsweredError
+			if !errors.As(err, &ae) || !Answered(err) {
+				t.Fatalf("got %v, want an AnsweredError", err)
+			}
+			field, daemon, client, ok := ae.Mismatch()
+			if got := strings.TrimSpace(field + " " + daemon + " " + client); got != tc.mismatch || ok != (tc.mismatch != "") {
+				t.Fatalf("Mismatch() = %q %v, want %q (%v)", got, ok, tc.mismatch, err)
+			}
+			var rpc *jsonrpc.Error
+			if errors.As(err, &rpc) != (tc.kind != "") || (rpc != nil && rpc.Kind != tc.kind) {
+				t.Fatalf("got %v, want error kind %q", err, tc.kind)
+			}
+		})
+	}
+
+	for _, tc := range []struct {
+		name     string
+		srv      func(t *testing.T) *httptest.Server
+		deadline bool // the answer never comes: the context ends it
+	}{
+		{"the connection closes at once", func(t *testing.T) *httptest.Server {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+				conn, _, err := http.NewResponseController(w).Hijack()
+				if err == nil {
+					conn.Close()
+				}
+			}))
+			t.Cleanup(srv.Close)
+			return srv
+		}, false},
+		{"the WebSocket upgrade is refused", func(t *testing.T) *httptest.Server {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+				http.Error(w, "not yet", http.StatusServiceUnavailable)
+			}))
+			t.Cleanup(srv.Close)
+			return srv
+		}, false},
+		{"nothing after the upgrade", func(t *testing.T) *httptest.Server { return scriptedDaemon(t, false, nil) }, true},
+		{"an answer to another id", func(t *testing.T) *httptest.Server {
+			return scriptedDaemon(t, false, func(string) string { return `{"jsonrpc":"2.0","id":"other","result":{}}` })
+		}, true},
+		{"not JSON", func(t *testing.T) *httptest.Server {
+			return scriptedDaemon(t, false, func(string) string { return "HELLO" })
+		}, false},
+		{"not JSON-RPC 2.0", func(t *testing.T) *httptest.Server {
+			return scriptedDaemon(t, false, func(id string) string { return `{"jsonrpc":"1.0","id":` + id + `,"result":{}}` })
+		}, false},
+		{"a binary frame", func(t *testing.T) *httptest.Server { return scriptedDaemon(t, true, response(`"result":{}`)) }, false},
+		{"a refusal of the frame with a null id", func(t *testing.T) *httptest.Server {
+			return scriptedDaemon(t, false, func(string) string {
+				return `{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"x","data":{"kind":"parseError"}}}`
+			})
+		}, false},
+		{"a request of the server's", func(t *testing.T) *httptest.Server {
+			return scriptedDaemon(t, false, func(string) string { return `{"jsonrpc":"2.0","id":1,"method":"ping"}` })
+		}, false},
+	} {
+		t.Run("not answered/"+tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancel()
+			_, err := Handshake(ctx, dialTCP(t, tc.srv(t)), ClientInfo{Name: "incus-provider"})
+			if err == nil || Answered(err) {
+				t.Fatalf("got %v, want a failure that is not an answer", err)
+			}
+			if errors.Is(err, context.DeadlineExceeded) != tc.deadline {
+				t.Fatalf("got %v; want the deadline to have ended it: %v", err, tc.deadline)
+			}
+		})
+	}
+
+	t.Run("not answered/a listener that says nothing", func(t *testing.T) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				t.Cleanup(func() { c.Close() })
+			}
+		}()
+		conn, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		// The upgrade reads under the context's deadline set on the
+		// connection, which may fire a moment before the context says so:
+		// only "no answer" is certain.
+		_, err = Handshake(ctx, conn, ClientInfo{Name: "incus-provider"})
+		if err == nil || Answered(err) {
+			t.Fatalf("got %v", err)
+		}
+	})
+}
