@@ -14,19 +14,19 @@ import (
 )
 
 type instance struct {
-	project, name, typ      string
-	arch, description       string
-	config                  map[string]string
-	devices                 map[string]map[string]string
-	profiles                []string
-	ephemeral, stateful     bool
-	status                  incus.InstanceStatus
-	created, lastUsed       time.Time
-	pid                     int64
-	ignoreShutdown          bool
-	hold                    *hold
-	updating                int // config writes passed their checks, not yet applied
-	location                string
+	project, name, typ  string
+	arch, description   string
+	config              map[string]string
+	devices             map[string]map[string]string
+	profiles            []string
+	ephemeral, stateful bool
+	status              incus.InstanceStatus
+	created, lastUsed   time.Time
+	pid                 int64
+	ignoreShutdown      bool
+	hold                *hold
+	updating            int // config writes passed their checks, not yet applied
+	location            string
 }
 
 // etag hashes the fields Incus hashes for an instance's ETag (its
