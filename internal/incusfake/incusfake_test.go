@@ -471,3 +471,65 @@ func TestDeleteRefusesRunning(t *testing.T) {
 		t.Fatal("still there")
 	}
 }
+
+// A PUT is checked on arrival and answered with an operation that ends
+// once the write is applied; it must carry the volatile keys.
+func TestPutInstance(t *testing.T) {
+	f, c := start(t, incusfake.Config{})
+	if err := f.Seed(proj, incusfake.Seed{Name: "a", Config: map[string]string{"volatile.uuid": "u", "user.k": "1"}}); err != nil {
+		t.Fatal(err)
+	}
+	inst, etag, err := c.GetInstance(ctx(t), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	put := inst.Writable()
+	delete(put.Config, "volatile.uuid")
+	if err := c.UpdateInstance(ctx(t), "a", put, etag); err == nil {
+		t.Fatal("a PUT dropping a volatile key was taken")
+	}
+	put = inst.Writable()
+	put.Config["user.k"] = "2"
+	if err := c.UpdateInstance(ctx(t), "a", put, etag); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.UpdateInstance(ctx(t), "a", put, etag); !errors.Is(err, incus.ErrPreconditionFailed) {
+		t.Fatalf("a PUT at a stale ETag: %v", err)
+	}
+	if v := mustInstance(t, f, "a"); v.Config["user.k"] != "2" || v.Config["volatile.uuid"] != "u" {
+		t.Fatalf("%+v", v.Config)
+	}
+}
+
+func TestFreezeUnfreeze(t *testing.T) {
+	f, c := start(t, incusfake.Config{})
+	if err := f.Seed(proj, incusfake.Seed{Name: "a", Status: incus.InstanceRunning}, incusfake.Seed{Name: "s"}); err != nil {
+		t.Fatal(err)
+	}
+	act := func(name, action string) error {
+		op, err := c.UpdateInstanceState(ctx(t), name, incus.InstanceStatePut{Action: action})
+		if err != nil {
+			return err
+		}
+		_, err = c.Wait(ctx(t), op)
+		return err
+	}
+	if err := act("a", "freeze"); err != nil {
+		t.Fatal(err)
+	}
+	if v := mustInstance(t, f, "a"); v.Status != incus.InstanceFrozen {
+		t.Fatalf("%+v", v)
+	}
+	if err := act("a", "start"); err == nil {
+		t.Fatal("starting a frozen instance was taken")
+	}
+	if err := act("a", "unfreeze"); err != nil {
+		t.Fatal(err)
+	}
+	if err := act("s", "freeze"); err == nil {
+		t.Fatal("freezing a stopped instance was taken")
+	}
+	if v := mustInstance(t, f, "a"); v.Status != incus.InstanceRunning {
+		t.Fatalf("%+v", v)
+	}
+}

@@ -662,9 +662,13 @@ func (s *Server) writeInstance(w http.ResponseWriter, r *http.Request, name stri
 		s.notify()
 	})
 	s.notify()
+	var snap incus.Operation
+	if put {
+		snap = op.Operation // the clock may finish op once unlocked
+	}
 	s.mu.Unlock()
 	if put {
-		writeAsync(w, op.Operation)
+		writeAsync(w, snap)
 		return
 	}
 	// A caller that goes away does not stop the write, as in Incus.
