@@ -262,6 +262,19 @@ func TestProjects(t *testing.T) {
 	if _, err := c.GetProject(ctx(t), "p2"); !errors.Is(err, incus.ErrNotFound) {
 		t.Fatalf("deleted project: %v", err)
 	}
+	// A project with its own profiles is force-deleted in one call.
+	if err := c.CreateProject(ctx(t), "p3", map[string]string{"features.profiles": "true"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Seed("p3", incusfake.Seed{Name: "y", Status: incus.InstanceRunning}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.ForceDeleteProject(ctx(t), "p3"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ok := f.Project("p3"); ok {
+		t.Fatal("p3 is still there")
+	}
 }
 
 // Close ends hung calls, waits and streams, and leaves no goroutine of

@@ -357,7 +357,7 @@ func (s *Server) route(w http.ResponseWriter, r *http.Request) {
 		case http.MethodPut, http.MethodPatch:
 			s.writeProject(w, r, parts[1])
 		case http.MethodDelete:
-			s.deleteProject(w, parts[1])
+			s.deleteProject(w, r, parts[1])
 		default:
 			writeError(w, http.StatusMethodNotAllowed, "method not allowed")
 		}

@@ -164,10 +164,27 @@ func (s *Server) writeProject(w http.ResponseWriter, r *http.Request, name strin
 	}
 }
 
-func (s *Server) deleteProject(w http.ResponseWriter, name string) {
+// deleteProject deletes an empty project; ?force=true deletes what it
+// holds first (running instances are killed), within the one call.
+func (s *Server) deleteProject(w http.ResponseWriter, r *http.Request, name string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p := s.projects[name]
+	if p != nil && name != incus.DefaultProject && r.URL.Query().Get("force") == "true" {
+		for _, n := range sortedNames(p.instances) {
+			inst := p.instances[n]
+			if inst.hold != nil || inst.updating > 0 {
+				writeError(w, http.StatusInternalServerError, busyText(inst, "delete"))
+				return
+			}
+		}
+		for _, n := range sortedNames(p.instances) {
+			inst := p.instances[n]
+			delete(p.instances, n)
+			s.lifecycle(p.name, "instance-deleted", instanceURL(p.name, n), nil)
+			s.record(WriteDelete, inst, "")
+		}
+	}
 	switch {
 	case p == nil:
 		writeError(w, http.StatusNotFound, "Project not found")
