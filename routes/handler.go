@@ -27,8 +27,9 @@ import (
 type Targets interface {
 	// ResolveRoute fences the route (see targets.Service.ResolveRoute).
 	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error)
-	// Wake records a dial's request for running, made at its arrival, and
-	// unfreezes a paused target or starts a stopped or suspended one.
+	// Wake unfreezes a paused target or starts a stopped or suspended one
+	// at once, and records the dial's request for running, made at its
+	// arrival, right after (see targets.Service.Wake).
 	Wake(ctx context.Context, inst *incus.Instance, at time.Time) (controller.Power, error)
 	// PowerDownPending says a power-down asked before at, recorded or
 	// kept until Incus takes it, is not carried out yet: a dial made at

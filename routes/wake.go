@@ -349,13 +349,15 @@ func (h *Handler) reread(ctx context.Context, f *flight, owner controller.Owner,
 // daemon listens. It reports what the daemon answered, if anything.
 func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Instance) probeAnswer {
 	// The wake has its own bound: Incus carries it out whatever happens to
-	// the dials, and Wake also clears the recorded idle-since instant.
+	// the dials.
 	wakeDone := make(chan struct{})
 	var wakeErr error
-	// The wake counts as a dial in progress until Incus is done with it
-	// (Wake also clears the recorded idle-since instant), so that no
-	// power-down interleaves with it. The flight's own ticket keeps the
-	// instance from being quiesced, so this one is granted.
+	// The wake counts as a dial in progress until Incus is done with its
+	// action, so that no power-down interleaves with it; the record of
+	// the dial's request that follows holds the instance's gate, which
+	// every power-down waits for (targets.Service.Wake). The flight's own
+	// ticket keeps the instance from being quiesced, so this one is
+	// granted.
 	wtk := f.tk.Join()
 	go func() {
 		defer close(wakeDone)

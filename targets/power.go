@@ -74,15 +74,102 @@ func (s *Service) stop(ctx context.Context, name string, grace time.Duration, st
 }
 
 // Wake is a data-route dial's request for running, made when the dial
-// arrived (at). It records running as the target's wanted power, unless a
-// newer request is recorded (ErrSuperseded: the dial loses to a power
-// change asked after it), then brings the target there at once: unfreeze a
-// paused one, start a stopped or suspended one (Incus restores a stateful
-// stop on start). It answers the power the target had. Should the action
-// fail, the recorded request stays and the reconciler carries it out.
+// arrived (at). It acts first: a paused target is unfrozen, a stopped or
+// suspended one started (Incus restores a stateful stop on start), at
+// once, and running is recorded as the target's wanted power right after,
+// under the same hold of the instance's gate (owner.go), so no power-down
+// of this process can act between the two. Wake answers once the action
+// is done; the record goes on in the background, and every power-down
+// reads the intent under the gate first, after it. A dial that needs no
+// action (a running target with a power-down recorded) waits for the
+// record, which is then all it asks.
+//
+// inst is the target as the route read it (from the observation cache).
+// A newer request recorded on it supersedes the dial (ErrSuperseded: the
+// dial loses to a power change asked after it); one the cache has not
+// seen yet is found by the record, which then hands the target to the
+// reconciler to carry that request out. It answers the power the target
+// had. Should the action fail, the record is still made and the
+// reconciler carries it out.
 func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) (from controller.Power, err error) {
-	// Checked on the instance as want reads it, just before the write.
-	cur, _, err := s.want(ctx, inst.Name, Intent{Power: controller.PowerRunning, At: at, By: ByUse}, nil,
+	name := inst.Name
+	st := StateOf(inst)
+	if _, ok := ownerOf(inst); !ok {
+		return st.Power, errors.New("targets: wake of an instance that is not a target")
+	}
+	if st.Phase != controller.PhaseActive {
+		return st.Power, errors.New("targets: wake of a target that is not active")
+	}
+	if st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.At.After(at) {
+		return st.Power, ErrSuperseded
+	}
+	unlock, err := s.gate.lock(ctx, name)
+	if err != nil {
+		return st.Power, fmt.Errorf("wake %s: %w", name, errHeld)
+	}
+	held := context.WithValue(ctx, ownHold{name}, true)
+	clearIdle := inst.Config[KeyIdleSince] != ""
+	acted, err := s.wakeAct(held, inst, true)
+	if acted && err == nil {
+		s.changes.note(name) // a wake is a use: the idle loop counts from it
+		if s.work.spawn(func(bctx context.Context) {
+			defer unlock()
+			rctx, cancel := context.WithTimeout(context.WithValue(bctx, ownHold{name}, true), wakeRecordWithin)
+			defer cancel()
+			if rerr := s.recordWake(rctx, name, at, clearIdle); rerr != nil && bctx.Err() == nil {
+				s.log.Info("recording a dial's request for running after its wake failed; the reconciler goes by what is recorded",
+					zap.String("instance", name), zap.Error(rerr))
+			}
+		}) {
+			return st.Power, nil
+		}
+	}
+	defer unlock()
+	rerr := s.recordWake(held, name, at, clearIdle)
+	if err != nil {
+		return st.Power, err
+	}
+	return st.Power, rerr
+}
+
+// wakeRecordWithin bounds the record that follows a wake's action: it
+// holds the instance's gate, so it must end, but a loaded Incus may take a
+// few seconds to apply a write.
+const wakeRecordWithin = 10 * time.Second
+
+// wakeAct unfreezes or starts inst as its status says, under the gate
+// ctx carries, and says whether it acted. The status may be a moment old
+// (the cache's): when the action fails and Incus shows another status,
+// the action is chosen again once from what Incus shows.
+func (s *Service) wakeAct(ctx context.Context, inst *incus.Instance, again bool) (acted bool, err error) {
+	switch inst.Status {
+	case incus.InstanceFrozen:
+		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second)
+	case incus.InstanceStopped:
+		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
+		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "start"}, time.Minute)
+	default:
+		return false, nil
+	}
+	if err != nil && again && ctx.Err() == nil {
+		if fresh, lerr := s.lookup(ctx, inst.Name); lerr == nil && fresh != nil && fresh.Status != inst.Status {
+			return s.wakeAct(ctx, fresh, false)
+		}
+	}
+	return true, err
+}
+
+// recordWake records running, asked at at by a use, as the target's
+// wanted power (with the idle-since instant cleared when clearIdle), and
+// drops an older request kept until Incus takes it, which must not land
+// after this one (as SetPower does). A newer request found recorded
+// (ErrSuperseded) is handed to the reconciler, which carries it out.
+func (s *Service) recordWake(ctx context.Context, name string, at time.Time, clearIdle bool) error {
+	var extra map[string]string
+	if clearIdle {
+		extra = map[string]string{KeyIdleSince: ""}
+	}
+	_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: at, By: ByUse}, extra,
 		func(cur *incus.Instance, st State) error {
 			if _, ok := ownerOf(cur); !ok {
 				return errors.New("targets: wake of an instance that is not a target")
@@ -92,18 +179,13 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 			}
 			return nil
 		})
-	if err != nil {
-		return "", err
+	switch {
+	case err == nil:
+		s.pending.drop(name, at)
+	case errors.Is(err, ErrSuperseded):
+		s.work.kick(name)
 	}
-	// Recorded over any older request kept until Incus takes it, which
-	// must not land after this one (as SetPower does).
-	s.pending.drop(inst.Name, at)
-	st := StateOf(cur)
-	if err := s.powerUp(ctx, cur); err != nil {
-		return st.Power, err
-	}
-	s.changes.note(inst.Name) // a wake is a use: the idle loop counts from it
-	return st.Power, nil
+	return err
 }
 
 // PowerDownPending says whether a use made at at (a dial, an ingress
@@ -327,6 +409,13 @@ func (e errStillOpen) Error() string {
 // use and is replaced by running. New dials are held off until it is done.
 func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State) error {
 	name, to := inst.Name, st.Intent.Power
+	// A wake acts before it records its request for running, holding the
+	// instance's gate from one to the other: the request read here, under
+	// the gate, is after any such record, so a dial that woke the target
+	// is not drained for a request it outranks.
+	if still, err := s.stillWanted(ctx, name, st); err != nil || !still {
+		return err
+	}
 	var release func()
 	if st.Intent.By == ByIdle {
 		r, ok := s.relays.Quiesce(name)
@@ -352,6 +441,31 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 		release = r
 	}
 	defer release()
+	// The check and the action hold the gate together, so that no wake of
+	// this process comes between them.
+	return s.owned(ctx, name, func(ctx context.Context) error { return s.powerDownHeld(ctx, name, st) })
+}
+
+// stillWanted reads, under the instance's gate, whether st's request is
+// still the one recorded on an active target.
+func (s *Service) stillWanted(ctx context.Context, name string, st State) (bool, error) {
+	var cur *incus.Instance
+	err := s.owned(ctx, name, func(ctx context.Context) error {
+		var err error
+		cur, err = s.lookup(ctx, name)
+		return err
+	})
+	if err != nil || cur == nil {
+		return false, err
+	}
+	now := StateOf(cur)
+	return now.Intent == st.Intent && now.Phase == controller.PhaseActive, nil
+}
+
+// powerDownHeld is powerDown's action, once its guard holds the dials off,
+// under the instance's gate.
+func (s *Service) powerDownHeld(ctx context.Context, name string, st State) error {
+	to := st.Intent.Power
 	// The request may have been replaced while the connections closed.
 	cur, err := s.lookup(ctx, name)
 	if err != nil {
