@@ -406,3 +406,28 @@ func equalObserved(a, b []observed) bool {
 	}
 	return true
 }
+
+// A stop of a stopped instance is answered either as the call's error or as
+// its operation's failure; both are ErrAlreadyStopped, and nothing else is.
+func TestAlreadyStoppedIsTyped(t *testing.T) {
+	for _, err := range []error{
+		&Error{Op: "instance.state", Status: 400, Message: "The instance is already stopped"},
+		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: "The instance is already stopped"},
+	} {
+		if !errors.Is(err, ErrAlreadyStopped) {
+			t.Errorf("%v is not ErrAlreadyStopped", err)
+		}
+		if errors.Is(err, ErrBusy) {
+			t.Errorf("%v is ErrBusy", err)
+		}
+	}
+	for _, err := range []error{
+		&Error{Op: "instance.state", Status: 400, Message: "The instance is already running"},
+		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `Instance is busy running a "stop" operation`},
+		&Error{Op: "instance.state", Err: errors.New("already stopped")}, // a transport error is no answer
+	} {
+		if errors.Is(err, ErrAlreadyStopped) {
+			t.Errorf("%v is ErrAlreadyStopped", err)
+		}
+	}
+}

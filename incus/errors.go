@@ -40,6 +40,10 @@ var (
 	// timeout, until a forced stop takes it over.
 	ErrBusyStopping = errors.New("incus: the instance is held by a stop")
 
+	// ErrAlreadyStopped: a stop of an instance that is stopped already;
+	// nothing was done, and nothing needed doing.
+	ErrAlreadyStopped = errors.New("incus: the instance is already stopped")
+
 	// ErrMalformedResponse: the server answered with something that is not
 	// an Incus response envelope.
 	ErrMalformedResponse = errors.New("incus: malformed response")
@@ -105,6 +109,8 @@ func (e *Error) Is(target error) bool {
 		return e.Status >= 400 && isBusyMessage(e.Message)
 	case ErrBusyStopping:
 		return e.Status >= 400 && isBusyStoppingMessage(e.Message)
+	case ErrAlreadyStopped:
+		return e.Status >= 400 && isAlreadyStoppedMessage(e.Message)
 	case ErrUnreachable:
 		return e.unreachable
 	case ErrOutcomeUnknown:
@@ -162,8 +168,17 @@ func (e *OperationError) Is(target error) bool {
 		return isBusyMessage(e.Err)
 	case ErrBusyStopping:
 		return isBusyStoppingMessage(e.Err)
+	case ErrAlreadyStopped:
+		return isAlreadyStoppedMessage(e.Err)
 	}
 	return false
+}
+
+// isAlreadyStoppedMessage recognises Incus's answer to a stop of a stopped
+// instance ("The instance is already stopped"), which it gives either as
+// the call's error or as the operation's failure, with no code of its own.
+func isAlreadyStoppedMessage(msg string) bool {
+	return strings.Contains(strings.ToLower(msg), "already stopped")
 }
 
 // isDuplicateMessage recognises the ways Incus words "that name is taken".

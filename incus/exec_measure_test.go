@@ -255,7 +255,7 @@ func waitAnswer(t *testing.T, ctx context.Context, c *Client, guest string) {
 
 func setState(t *testing.T, ctx context.Context, c *Client, name, action string) {
 	t.Helper()
-	op, err := c.UpdateInstanceState(ctx, name, InstanceStatePut{Action: action, Timeout: -1})
+	op, err := c.UpdateInstanceState(ctx, name, InstanceStatePut{Action: StateAction(action), Timeout: -1})
 	if err == nil {
 		_, err = c.Wait(ctx, op)
 	}

@@ -142,10 +142,22 @@ type InstancePut struct {
 	Stateful     bool                         `json:"stateful"`
 }
 
+// StateAction is a change of an instance's state that Incus carries out as
+// an operation.
+type StateAction string
+
+// The state actions the provider asks for.
+const (
+	ActionStart    StateAction = "start"
+	ActionStop     StateAction = "stop"
+	ActionRestart  StateAction = "restart"
+	ActionFreeze   StateAction = "freeze"
+	ActionUnfreeze StateAction = "unfreeze"
+)
+
 // InstanceStatePut asks for a state change.
 type InstanceStatePut struct {
-	// Action: "start", "stop", "restart", "freeze" or "unfreeze".
-	Action string `json:"action"`
+	Action StateAction `json:"action"`
 
 	// Timeout is how many seconds a clean "stop"/"restart" may take. After
 	// that the operation fails and the instance keeps running; it is not

@@ -120,7 +120,7 @@ func (c *Client) ForceDeleteProject(ctx context.Context, name string) error {
 func (c *Client) killAndDelete(ctx context.Context, name string) error {
 	// A stopped instance refuses the stop: the delete below says whether
 	// anything is really wrong.
-	if op, err := c.UpdateInstanceState(ctx, name, InstanceStatePut{Action: "stop", Force: true}); err == nil {
+	if op, err := c.UpdateInstanceState(ctx, name, InstanceStatePut{Action: ActionStop, Force: true}); err == nil {
 		_, _ = c.Wait(ctx, op)
 	}
 	op, err := c.DeleteInstance(ctx, name)

@@ -142,7 +142,7 @@ func (r *cacheRig) settled(ctx context.Context, name string, want incus.Instance
 
 func (r *cacheRig) state(ctx context.Context, name, action string) {
 	r.t.Helper()
-	op, err := r.other.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: action, Force: true})
+	op, err := r.other.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: incus.StateAction(action), Force: true})
 	if err == nil {
 		_, err = r.other.Wait(ctx, op)
 	}

@@ -185,7 +185,7 @@ func (s *Service) strandedLock(ctx context.Context, name string) {
 	}
 	s.log.Warn("an instance refuses writes with no Incus task on it (a graceful stop's lock left behind); forcing the stop",
 		zap.String("instance", name))
-	err := s.act(ctx, name, incus.InstanceStatePut{Action: "stop", Force: true}, time.Minute)
+	err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStop, Force: true}, time.Minute)
 	s.failMu.Lock()
 	delete(s.lockedSince, name)
 	s.failMu.Unlock()

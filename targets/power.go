@@ -54,10 +54,10 @@ const busyPatience = 3 * time.Second
 // stop that never ends would otherwise block every later change.
 func (s *Service) stop(ctx context.Context, name string, grace time.Duration, stateful bool) error {
 	if stateful {
-		return s.act(ctx, name, incus.InstanceStatePut{Action: "stop", Stateful: true}, 10*time.Minute)
+		return s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStop, Stateful: true}, 10*time.Minute)
 	}
 	if grace >= time.Second {
-		err := s.act(ctx, name, incus.InstanceStatePut{Action: "stop", Timeout: int(grace / time.Second)}, grace+10*time.Second)
+		err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStop, Timeout: int(grace / time.Second)}, grace+10*time.Second)
 		if err == nil || isAlreadyStopped(err) {
 			return nil
 		}
@@ -66,7 +66,7 @@ func (s *Service) stop(ctx context.Context, name string, grace time.Duration, st
 		}
 		s.log.Info("graceful stop did not finish in time; forcing", zap.String("instance", name), zap.Error(err))
 	}
-	err := s.act(ctx, name, incus.InstanceStatePut{Action: "stop", Force: true}, time.Minute)
+	err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStop, Force: true}, time.Minute)
 	if isAlreadyStopped(err) {
 		return nil
 	}
@@ -144,10 +144,10 @@ const wakeRecordWithin = 10 * time.Second
 func (s *Service) wakeAct(ctx context.Context, inst *incus.Instance, again bool) (acted bool, err error) {
 	switch inst.Status {
 	case incus.InstanceFrozen:
-		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second)
+		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)
 	case incus.InstanceStopped:
 		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
-		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "start"}, time.Minute)
+		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute)
 	default:
 		return false, nil
 	}
@@ -213,10 +213,10 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 	var err error
 	switch inst.Status {
 	case incus.InstanceFrozen:
-		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second)
+		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)
 	case incus.InstanceStopped:
 		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
-		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: "start"}, time.Minute)
+		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute)
 	}
 	if err != nil {
 		return err
@@ -499,12 +499,12 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 	// instance cannot be frozen, a frozen one cannot shut itself down.
 	switch cur.Status {
 	case incus.InstanceFrozen:
-		if err := s.act(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second); err != nil {
+		if err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second); err != nil {
 			return err
 		}
 	case incus.InstanceStopped:
 		s.dialer.Forget(name)
-		if err := s.act(ctx, name, incus.InstanceStatePut{Action: "start"}, time.Minute); err != nil {
+		if err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute); err != nil {
 			return err
 		}
 	}
@@ -513,7 +513,7 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 	}
 	switch to {
 	case controller.PowerPaused:
-		return s.act(ctx, name, incus.InstanceStatePut{Action: "freeze"}, 30*time.Second)
+		return s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionFreeze}, 30*time.Second)
 	case controller.PowerSuspended:
 		return s.stop(ctx, name, 0, true)
 	case controller.PowerStopped:

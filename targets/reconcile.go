@@ -3,7 +3,6 @@ package targets
 import (
 	"context"
 	"errors"
-	"strings"
 	"sync"
 	"time"
 
@@ -211,7 +210,7 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Durati
 	if pending, err := s.createPending(ctx, name); err != nil || pending {
 		return bringUpRecheck // Incus is still creating (and starting) it
 	}
-	if err := s.act(ctx, name, incus.InstanceStatePut{Action: "start"}, time.Minute); err != nil {
+	if err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute); err != nil {
 		if ctx.Err() != nil {
 			return 0
 		}
@@ -279,7 +278,7 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 	}
 	if inst.Status == incus.InstanceFrozen || inst.Status == incus.InstanceFreezing {
 		// A frozen guest cannot shut itself down.
-		_ = s.act(ctx, name, incus.InstanceStatePut{Action: "unfreeze"}, 30*time.Second)
+		_ = s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)
 	}
 	if inst.Status != incus.InstanceStopped {
 		since, ok := parseMs(inst.Config[keyClosing])
@@ -319,12 +318,7 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 	return err
 }
 
-func isAlreadyStopped(err error) bool {
-	var oe *incus.OperationError
-	var ie *incus.Error
-	return errors.As(err, &oe) && containsFold(oe.Err, "already stopped") ||
-		errors.As(err, &ie) && containsFold(ie.Message, "already stopped")
-}
+func isAlreadyStopped(err error) bool { return errors.Is(err, incus.ErrAlreadyStopped) }
 
 func (s *Service) wait(ctx context.Context, op *incus.Operation, most time.Duration) (*incus.Operation, error) {
 	ctx, cancel := context.WithTimeout(ctx, most)
@@ -597,8 +591,4 @@ func (w *worker) stop() {
 	}
 	w.mu.Unlock()
 	w.wg.Wait()
-}
-
-func containsFold(s, sub string) bool {
-	return strings.Contains(strings.ToLower(s), strings.ToLower(sub))
 }

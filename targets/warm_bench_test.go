@@ -208,7 +208,7 @@ func BenchmarkWarmStoppedVersusStarted(b *testing.B) {
 		}
 	}
 	state := func(name, action string) {
-		do(client.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: action, Force: action == "stop"}))
+		do(client.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: incus.StateAction(action), Force: action == "stop"}))
 	}
 	var stopped, started []time.Duration
 	for i := range b.N {

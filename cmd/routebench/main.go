@@ -281,7 +281,7 @@ func removeProject(root *incus.Client, project string) {
 		insts, lerr := c.ListInstances(ctx)
 		for _, inst := range insts {
 			if inst.StatusCode != incus.StatusStopped {
-				if op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true}); err == nil {
+				if op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionStop, Force: true}); err == nil {
 					_, _ = c.Wait(ctx, op)
 				}
 			}

@@ -506,7 +506,7 @@ func TestFreezeUnfreeze(t *testing.T) {
 	if err := f.Seed(proj, incusfake.Seed{Name: "a", Status: incus.InstanceRunning}, incusfake.Seed{Name: "s"}); err != nil {
 		t.Fatal(err)
 	}
-	act := func(name, action string) error {
+	act := func(name string, action incus.StateAction) error {
 		op, err := c.UpdateInstanceState(ctx(t), name, incus.InstanceStatePut{Action: action})
 		if err != nil {
 			return err

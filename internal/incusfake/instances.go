@@ -423,8 +423,8 @@ func (s *Server) changeState(w http.ResponseWriter, r *http.Request, name string
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	desc, ok := map[string]string{"start": "Starting instance", "stop": "Stopping instance", "restart": "Restarting instance",
-		"freeze": "Freezing instance", "unfreeze": "Unfreezing instance"}[req.Action]
+	desc, ok := map[incus.StateAction]string{incus.ActionStart: "Starting instance", incus.ActionStop: "Stopping instance",
+		incus.ActionRestart: "Restarting instance", incus.ActionFreeze: "Freezing instance", incus.ActionUnfreeze: "Unfreezing instance"}[req.Action]
 	if !ok {
 		writeError(w, http.StatusBadRequest, fmt.Sprintf("Unknown action %q", req.Action))
 		return
@@ -437,9 +437,9 @@ func (s *Server) changeState(w http.ResponseWriter, r *http.Request, name string
 	}
 	op := s.newOp(p.name, desc, name)
 	d := s.cfg.Durations
-	busy := busyText(inst, req.Action)
+	busy := busyText(inst, string(req.Action))
 	switch req.Action {
-	case "start":
+	case incus.ActionStart:
 		switch {
 		case busy != "":
 			s.failSoon(op, busy)
@@ -448,9 +448,9 @@ func (s *Server) changeState(w http.ResponseWriter, r *http.Request, name string
 		default:
 			s.take(inst, "start", op, d.Start, func() string { s.started(inst, "instance-started"); return "" })
 		}
-	case "stop":
+	case incus.ActionStop:
 		s.stop(inst, op, req)
-	case "restart":
+	case incus.ActionRestart:
 		switch {
 		case busy != "":
 			s.failSoon(op, busy)
@@ -459,7 +459,7 @@ func (s *Server) changeState(w http.ResponseWriter, r *http.Request, name string
 		default:
 			s.take(inst, "restart", op, d.Restart, func() string { s.started(inst, "instance-restarted"); return "" })
 		}
-	case "freeze":
+	case incus.ActionFreeze:
 		switch {
 		case busy != "":
 			s.failSoon(op, busy)
@@ -473,7 +473,7 @@ func (s *Server) changeState(w http.ResponseWriter, r *http.Request, name string
 				return ""
 			})
 		}
-	case "unfreeze":
+	case incus.ActionUnfreeze:
 		switch {
 		case busy != "":
 			s.failSoon(op, busy)

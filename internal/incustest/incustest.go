@@ -165,7 +165,7 @@ func removeProject(t testing.TB, root *incus.Client, name string) {
 		}
 		for _, inst := range insts {
 			if inst.StatusCode != incus.StatusStopped {
-				op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: "stop", Force: true})
+				op, err := c.UpdateInstanceState(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionStop, Force: true})
 				if err == nil {
 					_, err = c.Wait(ctx, op)
 				}
