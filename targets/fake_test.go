@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 	"sync"
 	"testing"
@@ -139,5 +140,193 @@ func TestFakeOwnWritesNeverMeetBusy(t *testing.T) {
 	}
 	if want := owners * 2 / 3; starts != want {
 		t.Errorf("%d starts and unfreezes applied, want one per stopped or paused target (%d)", starts, want)
+	}
+}
+
+// A dial that finds its target in the middle of a graceful stop (a
+// setPower stopped that the reconciler carries out). Wake records running
+// under the instance's gate, which the stop's action holds until Incus is
+// done; with no patience of its own, Wake waits for the gate within the
+// caller's bound rather than meeting the stop as Incus's busy refusal.
+// Once the stop ends, the dial's later request wins: running, recorded
+// as the dial's.
+func TestFakeDialDuringGracefulStop(t *testing.T) {
+	const stopTakes = 1500 * time.Millisecond
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Stop = stopTakes
+	r := newFakeRig(t, fcfg, Config{GracefulStop: 5 * time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-graceful")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	setDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.SetPower(ctx, ref, controller.PowerStopped)
+		setDone <- err
+	}()
+	r.awaitFake("the graceful stop under way", 5*time.Second, func() bool {
+		return r.instance(name).HeldBy == "stop"
+	})
+
+	// The dial's own bound, as a data route gives its wake: longer than
+	// what is left of the stop.
+	wctx, wcancel := context.WithTimeout(ctx, 3*stopTakes)
+	defer wcancel()
+	inst, _, err := r.client.GetInstance(wctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dialAt := time.Now()
+	from, err := r.svc.Wake(wctx, inst, dialAt)
+	took := time.Since(dialAt)
+	if err != nil {
+		t.Fatalf("a wake during a graceful stop failed after %v (busy: %v): %v\n%s", took, errors.Is(err, incus.ErrBusy), err, r.history(name))
+	}
+	t.Logf("the wake answered after %v, from %s", took.Round(time.Millisecond), from)
+	if from != controller.PowerStopped {
+		// Wake reads the instance once it holds the gate, which the stop
+		// held to its end: what it woke was a stopped target.
+		t.Errorf("the wake answered from %s, want stopped (it waited out the stop)", from)
+	}
+	if err := <-setDone; err != nil {
+		t.Errorf("setPower stopped: %v", err)
+	}
+
+	r.awaitFake("running at rest with the dial's request", 5*time.Second, func() bool {
+		return restsAt(r.instance(name), incus.InstanceRunning, controller.PowerRunning)
+	})
+	v := r.instance(name)
+	if got := intentOf(&incus.Instance{Config: v.Config}); got.By != ByUse || got.At.UnixMilli() != dialAt.UnixMilli() {
+		t.Errorf("recorded intent %+v, want the dial's (running by use at %v)", got, dialAt)
+	}
+	var stopped, started bool
+	for _, w := range r.fake.Writes() {
+		switch {
+		case w.Instance == name && w.Kind == incusfake.WriteStop:
+			stopped = true
+		case w.Instance == name && w.Kind == incusfake.WriteStart && stopped:
+			started = true
+		}
+	}
+	if !stopped || !started {
+		t.Errorf("want the stop to finish and a start after it:\n%s", r.history(name))
+	}
+	if busy := r.tap.refusals(); len(busy) > 0 {
+		t.Errorf("busy refusals met by this process:\n%s", strings.Join(busy, "\n"))
+	}
+}
+
+// A setPower paused asked while a dial's wake is under way (its unfreeze
+// held at Incus's door, the gate with it) is the later request and wins:
+// setPower cannot record it while the wake holds the gate, so it keeps it
+// and the reconciler records it once the wake is done, then pauses.
+func TestFakePowerDownInsideAWakesWindow(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{GracefulStop: time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-window")
+	name := r.seedTarget(o, incus.InstanceFrozen, controller.PowerPaused)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	hang := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodPut, Path: "/1.0/instances/" + name + "/state", Times: 1})
+	defer hang.Release()
+	inst, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wakeAt := time.Now()
+	wakeDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.Wake(ctx, inst, wakeAt)
+		wakeDone <- err
+	}()
+	select {
+	case <-hang.Hit():
+	case <-ctx.Done():
+		t.Fatal("the wake's unfreeze never reached Incus")
+	}
+	if got := r.instance(name).Config[keyPower]; got != string(controller.PowerRunning) {
+		t.Fatalf("the wake acts only once its request is recorded; recorded %q", got)
+	}
+
+	obs, err := r.svc.SetPower(ctx, ref, controller.PowerPaused)
+	if err != nil {
+		t.Fatalf("setPower paused during a wake: %v", err)
+	}
+	if obs.Phase != controller.PhaseActive {
+		t.Fatalf("setPower paused answered %+v", obs)
+	}
+	hang.Release()
+	if err := <-wakeDone; err != nil {
+		t.Fatalf("the wake failed: %v\n%s", err, r.history(name))
+	}
+
+	r.awaitFake("paused at rest with setPower's request", 5*time.Second, func() bool {
+		return restsAt(r.instance(name), incus.InstanceFrozen, controller.PowerPaused)
+	})
+	v := r.instance(name)
+	if got := intentOf(&incus.Instance{Config: v.Config}); got.By != BySetPower || !got.At.After(wakeAt) {
+		t.Errorf("recorded intent %+v, want setPower's, asked after the wake at %v\n%s", got, wakeAt, r.history(name))
+	}
+	if v.Config[KeyIdleSince] == "" {
+		t.Errorf("a setPower pause records when idleness began\n%s", r.history(name))
+	}
+	if busy := r.tap.refusals(); len(busy) > 0 {
+		t.Errorf("busy refusals met by this process:\n%s", strings.Join(busy, "\n"))
+	}
+}
+
+// The reverse order: a dial that comes while a setPower's pause is being
+// carried out (a long freeze holding the gate) is the later request and
+// wins: it waits the freeze out, records running, and unfreezes.
+func TestFakeDialAfterAPowerDownWins(t *testing.T) {
+	const freezeTakes = 800 * time.Millisecond
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Freeze = freezeTakes
+	r := newFakeRig(t, fcfg, Config{GracefulStop: time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-window-rev")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	setDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.SetPower(ctx, ref, controller.PowerPaused)
+		setDone <- err
+	}()
+	r.awaitFake("the pause under way", 5*time.Second, func() bool { return r.instance(name).HeldBy == "freeze" })
+
+	inst, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dialAt := time.Now()
+	wctx, wcancel := context.WithTimeout(ctx, 3*freezeTakes)
+	defer wcancel()
+	from, err := r.svc.Wake(wctx, inst, dialAt)
+	if err != nil {
+		t.Fatalf("a dial during a pause failed (busy: %v): %v\n%s", errors.Is(err, incus.ErrBusy), err, r.history(name))
+	}
+	if from != controller.PowerPaused {
+		t.Errorf("the wake answered from %s, want paused (it waited the freeze out)", from)
+	}
+	if err := <-setDone; err != nil {
+		t.Errorf("setPower paused: %v", err)
+	}
+	r.awaitFake("running at rest with the dial's request", 5*time.Second, func() bool {
+		return restsAt(r.instance(name), incus.InstanceRunning, controller.PowerRunning)
+	})
+	v := r.instance(name)
+	if got := intentOf(&incus.Instance{Config: v.Config}); got.By != ByUse || got.At.UnixMilli() != dialAt.UnixMilli() {
+		t.Errorf("recorded intent %+v, want the dial's (running by use at %v)\n%s", got, dialAt, r.history(name))
+	}
+	if v.Config[KeyIdleSince] != "" {
+		t.Errorf("a wake clears the idle-since instant, still %q", v.Config[KeyIdleSince])
+	}
+	if busy := r.tap.refusals(); len(busy) > 0 {
+		t.Errorf("busy refusals met by this process:\n%s", strings.Join(busy, "\n"))
 	}
 }
