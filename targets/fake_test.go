@@ -13,6 +13,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incusfake"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
 // The tests here run targets' power and read paths against the in-process
@@ -328,5 +329,73 @@ func TestFakeDialAfterAPowerDownWins(t *testing.T) {
 	}
 	if busy := r.tap.refusals(); len(busy) > 0 {
 		t.Errorf("busy refusals met by this process:\n%s", strings.Join(busy, "\n"))
+	}
+}
+
+// Another replica creates an owner's target while this process's event
+// stream loses every event: this process's cache, confirmed and sure the
+// name is free, is wrong. GetTarget must not answer notFound from it (the
+// runtime fails the environment on notFound): an absence is confirmed
+// with Incus before it is answered.
+func TestFakeLostEventsNeverAnswerNotFound(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{ReconcileInterval: time.Minute})
+	r.fake.DropEvents(true)
+	o := fakeOwner("env-lost-events")
+	name := Name(o)
+	ref := controller.TargetRef{Owner: o}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, hit, confirmed := r.cacheView(name); confirmed && hit {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the observation cache never confirmed; the test needs it answering")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if _, err := r.svc.GetTarget(ctx, ref); kindOf(err) != jsonrpc.KindNotFound {
+		t.Fatalf("before any create: want notFound, got %v", err)
+	}
+
+	// The other replica: its own client, straight to Incus, building the
+	// request as targets does.
+	other, err := r.fake.Client(fakeProject)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	tmpl, _ := r.svc.catalog.Load().Get("t1")
+	req, err := r.svc.instanceRequest(name, controller.CreateParams{Owner: o, TemplateID: "t1"}, tmpl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.expect(o)
+	op, err := other.CreateInstance(ctx, req)
+	if err == nil {
+		_, err = other.Wait(ctx, op)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.fake.EventsDropped() == 0 {
+		t.Fatal("the create's events reached the stream; the test means them lost")
+	}
+	if inst, hit, confirmed := r.cacheView(name); !confirmed || !hit || inst != nil {
+		t.Fatalf("the cache was meant to answer the name free (confirmed %v, hit %v, inst %v)", confirmed, hit, inst != nil)
+	}
+
+	obs, err := r.svc.GetTarget(ctx, ref)
+	if err != nil {
+		t.Fatalf("get of a target another replica created, its events lost: %v", err)
+	}
+	if obs.TargetID != name || (obs.Phase != controller.PhaseProvisioning && obs.Phase != controller.PhaseActive) {
+		t.Fatalf("get answered %+v, want the new target provisioning or active", obs)
+	}
+	// The same with the target's id, as a runtime that has it asks.
+	if obs, err := r.svc.GetTarget(ctx, controller.TargetRef{Owner: o, TargetID: name}); err != nil || obs.TargetID != name {
+		t.Fatalf("get by id answered %+v, %v", obs, err)
 	}
 }

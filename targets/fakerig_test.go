@@ -351,3 +351,17 @@ func (r *fakeRig) history(name string) string {
 	}
 	return b.String()
 }
+
+// cacheView is what the service's observation cache would answer for
+// name, and whether it is confirmed (answering at all).
+func (r *fakeRig) cacheView(name string) (inst *incus.Instance, hit, confirmed bool) {
+	c := r.svc.cache
+	if c == nil {
+		return nil, false, false
+	}
+	c.mu.Lock()
+	confirmed = c.confirmed
+	c.mu.Unlock()
+	inst, hit = c.get(name)
+	return inst, hit, confirmed
+}
