@@ -210,7 +210,17 @@ func (s *Service) powerUp(ctx context.Context, inst *incus.Instance) error {
 }
 
 func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
-	var err error
+	// inst was read before this hold: another step of this process (the
+	// reconciler's power-up for a setPower, a wake) may have brought the
+	// target up since, and Incus refuses a start of a running instance or
+	// an unfreeze of a thawed one. Decide on what the holder sees.
+	inst, err := s.lookup(ctx, inst.Name)
+	if err != nil {
+		return err
+	}
+	if inst == nil {
+		return errGone
+	}
 	switch inst.Status {
 	case incus.InstanceFrozen:
 		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)

@@ -1,0 +1,417 @@
+package targets
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/incusfake"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+)
+
+// The tests here run targets' power and read paths against the in-process
+// Incus fake (fakerig_test.go): no incusd, seconds under -race. Run them
+// alone with -run TestFake.
+
+// Many owners, each woken, leased and set running at once from this one
+// process, against an Incus that refuses a change while another operation
+// or config write holds the instance: the gate (owner.go) must keep the
+// process from ever meeting its own writes as busy. The tap sees refusals
+// that the service would otherwise retry or keep quietly.
+func TestFakeOwnWritesNeverMeetBusy(t *testing.T) {
+	rng := seeded(t)
+	// Generous answer bounds: this test is about busy refusals, and under
+	// -race on a loaded machine a read of the fake can take over a second,
+	// which the default budget would answer as unavailable.
+	r := newFakeRig(t, fakeDurations(rng), Config{GracefulStop: time.Second, ReconcileInterval: 100 * time.Millisecond,
+		AnswerWithin: 5 * time.Second, MethodBudget: 15 * time.Second})
+	const owners = 24
+	const leases = 4
+	type plan struct {
+		name   string
+		ref    controller.TargetRef
+		jitter [2 + leases]time.Duration // before the wake, the setPower and each lease write
+	}
+	plans := make([]plan, owners)
+	for i := range plans {
+		o := fakeOwner(fmt.Sprintf("env-busy-%02d", i))
+		status, power := incus.InstanceStopped, controller.PowerStopped
+		switch i % 3 {
+		case 1:
+			status, power = incus.InstanceFrozen, controller.PowerPaused
+		case 2:
+			status, power = incus.InstanceRunning, controller.PowerRunning
+		}
+		plans[i] = plan{name: r.seedTarget(o, status, power), ref: controller.TargetRef{Owner: o, TargetID: Name(o)}}
+		for j := range plans[i].jitter {
+			plans[i].jitter[j] = time.Duration(rng.IntN(40)) * time.Millisecond
+		}
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var (
+		mu   sync.Mutex
+		errs []string
+		wg   sync.WaitGroup
+	)
+	fail := func(what string, err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		busy := ""
+		if errors.Is(err, incus.ErrBusy) {
+			busy = " [busy]"
+		}
+		errs = append(errs, fmt.Sprintf("%s%s: %v", what, busy, err))
+	}
+	after := func(d time.Duration) bool {
+		select {
+		case <-time.After(d):
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+	for _, p := range plans {
+		wg.Add(2 + leases)
+		go func() {
+			defer wg.Done()
+			if !after(p.jitter[0]) {
+				return
+			}
+			inst, _, err := r.client.GetInstance(ctx, p.name)
+			if err == nil {
+				_, err = r.svc.Wake(ctx, inst, time.Now())
+			}
+			if err != nil {
+				fail("wake "+p.name, err)
+				t.Logf("what the fake applied to %s so far:\n%s", p.name, r.history(p.name))
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			if !after(p.jitter[1]) {
+				return
+			}
+			// An unavailable answer (a read of the fake slower than the
+			// method's bound, on a loaded machine under -race) is what a
+			// runtime retries; it records nothing, and is no busy refusal.
+			var (
+				obs controller.Observation
+				err error
+			)
+			for try := 0; try < 5; try++ {
+				if obs, err = r.svc.SetPower(ctx, p.ref, controller.PowerRunning); kindOf(err) != jsonrpc.KindUnavailable {
+					break
+				}
+				t.Logf("setPower %s answered unavailable (try %d); retrying as a runtime does: %v", p.name, try+1, err)
+			}
+			if err != nil {
+				fail("setPower "+p.name, err)
+			} else if obs.Phase != controller.PhaseActive {
+				fail("setPower "+p.name, fmt.Errorf("answered %+v", obs))
+			}
+		}()
+		for k := range leases {
+			go func() {
+				defer wg.Done()
+				if !after(p.jitter[2+k]) {
+					return
+				}
+				// What leaseOne writes for a relay this replica holds.
+				key := keyRelayPrefix + r.svc.cfg.Replica
+				if err := r.svc.patch(ctx, p.name, map[string]string{key: msString(time.Now().Add(leaseTTL))}); err != nil {
+					fail(fmt.Sprintf("lease %d %s", k, p.name), err)
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	for _, e := range errs {
+		t.Error(e)
+	}
+
+	r.awaitFake("every target running at rest", 30*time.Second, func() bool {
+		for _, p := range plans {
+			if v, ok := r.fake.Instance(fakeProject, p.name); !ok || !restsAt(v, incus.InstanceRunning, controller.PowerRunning) {
+				return false
+			}
+		}
+		return true
+	})
+	if busy := r.tap.refusals(); len(busy) > 0 {
+		t.Errorf("this process met its own writes as busy %d times:\n%s", len(busy), strings.Join(busy, "\n"))
+	}
+	starts := 0
+	for _, w := range r.fake.Writes() {
+		if w.Kind == incusfake.WriteStart || w.Kind == incusfake.WriteUnfreeze {
+			starts++
+		}
+	}
+	if want := owners * 2 / 3; starts != want {
+		t.Errorf("%d starts and unfreezes applied, want one per stopped or paused target (%d)", starts, want)
+	}
+}
+
+// A dial that finds its target in the middle of a graceful stop (a
+// setPower stopped that the reconciler carries out). Wake records running
+// under the instance's gate, which the stop's action holds until Incus is
+// done; with no patience of its own, Wake waits for the gate within the
+// caller's bound rather than meeting the stop as Incus's busy refusal.
+// Once the stop ends, the dial's later request wins: running, recorded
+// as the dial's.
+func TestFakeDialDuringGracefulStop(t *testing.T) {
+	const stopTakes = 1500 * time.Millisecond
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Stop = stopTakes
+	r := newFakeRig(t, fcfg, Config{GracefulStop: 5 * time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-graceful")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	setDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.SetPower(ctx, ref, controller.PowerStopped)
+		setDone <- err
+	}()
+	r.awaitFake("the graceful stop under way", 5*time.Second, func() bool {
+		return r.instance(name).HeldBy == "stop"
+	})
+
+	// The dial's own bound, as a data route gives its wake: longer than
+	// what is left of the stop.
+	wctx, wcancel := context.WithTimeout(ctx, 3*stopTakes)
+	defer wcancel()
+	inst, _, err := r.client.GetInstance(wctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dialAt := time.Now()
+	from, err := r.svc.Wake(wctx, inst, dialAt)
+	took := time.Since(dialAt)
+	if err != nil {
+		t.Fatalf("a wake during a graceful stop failed after %v (busy: %v): %v\n%s", took, errors.Is(err, incus.ErrBusy), err, r.history(name))
+	}
+	t.Logf("the wake answered after %v, from %s", took.Round(time.Millisecond), from)
+	if from != controller.PowerStopped {
+		// Wake reads the instance once it holds the gate, which the stop
+		// held to its end: what it woke was a stopped target.
+		t.Errorf("the wake answered from %s, want stopped (it waited out the stop)", from)
+	}
+	if err := <-setDone; err != nil {
+		t.Errorf("setPower stopped: %v", err)
+	}
+
+	r.awaitFake("running at rest with the dial's request", 5*time.Second, func() bool {
+		return restsAt(r.instance(name), incus.InstanceRunning, controller.PowerRunning)
+	})
+	v := r.instance(name)
+	if got := intentOf(&incus.Instance{Config: v.Config}); got.By != ByUse || got.At.UnixMilli() != dialAt.UnixMilli() {
+		t.Errorf("recorded intent %+v, want the dial's (running by use at %v)", got, dialAt)
+	}
+	var stopped, started bool
+	for _, w := range r.fake.Writes() {
+		switch {
+		case w.Instance == name && w.Kind == incusfake.WriteStop:
+			stopped = true
+		case w.Instance == name && w.Kind == incusfake.WriteStart && stopped:
+			started = true
+		}
+	}
+	if !stopped || !started {
+		t.Errorf("want the stop to finish and a start after it:\n%s", r.history(name))
+	}
+	if busy := r.tap.refusals(); len(busy) > 0 {
+		t.Errorf("busy refusals met by this process:\n%s", strings.Join(busy, "\n"))
+	}
+}
+
+// A setPower paused asked while a dial's wake is under way (its unfreeze
+// held at Incus's door, the gate with it) is the later request and wins:
+// setPower cannot record it while the wake holds the gate, so it keeps it
+// and the reconciler records it once the wake is done, then pauses.
+func TestFakePowerDownInsideAWakesWindow(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{GracefulStop: time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-window")
+	name := r.seedTarget(o, incus.InstanceFrozen, controller.PowerPaused)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	hang := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodPut, Path: "/1.0/instances/" + name + "/state", Times: 1})
+	defer hang.Release()
+	inst, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wakeAt := time.Now()
+	wakeDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.Wake(ctx, inst, wakeAt)
+		wakeDone <- err
+	}()
+	select {
+	case <-hang.Hit():
+	case <-ctx.Done():
+		t.Fatal("the wake's unfreeze never reached Incus")
+	}
+	if got := r.instance(name).Config[keyPower]; got != string(controller.PowerRunning) {
+		t.Fatalf("the wake acts only once its request is recorded; recorded %q", got)
+	}
+
+	obs, err := r.svc.SetPower(ctx, ref, controller.PowerPaused)
+	if err != nil {
+		t.Fatalf("setPower paused during a wake: %v", err)
+	}
+	if obs.Phase != controller.PhaseActive {
+		t.Fatalf("setPower paused answered %+v", obs)
+	}
+	hang.Release()
+	if err := <-wakeDone; err != nil {
+		t.Fatalf("the wake failed: %v\n%s", err, r.history(name))
+	}
+
+	r.awaitFake("paused at rest with setPower's request", 5*time.Second, func() bool {
+		return restsAt(r.instance(name), incus.InstanceFrozen, controller.PowerPaused)
+	})
+	v := r.instance(name)
+	if got := intentOf(&incus.Instance{Config: v.Config}); got.By != BySetPower || !got.At.After(wakeAt) {
+		t.Errorf("recorded intent %+v, want setPower's, asked after the wake at %v\n%s", got, wakeAt, r.history(name))
+	}
+	if v.Config[KeyIdleSince] == "" {
+		t.Errorf("a setPower pause records when idleness began\n%s", r.history(name))
+	}
+	if busy := r.tap.refusals(); len(busy) > 0 {
+		t.Errorf("busy refusals met by this process:\n%s", strings.Join(busy, "\n"))
+	}
+}
+
+// The reverse order: a dial that comes while a setPower's pause is being
+// carried out (a long freeze holding the gate) is the later request and
+// wins: it waits the freeze out, records running, and unfreezes.
+func TestFakeDialAfterAPowerDownWins(t *testing.T) {
+	const freezeTakes = 800 * time.Millisecond
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Freeze = freezeTakes
+	r := newFakeRig(t, fcfg, Config{GracefulStop: time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-window-rev")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	setDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.SetPower(ctx, ref, controller.PowerPaused)
+		setDone <- err
+	}()
+	r.awaitFake("the pause under way", 5*time.Second, func() bool { return r.instance(name).HeldBy == "freeze" })
+
+	inst, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dialAt := time.Now()
+	wctx, wcancel := context.WithTimeout(ctx, 3*freezeTakes)
+	defer wcancel()
+	from, err := r.svc.Wake(wctx, inst, dialAt)
+	if err != nil {
+		t.Fatalf("a dial during a pause failed (busy: %v): %v\n%s", errors.Is(err, incus.ErrBusy), err, r.history(name))
+	}
+	if from != controller.PowerPaused {
+		t.Errorf("the wake answered from %s, want paused (it waited the freeze out)", from)
+	}
+	if err := <-setDone; err != nil {
+		t.Errorf("setPower paused: %v", err)
+	}
+	r.awaitFake("running at rest with the dial's request", 5*time.Second, func() bool {
+		return restsAt(r.instance(name), incus.InstanceRunning, controller.PowerRunning)
+	})
+	v := r.instance(name)
+	if got := intentOf(&incus.Instance{Config: v.Config}); got.By != ByUse || got.At.UnixMilli() != dialAt.UnixMilli() {
+		t.Errorf("recorded intent %+v, want the dial's (running by use at %v)\n%s", got, dialAt, r.history(name))
+	}
+	if v.Config[KeyIdleSince] != "" {
+		t.Errorf("a wake clears the idle-since instant, still %q", v.Config[KeyIdleSince])
+	}
+	if busy := r.tap.refusals(); len(busy) > 0 {
+		t.Errorf("busy refusals met by this process:\n%s", strings.Join(busy, "\n"))
+	}
+}
+
+// Another replica creates an owner's target while this process's event
+// stream loses every event: this process's cache, confirmed and sure the
+// name is free, is wrong. GetTarget must not answer notFound from it (the
+// runtime fails the environment on notFound): an absence is confirmed
+// with Incus before it is answered.
+func TestFakeLostEventsNeverAnswerNotFound(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{ReconcileInterval: time.Minute})
+	r.fake.DropEvents(true)
+	o := fakeOwner("env-lost-events")
+	name := Name(o)
+	ref := controller.TargetRef{Owner: o}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, hit, confirmed := r.cacheView(name); confirmed && hit {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the observation cache never confirmed; the test needs it answering")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if _, err := r.svc.GetTarget(ctx, ref); kindOf(err) != jsonrpc.KindNotFound {
+		t.Fatalf("before any create: want notFound, got %v", err)
+	}
+
+	// The other replica: its own client, straight to Incus, building the
+	// request as targets does.
+	other, err := r.fake.Client(fakeProject)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	tmpl, _ := r.svc.catalog.Load().Get("t1")
+	req, err := r.svc.instanceRequest(name, controller.CreateParams{Owner: o, TemplateID: "t1"}, tmpl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.expect(o)
+	op, err := other.CreateInstance(ctx, req)
+	if err == nil {
+		_, err = other.Wait(ctx, op)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.fake.EventsDropped() == 0 {
+		t.Fatal("the create's events reached the stream; the test means them lost")
+	}
+	if inst, hit, confirmed := r.cacheView(name); !confirmed || !hit || inst != nil {
+		t.Fatalf("the cache was meant to answer the name free (confirmed %v, hit %v, inst %v)", confirmed, hit, inst != nil)
+	}
+
+	obs, err := r.svc.GetTarget(ctx, ref)
+	if err != nil {
+		t.Fatalf("get of a target another replica created, its events lost: %v", err)
+	}
+	if obs.TargetID != name || (obs.Phase != controller.PhaseProvisioning && obs.Phase != controller.PhaseActive) {
+		t.Fatalf("get answered %+v, want the new target provisioning or active", obs)
+	}
+	// The same with the target's id, as a runtime that has it asks.
+	if obs, err := r.svc.GetTarget(ctx, controller.TargetRef{Owner: o, TargetID: name}); err != nil || obs.TargetID != name {
+		t.Fatalf("get by id answered %+v, %v", obs, err)
+	}
+}
