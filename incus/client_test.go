@@ -413,6 +413,7 @@ func TestAlreadyStoppedIsTyped(t *testing.T) {
 	for _, err := range []error{
 		&Error{Op: "instance.state", Status: 400, Message: "The instance is already stopped"},
 		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: "The instance is already stopped"},
+		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `container is not running: "p_c1"`},
 	} {
 		if !errors.Is(err, ErrAlreadyStopped) {
 			t.Errorf("%v is not ErrAlreadyStopped", err)

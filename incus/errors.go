@@ -176,9 +176,14 @@ func (e *OperationError) Is(target error) bool {
 
 // isAlreadyStoppedMessage recognises Incus's answer to a stop of a stopped
 // instance ("The instance is already stopped"), which it gives either as
-// the call's error or as the operation's failure, with no code of its own.
+// the call's error or as the operation's failure, with no code of its own;
+// and the forced stop's failure for a container that exited while it was
+// asked (Incus 6.0.4, after a graceful stop that timed out as the guest
+// halted: "container is not running: ..."), where the stop's end is
+// reached all the same.
 func isAlreadyStoppedMessage(msg string) bool {
-	return strings.Contains(strings.ToLower(msg), "already stopped")
+	m := strings.ToLower(msg)
+	return strings.Contains(m, "already stopped") || strings.HasPrefix(m, "container is not running")
 }
 
 // isDuplicateMessage recognises the ways Incus words "that name is taken".

@@ -277,7 +277,7 @@ func (e *Edge) admit(ctx context.Context, route targets.IngressRoute) (*relays.T
 				return nil, status, retry
 			}
 		}
-		tk, quiet := e.opts.Relays.Enter(route.Instance)
+		tk, quiet := e.opts.Relays.Enter(route.Instance, arrived)
 		if tk != nil {
 			return tk, 0, 0
 		}

@@ -218,7 +218,7 @@ func TestAnOpenStreamIsARelayThatAPowerDownCloses(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	release, left := r.reg.Drain(ctx, instance, "powering down", nil)
+	release, left, _ := r.reg.Drain(ctx, instance, "powering down", time.Time{}, nil)
 	release()
 	if left != 0 {
 		t.Fatalf("%d connections left after the drain", left)

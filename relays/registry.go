@@ -46,10 +46,13 @@ type Registry struct {
 }
 
 type entry struct {
-	conns   map[Conn]struct{}
-	pending int           // dials in progress, and wakes under way
+	// conns are the relays, each with its dial's arrival (a power-down
+	// asked before it does not outrank it, see Drain).
+	conns map[Conn]time.Time
+	// tickets are the dials in progress, and wakes under way.
+	tickets map[*Ticket]struct{}
 	quiet   chan struct{} // non-nil while a power-down holds new dials off
-	// changed is closed (and replaced) whenever conns or pending shrink,
+	// changed is closed (and replaced) whenever conns or tickets shrink,
 	// so a drain waits on events rather than polling.
 	changed chan struct{}
 }
@@ -103,14 +106,14 @@ func (g *Registry) powerChanged(instance string) {
 func (g *Registry) entryLocked(instance string) *entry {
 	e := g.entries[instance]
 	if e == nil {
-		e = &entry{conns: map[Conn]struct{}{}, changed: make(chan struct{})}
+		e = &entry{conns: map[Conn]time.Time{}, tickets: map[*Ticket]struct{}{}, changed: make(chan struct{})}
 		g.entries[instance] = e
 	}
 	return e
 }
 
 func (g *Registry) dropIfEmptyLocked(instance string, e *entry) {
-	if len(e.conns) == 0 && e.pending == 0 && e.quiet == nil {
+	if len(e.conns) == 0 && len(e.tickets) == 0 && e.quiet == nil {
 		delete(g.entries, instance)
 	}
 }
@@ -129,7 +132,7 @@ func (g *Registry) Open(instance string) int {
 	if e == nil {
 		return 0
 	}
-	return len(e.conns) + e.pending
+	return len(e.conns) + len(e.tickets)
 }
 
 // Relays counts every relay open now.
@@ -148,7 +151,7 @@ func (g *Registry) Relays() int {
 func (g *Registry) Quiesce(instance string) (release func(), ok bool) {
 	g.mu.Lock()
 	e := g.entryLocked(instance)
-	if len(e.conns) > 0 || e.pending > 0 || e.quiet != nil {
+	if len(e.conns) > 0 || len(e.tickets) > 0 || e.quiet != nil {
 		g.dropIfEmptyLocked(instance, e)
 		g.mu.Unlock()
 		return func() {}, false
@@ -176,14 +179,20 @@ func (g *Registry) releaser(instance string, quiet chan struct{}) func() {
 	}
 }
 
-// Drain is the guard of an explicit power-down (target/setPower): it holds
-// every new dial of the instance off, sends each relay of it a going-away
-// close, kills one that has not ended closeWait later, and waits until no
-// relay and no dial of the instance remains, or ctx ends. onWait, when not
-// nil, is told the count still open each time it changes. The caller must
-// call release, which lets the held dials go on; left is what still
-// relayed or dialled when ctx ended (0: drained, safe to power down).
-func (g *Registry) Drain(ctx context.Context, instance, reason string, onWait func(open int)) (release func(), left int) {
+// Drain is the guard of an explicit power-down (target/setPower) asked at
+// asked: it holds every new dial of the instance off, sends each relay of
+// it a going-away close, kills one that has not ended closeWait later, and
+// waits until no relay and no dial of the instance remains, or ctx ends.
+// onWait, when not nil, is told the count still open each time it changes.
+// The caller must call release, which lets the held dials go on; left is
+// what still relayed or dialled when ctx ended (0: drained, safe to power
+// down).
+//
+// A use that arrived after asked (a dial, an ingress request) outranks the
+// power-down: Drain then closes nothing more and answers that use's
+// arrival (outranked), and the caller records the use's request for
+// running instead of powering down. A zero asked lets every use lose.
+func (g *Registry) Drain(ctx context.Context, instance, reason string, asked time.Time, onWait func(open int)) (release func(), left int, outranked time.Time) {
 	// Wait for another guard of the instance (an idle power-down) to end.
 	var e *entry
 	var quiet chan struct{}
@@ -201,11 +210,17 @@ func (g *Registry) Drain(ctx context.Context, instance, reason string, onWait fu
 		select {
 		case <-other:
 		case <-ctx.Done():
-			return func() {}, g.Open(instance)
+			return func() {}, g.Open(instance), time.Time{}
 		}
 	}
 	g.powerChanged(instance)
 	release = g.releaser(instance, quiet)
+	// Arrivals are this process's clock to the nanosecond, a request's
+	// time Incus's record of it to the millisecond: a use in the request's
+	// own millisecond does not outrank it.
+	if !asked.IsZero() {
+		asked = asked.Truncate(time.Millisecond).Add(time.Millisecond - 1)
+	}
 
 	told := map[Conn]struct{}{}
 	var wg sync.WaitGroup
@@ -213,6 +228,11 @@ func (g *Registry) Drain(ctx context.Context, instance, reason string, onWait fu
 	last := -1
 	for {
 		g.mu.Lock()
+		if newest := e.newestLocked(); !asked.IsZero() && newest.After(asked) {
+			open := len(e.conns) + len(e.tickets)
+			g.mu.Unlock()
+			return release, open, newest
+		}
 		var fresh []Conn
 		for c := range e.conns {
 			if _, ok := told[c]; !ok {
@@ -220,7 +240,7 @@ func (g *Registry) Drain(ctx context.Context, instance, reason string, onWait fu
 				fresh = append(fresh, c)
 			}
 		}
-		open := len(e.conns) + e.pending
+		open := len(e.conns) + len(e.tickets)
 		changed := e.changed
 		g.mu.Unlock()
 		for _, c := range fresh {
@@ -235,12 +255,12 @@ func (g *Registry) Drain(ctx context.Context, instance, reason string, onWait fu
 		}
 		last = open
 		if open == 0 {
-			return release, 0
+			return release, 0, time.Time{}
 		}
 		select {
 		case <-changed:
 		case <-ctx.Done():
-			return release, g.Open(instance)
+			return release, g.Open(instance), time.Time{}
 		}
 	}
 }
@@ -284,31 +304,53 @@ func (g *Registry) CloseEvery(reason, why string) {
 type Ticket struct {
 	g        *Registry
 	instance string
+	at       time.Time // when the use it counts arrived
 	once     sync.Once
 }
 
-// Enter counts a dial of the instance as in progress. While a power-down
-// holds the instance it returns no ticket but the channel to wait on.
-func (g *Registry) Enter(instance string) (*Ticket, <-chan struct{}) {
+// Enter counts a dial of the instance, arrived at at, as in progress.
+// While a power-down holds the instance it returns no ticket but the
+// channel to wait on.
+func (g *Registry) Enter(instance string, at time.Time) (*Ticket, <-chan struct{}) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	e := g.entryLocked(instance)
 	if e.quiet != nil {
 		return nil, e.quiet
 	}
-	e.pending++
-	return &Ticket{g: g, instance: instance}, nil
+	t := &Ticket{g: g, instance: instance, at: at}
+	e.tickets[t] = struct{}{}
+	return t, nil
 }
 
 // Join counts one more dial of the instance as in progress, even while a
 // power-down holds it: for work a dial already admitted starts (its wake),
-// which must not be told to wait for the power-down that waits for it.
+// which must not be told to wait for the power-down that waits for it. It
+// arrived when t's did.
 func (t *Ticket) Join() *Ticket {
 	g := t.g
 	g.mu.Lock()
-	g.entryLocked(t.instance).pending++
+	j := &Ticket{g: g, instance: t.instance, at: t.at}
+	g.entryLocked(t.instance).tickets[j] = struct{}{}
 	g.mu.Unlock()
-	return &Ticket{g: g, instance: t.instance}
+	return j
+}
+
+// newestLocked is the latest arrival among the instance's relays and
+// dials in progress (zero: none).
+func (e *entry) newestLocked() time.Time {
+	var newest time.Time
+	for _, at := range e.conns {
+		if at.After(newest) {
+			newest = at
+		}
+	}
+	for t := range e.tickets {
+		if t.at.After(newest) {
+			newest = t.at
+		}
+	}
+	return newest
 }
 
 // Leave ends the dial without a relay.
@@ -317,7 +359,7 @@ func (t *Ticket) Leave() {
 		g := t.g
 		g.mu.Lock()
 		if e := g.entries[t.instance]; e != nil {
-			e.pending--
+			delete(e.tickets, t)
 			e.signalLocked()
 			g.dropIfEmptyLocked(t.instance, e)
 		}
@@ -332,8 +374,8 @@ func (t *Ticket) Adopt(c Conn) {
 		g := t.g
 		g.mu.Lock()
 		e := g.entryLocked(t.instance)
-		e.pending--
-		e.conns[c] = struct{}{}
+		delete(e.tickets, t)
+		e.conns[c] = t.at
 		g.total++
 		e.signalLocked()
 		first := len(e.conns) == 1

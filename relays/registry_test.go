@@ -43,7 +43,7 @@ func (f *fakeConn) Done() <-chan struct{} { return f.done }
 // open enters a relay of instance as the data routes do.
 func open(t *testing.T, g *Registry, instance string, c *fakeConn) {
 	t.Helper()
-	tk, quiet := g.Enter(instance)
+	tk, quiet := g.Enter(instance, time.Now())
 	if tk == nil {
 		t.Fatalf("Enter held off (quiet %v)", quiet != nil)
 	}
@@ -53,7 +53,7 @@ func open(t *testing.T, g *Registry, instance string, c *fakeConn) {
 
 func TestQuiesceYieldsToAnyUse(t *testing.T) {
 	g := New(time.Second)
-	tk, _ := g.Enter("a")
+	tk, _ := g.Enter("a", time.Now())
 	if _, ok := g.Quiesce("a"); ok {
 		t.Fatal("Quiesce succeeded with a dial in progress")
 	}
@@ -62,11 +62,11 @@ func TestQuiesceYieldsToAnyUse(t *testing.T) {
 	if !ok {
 		t.Fatal("Quiesce failed with nothing open")
 	}
-	if tk, quiet := g.Enter("a"); tk != nil || quiet == nil {
+	if tk, quiet := g.Enter("a", time.Now()); tk != nil || quiet == nil {
 		t.Fatal("a dial was let in during a power-down")
 	}
 	release()
-	if tk, _ := g.Enter("a"); tk == nil {
+	if tk, _ := g.Enter("a", time.Now()); tk == nil {
 		t.Fatal("a dial was held off after the power-down")
 	}
 }
@@ -76,14 +76,14 @@ func TestDrainClosesRelaysAndWaitsForDials(t *testing.T) {
 	polite, stubborn := newFake(false), newFake(true)
 	open(t, g, "a", polite)
 	open(t, g, "a", stubborn)
-	pending, _ := g.Enter("a") // a dial still waking the target
+	pending, _ := g.Enter("a", time.Now()) // a dial still waking the target
 	var seen []int
 	var mu sync.Mutex
 	result := make(chan int, 1)
 	var release func()
 	go func() {
 		var left int
-		release, left = g.Drain(context.Background(), "a", "powering down", func(n int) {
+		release, left, _ = g.Drain(context.Background(), "a", "powering down", time.Time{}, func(n int) {
 			mu.Lock()
 			seen = append(seen, n)
 			mu.Unlock()
@@ -120,20 +120,20 @@ func TestDrainClosesRelaysAndWaitsForDials(t *testing.T) {
 	if len(seen) == 0 || seen[0] != 3 || seen[len(seen)-1] != 0 {
 		t.Fatalf("onWait saw %v, want from 3 down to 0", seen)
 	}
-	if tk, quiet := g.Enter("a"); tk != nil || quiet == nil {
+	if tk, quiet := g.Enter("a", time.Now()); tk != nil || quiet == nil {
 		t.Fatal("a dial was let in before release")
 	}
 }
 
 func TestDrainGivesUpWithCtxAndJoinIsAdmitted(t *testing.T) {
 	g := New(time.Second)
-	tk, _ := g.Enter("a")
+	tk, _ := g.Enter("a", time.Now())
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		release, left := g.Drain(ctx, "a", "powering down", nil)
+		release, left, _ := g.Drain(ctx, "a", "powering down", time.Time{}, nil)
 		defer release()
 		if left != 2 {
 			t.Errorf("left %d, want the dial and its wake", left)
@@ -148,7 +148,56 @@ func TestDrainGivesUpWithCtxAndJoinIsAdmitted(t *testing.T) {
 	if g.Open("a") != 0 {
 		t.Fatalf("Open = %d", g.Open("a"))
 	}
-	if tk, _ := g.Enter("a"); tk == nil {
+	if tk, _ := g.Enter("a", time.Now()); tk == nil {
 		t.Fatal("released drain still holds dials off")
+	}
+}
+
+// A use that arrived after the power-down was asked outranks it: Drain
+// tells nothing to go away and answers that use's arrival; a use from
+// before the request (or from its own millisecond) loses as ever.
+func TestDrainYieldsToAUseAfterTheRequest(t *testing.T) {
+	asked := time.UnixMilli(1_700_000_000_000)
+	for _, tc := range []struct {
+		name      string
+		arrived   time.Duration // after asked
+		outranked bool
+	}{
+		{"before the request", -time.Second, false},
+		{"in the request's millisecond", 900 * time.Microsecond, false},
+		{"after the request", 2 * time.Millisecond, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := New(50 * time.Millisecond)
+			old := newFake(false)
+			tk, _ := g.Enter("a", asked.Add(-time.Hour))
+			tk.Adopt(old)
+			go func() { <-old.Done(); g.Remove("a", old) }()
+			c := newFake(false)
+			at := asked.Add(tc.arrived)
+			tk, _ = g.Enter("a", at)
+			tk.Adopt(c)
+			go func() { <-c.Done(); g.Remove("a", c) }()
+			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+			defer cancel()
+			release, left, outranked := g.Drain(ctx, "a", "powering down", asked, nil)
+			defer release()
+			if tc.outranked {
+				if !outranked.Equal(at) || left != 2 {
+					t.Fatalf("outranked %v, left %d; want %v and both relays left", outranked, left, at)
+				}
+				select {
+				case <-c.Done():
+					t.Fatal("the newer use's relay was told to go away")
+				case <-old.Done():
+					t.Fatal("a relay was told to go away although the power-down is outranked")
+				default:
+				}
+				return
+			}
+			if !outranked.IsZero() || left != 0 {
+				t.Fatalf("outranked %v, left %d; want drained", outranked, left)
+			}
+		})
 	}
 }

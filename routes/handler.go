@@ -280,7 +280,7 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 			return nil, ref, outcome
 		}
 		var quiet <-chan struct{}
-		if tk, quiet = h.reg.Enter(inst.Name); tk != nil {
+		if tk, quiet = h.reg.Enter(inst.Name, arrived); tk != nil {
 			break
 		}
 		// A power-down holds the target; wait for it, then look again.

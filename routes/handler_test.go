@@ -713,7 +713,7 @@ func TestRegistryGuardsPowerChanges(t *testing.T) {
 	// An explicit power-down first closes the relays with going-away.
 	done := make(chan int, 1)
 	go func() {
-		release, left := reg.Drain(t.Context(), testInstance, "the target is powering down", nil)
+		release, left, _ := reg.Drain(t.Context(), testInstance, "the target is powering down", time.Time{}, nil)
 		release()
 		done <- left
 	}()

@@ -210,7 +210,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 	var tk *relays.Ticket
 	for tk == nil {
 		var quiet <-chan struct{}
-		if tk, quiet = h.reg.Enter(inst.Name); tk == nil {
+		if tk, quiet = h.reg.Enter(inst.Name, f.requested); tk == nil {
 			select {
 			case <-quiet:
 			case <-ctx.Done():

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -264,8 +265,8 @@ func TestFakePowerDownInsideAWakesWindow(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the wake's unfreeze never reached Incus")
 	}
-	if got := r.instance(name).Config[keyPower]; got != string(controller.PowerRunning) {
-		t.Fatalf("the wake acts only once its request is recorded; recorded %q", got)
+	if got := r.instance(name).Config[keyPower]; got != string(controller.PowerPaused) {
+		t.Fatalf("the wake acts first and records its request after its action; recorded %q while the unfreeze is under way", got)
 	}
 
 	obs, err := r.svc.SetPower(ctx, ref, controller.PowerPaused)
@@ -415,3 +416,70 @@ func TestFakeLostEventsNeverAnswerNotFound(t *testing.T) {
 		t.Fatalf("get by id answered %+v, %v", obs, err)
 	}
 }
+
+// A use that arrived after a power-down was asked outranks it: the
+// power-down closes none of its relays, and the use's request for running
+// is recorded instead. One from before the request loses to it, as ever:
+// its relay is told to go away and the target powers down.
+func TestFakeAUseAfterThePowerDownOutranksIt(t *testing.T) {
+	for _, after := range []bool{true, false} {
+		t.Run(fmt.Sprintf("use after the request %v", after), func(t *testing.T) {
+			r := newFakeRig(t, fakeDurations(seeded(t)), Config{GracefulStop: time.Second, ReconcileInterval: time.Hour})
+			o := fakeOwner("env-outrank")
+			name := Name(o)
+			asked := time.Now().Add(-time.Hour) // seedTarget records its request then
+			arrived := asked.Add(-time.Minute)
+			if after {
+				arrived = time.Now()
+			}
+			// The relay is there before the target is seen, so no pass can
+			// act on the request without it.
+			c := newGoneConn()
+			tk, _ := r.svc.relays.Enter(name, arrived)
+			tk.Adopt(c)
+			defer r.svc.relays.Remove(name, c)
+			r.seedTarget(o, incus.InstanceRunning, controller.PowerPaused)
+			r.svc.work.kick(name)
+			if after {
+				r.awaitFake("the use's request recorded", 5*time.Second, func() bool {
+					return restsAt(r.instance(name), incus.InstanceRunning, controller.PowerRunning)
+				})
+				got := intentOf(&incus.Instance{Config: r.instance(name).Config})
+				if got.By != ByUse || got.At.UnixMilli() != arrived.UnixMilli() {
+					t.Errorf("recorded %+v, want running by use at the use's arrival %v\n%s", got, arrived, r.history(name))
+				}
+				if c.toldAway() {
+					t.Error("the relay of a use that outranks the power-down was told to go away")
+				}
+				return
+			}
+			select {
+			case <-c.Done():
+			case <-time.After(5 * time.Second):
+				t.Fatalf("the older use's relay was never told to go away\n%s", r.history(name))
+			}
+			if !c.toldAway() {
+				t.Fatal("the older use's relay was killed, not told to go away")
+			}
+			r.svc.relays.Remove(name, c)
+			r.awaitFake("paused at the request", 5*time.Second, func() bool {
+				return restsAt(r.instance(name), incus.InstanceFrozen, controller.PowerPaused)
+			})
+		})
+	}
+}
+
+// goneConn is a relay that ends as soon as it is told to go away.
+type goneConn struct {
+	once sync.Once
+	done chan struct{}
+	away atomic.Bool
+}
+
+func newGoneConn() *goneConn { return &goneConn{done: make(chan struct{})} }
+
+func (c *goneConn) GoAway(int, string, string) { c.away.Store(true); c.end() }
+func (c *goneConn) Kill(string)                { c.end() }
+func (c *goneConn) Done() <-chan struct{}      { return c.done }
+func (c *goneConn) end()                       { c.once.Do(func() { close(c.done) }) }
+func (c *goneConn) toldAway() bool             { return c.away.Load() }

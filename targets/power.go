@@ -51,8 +51,16 @@ func (s *Service) act(ctx context.Context, name string, put incus.InstanceStateP
 const busyPatience = 3 * time.Second
 
 // stop stops gracefully within grace, then forcibly: on Incus a graceful
-// stop that never ends would otherwise block every later change.
+// stop that never ends would otherwise block every later change. Both
+// under one hold of the instance's gate: Incus 6.0.4 keeps a graceful
+// stop's hold on the instance after the stop failed its timeout, until the
+// forced stop takes it over, and a write of this process in between would
+// be refused as busy.
 func (s *Service) stop(ctx context.Context, name string, grace time.Duration, stateful bool) error {
+	return s.owned(ctx, name, func(ctx context.Context) error { return s.stopHeld(ctx, name, grace, stateful) })
+}
+
+func (s *Service) stopHeld(ctx context.Context, name string, grace time.Duration, stateful bool) error {
 	if stateful {
 		return s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStop, Stateful: true}, 10*time.Minute)
 	}
@@ -103,11 +111,32 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 	if st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.At.After(at) {
 		return st.Power, ErrSuperseded
 	}
-	unlock, err := s.gate.lock(ctx, name)
+	unlock, waited, err := s.gate.lockWaited(ctx, name)
 	if err != nil {
 		return st.Power, fmt.Errorf("wake %s: %w", name, errHeld)
 	}
 	held := context.WithValue(ctx, ownHold{name}, true)
+	if waited {
+		// Another step of this process held the instance (a freeze, a
+		// stop, a start): what the route read is older than its end.
+		fresh, lerr := s.lookup(held, name)
+		if lerr != nil || fresh == nil {
+			unlock()
+			if lerr == nil {
+				lerr = errGone
+			}
+			return st.Power, fmt.Errorf("wake %s: %w", name, lerr)
+		}
+		inst, st = fresh, StateOf(fresh)
+		if st.Phase != controller.PhaseActive {
+			unlock()
+			return st.Power, errors.New("targets: wake of a target that is not active")
+		}
+		if st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.At.After(at) {
+			unlock()
+			return st.Power, ErrSuperseded
+		}
+	}
 	clearIdle := inst.Config[KeyIdleSince] != ""
 	acted, err := s.wakeAct(held, inst, true)
 	if acted && err == nil {
@@ -440,8 +469,22 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 		release = r
 	} else {
 		dctx, cancel := context.WithTimeout(ctx, drainWait)
-		r, left := s.relays.Drain(dctx, name, "the target is powering down", func(n int) { s.progress.waiting(name, to, n) })
+		r, left, use := s.relays.Drain(dctx, name, "the target is powering down", st.Intent.At, func(n int) { s.progress.waiting(name, to, n) })
 		cancel()
+		if !use.IsZero() {
+			// A dial (or an ingress request) that arrived after the
+			// power-down was asked outranks it: its request for running
+			// is recorded (its own wake records it too, unless it found
+			// the target running with no power-down in sight), and no
+			// relay of it is closed.
+			r()
+			s.progress.clear(name)
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: use, By: ByUse}, nil, nil)
+			if err != nil && !errors.Is(err, ErrSuperseded) {
+				return err
+			}
+			return nil
+		}
 		if left > 0 {
 			r()
 			s.progress.waiting(name, to, left)

@@ -361,7 +361,7 @@ func TestIdleActOnIncus(t *testing.T) {
 	}
 
 	// A dial is in progress: nothing happens.
-	tk, _ := svc.relays.Enter(name)
+	tk, _ := svc.relays.Enter(name, time.Now())
 	since := time.UnixMilli(time.Now().Add(-1500 * time.Millisecond).UnixMilli())
 	if err := svc.IdleAct(ctx, seen, idlepolicy.ActionPause, since); !errors.Is(err, idle.ErrRelayOpen) {
 		t.Fatalf("IdleAct under a relay: want ErrRelayOpen, got %v", err)

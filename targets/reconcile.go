@@ -397,6 +397,13 @@ type keyedEntry struct {
 
 // lock takes the key's lock, or fails when ctx ends first.
 func (k *keyedMutex) lock(ctx context.Context, key string) (unlock func(), err error) {
+	unlock, _, err = k.lockWaited(ctx, key)
+	return unlock, err
+}
+
+// lockWaited is lock, saying also whether the key was held by another
+// when asked (what its holder read may have changed meanwhile).
+func (k *keyedMutex) lockWaited(ctx context.Context, key string) (unlock func(), waited bool, err error) {
 	k.mu.Lock()
 	if k.locks == nil {
 		k.locks = map[string]*keyedEntry{}
@@ -418,9 +425,14 @@ func (k *keyedMutex) lock(ctx context.Context, key string) (unlock func(), err e
 	}
 	select {
 	case e.slot <- struct{}{}:
-	case <-ctx.Done():
-		release()
-		return nil, ctx.Err()
+	default:
+		waited = true
+		select {
+		case e.slot <- struct{}{}:
+		case <-ctx.Done():
+			release()
+			return nil, true, ctx.Err()
+		}
 	}
 	var once sync.Once
 	return func() {
@@ -428,7 +440,7 @@ func (k *keyedMutex) lock(ctx context.Context, key string) (unlock func(), err e
 			<-e.slot
 			release()
 		})
-	}, nil
+	}, waited, nil
 }
 
 // worker runs one converge per name at a time; a kick during a run asks for
