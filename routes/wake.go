@@ -270,7 +270,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 					return
 				}
 				if ctx.Err() == nil {
-					h.log.Warn("recording a dial's request for running failed", zap.String("instance", inst.Name), zap.Error(err))
+					h.wakeFailed("recording a dial's request for running failed", inst.Name, err)
 				}
 				clock.Sleep(ctx, 50*time.Millisecond)
 			}
@@ -398,7 +398,7 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 				if errors.Is(wakeErr, targets.ErrSuperseded) {
 					f.superseded = true
 				} else if ctx.Err() == nil {
-					h.log.Warn("waking a target failed", zap.String("instance", inst.Name), zap.Error(wakeErr))
+					h.wakeFailed("waking a target failed", inst.Name, wakeErr)
 				}
 				cancelProbe()
 				<-probed
@@ -430,6 +430,17 @@ func (a probeAnswer) wakeOutcome() string {
 		return wakeOutcomeIncompatible
 	}
 	return wakeOutcomeReady
+}
+
+// wakeFailed logs a wake's failure, which the flight retries. A busy
+// refusal can only come from outside this process (another replica, an
+// operator: targets holds one writer per instance) and is routine.
+func (h *Handler) wakeFailed(msg, instance string, err error) {
+	log := h.log.Warn
+	if errors.Is(err, incus.ErrBusy) {
+		log = h.log.Info
+	}
+	log(msg, zap.String("instance", instance), zap.Error(err))
 }
 
 // probeUntil proves the daemon answers: a data-plane initialize through the

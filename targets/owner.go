@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
@@ -90,4 +92,16 @@ func (s *Service) ownedBy(ctx context.Context, by time.Time, name string, fn fun
 func isHeld(err error) bool {
 	var h heldError
 	return errors.As(err, &h)
+}
+
+// logRetry logs a step that failed and is retried. A busy refusal can only
+// come from outside this process (another replica, an operator, an
+// operation Incus carries on after its caller stopped waiting): routine,
+// at info. Anything else is a warning.
+func (s *Service) logRetry(msg string, err error, fields ...zap.Field) {
+	log := s.log.Warn
+	if errors.Is(err, incus.ErrBusy) {
+		log = s.log.Info
+	}
+	log(msg, append(fields, zap.Error(err))...)
 }

@@ -190,6 +190,6 @@ func (s *Service) strandedLock(ctx context.Context, name string) {
 	delete(s.lockedSince, name)
 	s.failMu.Unlock()
 	if err != nil && !isAlreadyStopped(err) && ctx.Err() == nil {
-		s.log.Warn("forcing a stranded stop failed; retrying", zap.String("instance", name), zap.Error(err))
+		s.logRetry("forcing a stranded stop failed; retrying", err, zap.String("instance", name))
 	}
 }

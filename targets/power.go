@@ -262,7 +262,7 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 	}
 	if inst.Config[KeyIdleSince] != "" {
 		if perr := s.patch(ctx, inst.Name, map[string]string{KeyIdleSince: ""}); perr != nil {
-			s.log.Warn("clearing idle-since failed", zap.String("instance", inst.Name), zap.Error(perr))
+			s.logRetry("clearing idle-since failed", perr, zap.String("instance", inst.Name))
 		}
 	}
 	return nil
@@ -421,16 +421,10 @@ func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) time.Dur
 		return 0
 	}
 	d := s.progress.failed(name, to, s.now())
-	log := s.log.Warn
-	if errors.Is(err, incus.ErrBusy) {
-		// Another writer holds the instance (another replica, an
-		// operator, an operation Incus still finishes): routine, retried
-		// with backoff. A stop that never lets go is forced elsewhere
-		// (strandedLock).
-		log = s.log.Info
-	}
-	log("power change failed; retrying", zap.String("instance", name), zap.String("to", string(to)),
-		zap.Duration("in", d), zap.Error(err))
+	// A stop that never lets go of the instance is forced elsewhere
+	// (strandedLock).
+	s.logRetry("power change failed; retrying", err, zap.String("instance", name), zap.String("to", string(to)),
+		zap.Duration("in", d))
 	return d
 }
 

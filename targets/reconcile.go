@@ -140,7 +140,7 @@ func (s *Service) convergeStep(ctx context.Context, name string) time.Duration {
 			zap.String("instance", name))
 		if err := s.patch(ctx, name, map[string]string{keyClosing: msString(s.now())}); err != nil {
 			if ctx.Err() == nil {
-				s.log.Warn("recording the close failed; retrying", zap.String("instance", name), zap.Error(err))
+				s.logRetry("recording the close failed; retrying", err, zap.String("instance", name))
 			}
 			return 2 * time.Second
 		}
@@ -218,11 +218,11 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Durati
 		s.startFailures[name]++
 		n := s.startFailures[name]
 		s.failMu.Unlock()
-		s.log.Warn("starting a new instance failed", zap.String("instance", name), zap.Int("attempt", n), zap.Error(err))
+		s.logRetry("starting a new instance failed", err, zap.String("instance", name), zap.Int("attempt", n))
 		if n >= s.cfg.StartAttempts {
 			msg := "The instance could not be started after several attempts; the provider's log has the details."
 			if perr := s.patch(ctx, name, map[string]string{keyFailure: msg}); perr != nil {
-				s.log.Warn("recording the failure failed", zap.String("instance", name), zap.Error(perr))
+				s.logRetry("recording the failure failed", perr, zap.String("instance", name))
 				return 2 * time.Second
 			}
 			return 0
@@ -241,7 +241,7 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Durati
 // markBooted records the first boot; false when Incus did not take it.
 func (s *Service) markBooted(ctx context.Context, name string) bool {
 	if err := s.patch(ctx, name, map[string]string{keyBooted: msString(s.now())}); err != nil {
-		s.log.Warn("marking the instance booted failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
+		s.logRetry("marking the instance booted failed; the reconciler retries", err, zap.String("instance", name))
 		return false
 	}
 	s.changes.note(name)

@@ -428,8 +428,8 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 		if at, lerr := s.lookup(ctx, name); lerr == nil && at != nil {
 			return warmHit
 		}
-		s.log.Warn("renaming a claimed warm instance to the owner's name failed", zap.String("instance", name),
-			zap.String("warm", wn), zap.Error(err))
+		s.logRetry("renaming a claimed warm instance to the owner's name failed", err, zap.String("instance", name),
+			zap.String("warm", wn))
 		return warmMiss
 	}
 	if s.warmHook != nil && s.warmHook("renamed") {
@@ -630,7 +630,7 @@ func (s *Service) deleteWarm(ctx context.Context, wn string, check func(*incus.I
 	s.listingChanged()
 	s.warm.forget(wn)
 	if err != nil && !errors.Is(err, incus.ErrNotFound) {
-		s.log.Warn("deleting a warm instance failed; the pool retries", zap.String("instance", wn), zap.Error(err))
+		s.logRetry("deleting a warm instance failed; the pool retries", err, zap.String("instance", wn))
 	}
 }
 

@@ -99,8 +99,8 @@ func (s *Service) rewriteOvertaken(ctx context.Context, inst *incus.Instance) bo
 	case errors.Is(err, ErrSuperseded):
 		s.written.drop(name, w) // newer still than this one: not ours to mend
 	case err != nil:
-		s.log.Warn("recording the newer power request again failed; the reconciler retries",
-			zap.String("instance", name), zap.Error(err))
+		s.logRetry("recording the newer power request again failed; the reconciler retries", err,
+			zap.String("instance", name))
 	}
 	return wrote
 }
