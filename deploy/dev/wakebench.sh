@@ -71,11 +71,18 @@ rows() { # file from → "k n p50ms p95ms"
 
 echo
 echo "== wakes, build $base (old) against $(git rev-parse --short HEAD) (new), $rounds runs each in turns, $wakes wakes per run, $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
-printf '%-8s %-8s %-22s %-10s %-10s\n' run from "first dials upgraded" p50 p95
+# The load around each run says which figures a busy machine bent.
+load() { sed -n 's/.*load average \([^ ]*\) at the start, \([^ ]*\) at the end.*/\1 → \2/p' "$1"; }
+printf '%-8s %-8s %-22s %-11s %-11s %-16s %s\n' run from "first dials upgraded" p50 p95 "load average" "new/old p50, this pair"
 for r in "${runs[@]}"; do
 	for from in paused stopped; do
 		read -r k n p50 p95 < <(rows "$work/$r.txt" "$from")
-		printf '%-8s %-8s %-22s %-10s %-10s\n' "$r" "$from" "$k/$n" "$p50 ms" "$p95 ms"
+		pair=""
+		if [ "${r%-*}" = new ]; then
+			read -r _ _ o50 _ < <(rows "$work/old-${r#*-}.txt" "$from")
+			pair=$(awk -v a="$p50" -v b="$o50" 'BEGIN { printf "%.2f×", a / b }')
+		fi
+		printf '%-8s %-8s %-22s %-11s %-11s %-16s %s\n' "$r" "$from" "$k/$n" "$p50 ms" "$p95 ms" "$(load "$work/$r.txt")" "$pair"
 	done
 done
 
@@ -100,7 +107,7 @@ for from in paused stopped; do
 		}')
 	printf '%-8s %s\n' "$from" "$summary"
 done
-echo "(p50 and p95 are the means of the runs' own; the ratio is of the mean p50s)"
+echo "(p50 and p95 are the means of the runs' own; the ratio is of the mean p50s; each pair's ratio is above)"
 
 echo
 echo "== the new build's wakes divided by the provider's own clock, per run (routes.WakeTrace)"
