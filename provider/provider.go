@@ -69,6 +69,9 @@ type Config struct {
 	// IngressBase is the public ingress edge's base URL; nil serves no
 	// public ingress (the capability is not advertised).
 	IngressBase *ingressurl.Base
+	// RouteWakeTrace is the data routes' wake trace hook
+	// (routes.Options.WakeTrace): a benchmark's view of each wake.
+	RouteWakeTrace func(routes.WakeTrace)
 }
 
 // DefaultDecodeBudget is the default decode budget: four messages of the
@@ -145,6 +148,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		Log:         log.Named("routes"),
 		IdleTimeout: cfg.RelayIdleTimeout,
 		MaxHeld:     cfg.RouteMaxHeld,
+		WakeTrace:   cfg.RouteWakeTrace,
 	})
 	if err != nil {
 		cancel()

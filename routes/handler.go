@@ -68,6 +68,11 @@ type Options struct {
 	// Port is the daemon's port on an instance (default targets.DaemonPort,
 	// guest.DefaultPort when the instance records none).
 	Port func(*incus.Instance) int
+	// WakeTrace, when set, is given the trace of every flight that ends
+	// with the daemon answering (see WakeTrace), on the goroutine of the
+	// dial or the flight, after the dial's relay has started: it must
+	// return quickly. The trace is the hook's to keep. Nil records nothing.
+	WakeTrace func(WakeTrace)
 
 	// maxMessage overrides the message limit (tests only).
 	maxMessage uint64
@@ -229,7 +234,11 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		link.close()
 		h.metrics.dial(OutcomeAborted, time.Since(arrived))
+		h.reportTrace(link.trace)
 		return
+	}
+	if link.trace != nil {
+		link.trace.Upgraded = time.Now()
 	}
 	rl := newRelay(link.instance, conn, link.conn, early, link.early, h.relay, h.metrics, func(rl *Relay) {
 		if h.reg.Remove(rl.instance, rl) {
@@ -240,6 +249,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
 	h.metrics.relayOpened()
 	h.metrics.dial(OutcomeUpgraded, time.Since(arrived))
 	rl.start()
+	h.reportTrace(link.trace)
 	// The relay runs on its own goroutines: returning here lets the HTTP
 	// server free this request's state, which an idle relay does not need.
 }
@@ -250,6 +260,8 @@ type guestLink struct {
 	conn     net.Conn
 	early    []byte
 	tk       *relays.Ticket
+	// trace is the flight's, when this dial started it and reports it.
+	trace *WakeTrace
 }
 
 func (l *guestLink) close() {
@@ -301,7 +313,7 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 	downPending := h.opts.Targets.PowerDownPending(inst, arrived)
 	if running(inst) && !downPending {
 		if h.ready.ok(inst.Name) {
-			link, err := h.openGuest(ctx, inst, tk)
+			link, err := h.openGuest(ctx, inst, tk, nil)
 			if err == nil {
 				return link, nil, ""
 			}
@@ -313,18 +325,21 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 	}
 
 	if !h.hold() {
-		f := h.flightFor(route.Owner, inst, obs, arrived) // the wake starts all the same
+		f, _ := h.flightFor(route.Owner, inst, obs, arrived, false) // the wake starts all the same
 		tk.Leave()
 		ref := f.refusalNow()
 		return nil, &Refusal{State: ref.State, RetryAfter: time.Second}, OutcomeShed
 	}
-	f := h.flightFor(route.Owner, inst, obs, arrived)
+	f, started := h.flightFor(route.Owner, inst, obs, arrived, true)
 	select {
 	case <-f.settled:
 		h.unhold()
 	case <-ctx.Done():
 		h.unhold()
 		tk.Leave()
+		if started {
+			h.reportTrace(f.giveUpTrace())
+		}
 		ref := f.refusalNow()
 		return nil, ref, outcomeOf(ref)
 	}
@@ -332,8 +347,13 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 		tk.Leave()
 		return nil, f.result, outcomeOf(f.result)
 	}
-	link, err := h.openGuest(ctx, inst, tk)
+	var tr *WakeTrace
+	if started {
+		tr = f.trace // the flight is over: the trace is this dial's to report
+	}
+	link, err := h.openGuest(ctx, inst, tk, tr)
 	if err != nil {
+		h.reportTrace(tr)
 		h.ready.forget(inst.Name)
 		tk.Leave()
 		h.log.Debug("the daemon answered the probe but not the relay", zap.String("instance", inst.Name), zap.Error(err))
@@ -413,15 +433,32 @@ func outcomeOf(r *Refusal) string {
 func running(inst *incus.Instance) bool { return inst.Status.Running() }
 
 // openGuest opens the provider's WebSocket to the instance's daemon.
-func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *relays.Ticket) (*guestLink, error) {
+// A trace, when given, gets the dial's and the handshake's times.
+func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *relays.Ticket, tr *WakeTrace) (*guestLink, error) {
+	if tr != nil {
+		tr.GuestDialStart = time.Now()
+	}
 	conn, err := h.opts.Dialer.DialContext(ctx, guest.Target{Instance: inst.Name, Port: h.opts.Port(inst), Location: inst.Location})
 	if err != nil {
 		return nil, err
+	}
+	if tr != nil {
+		tr.GuestDialed = time.Now()
 	}
 	early, err := dialGuestWebSocket(ctx, conn)
 	if err != nil {
 		_ = conn.Close()
 		return nil, err
 	}
-	return &guestLink{instance: inst.Name, conn: conn, early: early, tk: tk}, nil
+	if tr != nil {
+		tr.GuestUpgraded = time.Now()
+	}
+	return &guestLink{instance: inst.Name, conn: conn, early: early, tk: tk, trace: tr}, nil
+}
+
+// reportTrace hands a finished trace to the hook; nil is none to report.
+func (h *Handler) reportTrace(tr *WakeTrace) {
+	if tr != nil {
+		h.opts.WakeTrace(*tr)
+	}
 }

@@ -140,9 +140,17 @@ type flight struct {
 	settled    chan struct{} // closed once result is set
 	result     *Refusal      // nil: the daemon answered
 
+	// trace is the flight's wake trace, nil without Options.WakeTrace:
+	// fly writes it until the flight settles, then one reporter has it.
+	trace *WakeTrace
+
 	mu    sync.Mutex
 	state State         // what a dial refused now is told
 	retry time.Duration // and when to come back
+	// traceByDial: the dial that started the flight reports the trace,
+	// with its relay's times; the flight does when no dial waits for it.
+	traceByDial bool
+	over        bool // settled
 }
 
 func (f *flight) stage(s State, retry time.Duration) {
@@ -159,20 +167,46 @@ func (f *flight) refusalNow() *Refusal {
 	return &Refusal{State: f.state, RetryAfter: f.retry}
 }
 
-// flightFor joins the target's flight, or starts it.
-func (h *Handler) flightFor(owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time) *flight {
+// giveUpTrace is called by the dial that started the flight when it stops
+// waiting for it: the flight reports its own trace from now on, unless it
+// settled meanwhile with the daemon answering, when the trace is the
+// caller's to report (returned).
+func (f *flight) giveUpTrace() *WakeTrace {
+	if f.trace == nil {
+		return nil
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.traceByDial {
+		return nil
+	}
+	f.traceByDial = false
+	if f.over && f.result == nil {
+		return f.trace
+	}
+	return nil
+}
+
+// flightFor joins the target's flight, or starts it (started). byDial: the
+// caller is a dial that reports the trace of a flight it starts (see
+// giveUpTrace).
+func (h *Handler) flightFor(owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time, byDial bool) (f *flight, started bool) {
 	h.fmu.Lock()
 	defer h.fmu.Unlock()
 	if f := h.flights[inst.Name]; f != nil {
-		return f
+		return f, false
 	}
-	f := &flight{name: inst.Name, settled: make(chan struct{}), state: StateWaking, retry: time.Second, requested: arrived}
+	f = &flight{name: inst.Name, settled: make(chan struct{}), state: StateWaking, retry: time.Second, requested: arrived}
 	if running(inst) {
 		f.state = StateBooting
 	}
+	if h.opts.WakeTrace != nil {
+		f.trace = &WakeTrace{Instance: inst.Name, From: powerLabel(inst, obs), Arrived: arrived}
+		f.traceByDial = byDial
+	}
 	h.flights[inst.Name] = f
 	go h.fly(f, owner, inst, obs)
-	return f
+	return f, true
 }
 
 // settle publishes the flight's result and lets later dials start afresh.
@@ -186,7 +220,18 @@ func (h *Handler) settle(f *flight, result *Refusal) {
 		f.tk.Leave()
 	}
 	f.result = result
+	var report *WakeTrace
+	if tr := f.trace; tr != nil {
+		tr.Settled = time.Now()
+		f.mu.Lock()
+		f.over = true
+		if !f.traceByDial && result == nil {
+			report = tr
+		}
+		f.mu.Unlock()
+	}
 	close(f.settled)
+	h.reportTrace(report)
 }
 
 // powerLabel is the wake histogram's "from" label.
@@ -224,6 +269,10 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 	}
 	f.tk = tk
 	defer tk.Leave()
+	tr := f.trace
+	if tr != nil {
+		tr.Flying = time.Now()
+	}
 	from := powerLabel(inst, o)
 	outcome := wakeOutcomeGaveUp
 	// The wake is observed before the flight settles, so whoever the
@@ -263,7 +312,15 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			// Running, with a power-down asked and not yet carried out
 			// (recorded on the instance, or kept until Incus takes it): the
 			// dial's request for running replaces it, unless it came later.
-			if _, err := h.opts.Targets.Wake(ctx, inst, f.requested); err != nil {
+			var wakeStart time.Time
+			if tr != nil {
+				wakeStart = time.Now()
+			}
+			_, err := h.opts.Targets.Wake(ctx, inst, f.requested)
+			if tr != nil {
+				tr.wakeCall(wakeStart, time.Now())
+			}
+			if err != nil {
 				if errors.Is(err, targets.ErrSuperseded) {
 					outcome = wakeOutcomeSuperseded
 					settle(refuse(StateWaking, time.Second))
@@ -277,7 +334,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 
 		case running(inst):
 			f.stage(StateBooting, h.bootingRetry(inst.Name))
-			if a := h.probeUntil(ctx, inst); a != probeSilent {
+			if a := h.probeUntil(ctx, inst, tr); a != probeSilent {
 				outcome = a.wakeOutcome()
 				h.ready.mark(inst.Name)
 				settle(nil)
@@ -359,13 +416,34 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 	// ticket keeps the instance from being quiesced, so this one is
 	// granted.
 	wtk := f.tk.Join()
+	tr := f.trace
+	// wakeEnd is the wake goroutine's until wakeDone is closed.
+	var wakeStart, wakeEnd time.Time
+	if tr != nil {
+		wakeStart = time.Now()
+	}
 	go func() {
 		defer close(wakeDone)
 		defer wtk.Leave()
 		wctx, cancel := context.WithTimeout(h.ctx, 2*time.Minute)
 		defer cancel()
 		_, wakeErr = h.opts.Targets.Wake(wctx, inst, f.requested)
+		if tr != nil {
+			wakeEnd = time.Now()
+		}
 	}()
+	if tr != nil {
+		// Read once this returns: by then the probe's goroutine is done,
+		// and the wake's end is known only when the wake is.
+		defer func() {
+			select {
+			case <-wakeDone:
+				tr.wakeCall(wakeStart, wakeEnd)
+			default:
+				tr.wakeCall(wakeStart, time.Time{})
+			}
+		}()
+	}
 	pctx, cancelProbe := context.WithCancel(ctx)
 	defer cancelProbe()
 	probed := make(chan probeAnswer, 1)
@@ -385,7 +463,7 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 				return
 			}
 		}
-		probed <- h.probeUntil(pctx, inst)
+		probed <- h.probeUntil(pctx, inst, tr)
 	}()
 	done := wakeDone
 	for {
@@ -451,19 +529,29 @@ func (h *Handler) wakeFailed(msg, instance string, err error) {
 // (something other than a daemon of any version holds the port): these
 // keep the target booting, so the runtime is told to come back. An answer
 // that is not a compatible success ends the probe like a success.
-func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance) probeAnswer {
+//
+// A trace, when given, gets every attempt; the caller owns it meanwhile.
+func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance, tr *WakeTrace) probeAnswer {
 	t := guest.Target{Instance: inst.Name, Port: h.opts.Port(inst), Location: inst.Location}
 	delay := 5 * time.Millisecond
 	for {
+		var start time.Time
+		if tr != nil {
+			start = time.Now()
+		}
 		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		err := h.probeOnce(actx, t)
 		cancel()
+		var answered *envd.AnsweredError
+		isAnswer := err == nil || errors.As(err, &answered)
+		if tr != nil {
+			tr.probe(start, time.Now(), isAnswer)
+		}
 		if err == nil {
 			h.ready.compatible(inst.Name)
 			return probeReady
 		}
-		var answered *envd.AnsweredError
-		if errors.As(err, &answered) {
+		if answered != nil {
 			h.noteIncompatible(inst.Name, answered)
 			return probeIncompatible
 		}
@@ -535,7 +623,7 @@ func (h *Handler) bootingRetry(instance string) time.Duration {
 // within ctx. nil means the daemon answers; otherwise what a dial refused
 // now would be told.
 func (h *Handler) WakeForUse(ctx context.Context, owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time) *Refusal {
-	f := h.flightFor(owner, inst, obs, arrived)
+	f, _ := h.flightFor(owner, inst, obs, arrived, false)
 	select {
 	case <-f.settled:
 		return f.result

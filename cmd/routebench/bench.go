@@ -335,6 +335,15 @@ type wakeResult struct {
 	// dials is how the provider dialled in each upgraded first dial (on a
 	// cluster only).
 	dials []wakeDials
+	// traces are the provider's own traces of the upgraded first dials,
+	// each with the latency the benchmark saw of it.
+	traces []tracedWake
+}
+
+// tracedWake is a wake seen from both sides.
+type tracedWake struct {
+	rec     wakeRecord
+	outside time.Duration
 }
 
 type throughput struct {
@@ -357,7 +366,9 @@ type memResult struct {
 }
 
 type report struct {
-	header     string
+	header string
+	// wakesOnly: the run measured the wakes alone (-only wakes).
+	wakesOnly  bool
 	cycles     cycleResult
 	wakes      []wakeResult
 	rtt        map[string]stats // by path
@@ -380,6 +391,17 @@ func (b *bench) measure(ctx context.Context) (*report, error) {
 	}
 	closeWS(ws)
 
+	if b.cfg.only == onlyWakes {
+		rep.wakesOnly = true
+		for _, from := range []controller.Power{controller.PowerPaused, controller.PowerStopped} {
+			w, err := b.measureWakes(ctx, from)
+			if err != nil {
+				return nil, err
+			}
+			rep.wakes = append(rep.wakes, w)
+		}
+		return rep, nil
+	}
 	c, err := b.measureCycles(ctx)
 	if err != nil {
 		return nil, err
@@ -427,6 +449,7 @@ func (b *bench) measureWakes(ctx context.Context, from controller.Power) (wakeRe
 		if err != nil {
 			return w, err
 		}
+		firstUpgraded := ws != nil
 		if ws != nil && b.location != "" {
 			d, err := b.dialsSince(ctx, t0, took)
 			if err != nil {
@@ -453,8 +476,23 @@ func (b *bench) measureWakes(ctx context.Context, from controller.Power) (wakeRe
 			return w, fmt.Errorf("through the woken relay: %w", err)
 		}
 		closeWS(ws)
+		if firstUpgraded {
+			b.traceWake(ctx, &w, t0, took)
+		}
 	}
 	return w, nil
+}
+
+// traceWake adds the provider's trace of the wake whose first dial started
+// at t0 and was upgraded after took. A missing trace is said, not fatal:
+// the outside figures stand without it.
+func (b *bench) traceWake(ctx context.Context, w *wakeResult, t0 time.Time, took time.Duration) {
+	rec, err := b.wakeSince(ctx, t0)
+	if err != nil {
+		b.logf("no breakdown of this wake: %v", err)
+		return
+	}
+	w.traces = append(w.traces, tracedWake{rec: rec, outside: took})
 }
 
 // cycleResult is the pause → wake → pause-again measure: each cycle's

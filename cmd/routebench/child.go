@@ -130,8 +130,12 @@ func runChild() error {
 	if os.Getenv("ROUTEBENCH_DEBUG") != "" {
 		log, _ = zap.NewDevelopment()
 	}
+	// Every wake's trace, so that the benchmark can divide its time: the
+	// hook runs only for wakes, which the memory figures do not include.
+	wakes := &wakeTraces{}
+	mux.Handle("/bench/wakes", cred.Require(wakes, nil))
 	prov, err := provider.New(ctx, provider.Config{Incus: client, Catalog: catalog, Dialer: dialer, Credential: cred,
-		Log: log, GracefulStop: 5 * time.Second, MaxInFlight: 64})
+		Log: log, GracefulStop: 5 * time.Second, MaxInFlight: 64, RouteWakeTrace: wakes.record})
 	if err != nil {
 		return err
 	}

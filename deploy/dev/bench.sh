@@ -20,6 +20,8 @@ INCUS_PROVIDER_BENCH_IMAGE=lightspeed-dev-guest-40k INCUS_PROVIDER_REQUIRE_INCUS
   go test -count=1 -timeout 30m -run '^$' -bench WarmCreate -benchtime 20x ./targets/ | grep -E 'Benchmark|ok'
 printf '\n== data routes: wake latency, relayed vs direct, memory per idle relay\n'
 go run ./cmd/routebench
+printf '\n== data routes: wake from paused and from stopped against build 568fd0f (issue 25), in turns, each wake divided by its trace in the provider\n'
+deploy/dev/wakebench.sh
 printf '\n== public ingress: edge vs direct, a 1 GiB download, wake on request, unknown hosts\n'
 go run ./cmd/ingressbench
 printf '\n== idle loop: 10,000 fake daemons in a process of their own, the default 10 s ceiling, without the observation cache (the baseline)\n'

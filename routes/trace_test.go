@@ -1,0 +1,210 @@
+package routes
+
+import (
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/incus"
+)
+
+// traceRig is a handler rig whose WakeTrace hook collects every trace.
+type traceRig struct {
+	*rig
+	traces chan WakeTrace
+}
+
+func newTraceRig(t *testing.T, mutate func(*Options)) *traceRig {
+	t.Helper()
+	traces := make(chan WakeTrace, 16)
+	r := newHandlerRig(t, func(o *Options) {
+		o.WakeTrace = func(tr WakeTrace) { traces <- tr }
+		if mutate != nil {
+			mutate(o)
+		}
+	})
+	return &traceRig{rig: r, traces: traces}
+}
+
+// one waits for the next trace and checks that no second one follows.
+func (r *traceRig) one(t *testing.T) WakeTrace {
+	t.Helper()
+	var tr WakeTrace
+	select {
+	case tr = <-r.traces:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no wake trace")
+	}
+	select {
+	case again := <-r.traces:
+		t.Fatalf("a second trace for one flight: %+v", again)
+	case <-time.After(100 * time.Millisecond):
+	}
+	return tr
+}
+
+// checkOrder checks that the trace's times follow the wake's course.
+func checkOrder(t *testing.T, tr WakeTrace) {
+	t.Helper()
+	steps := []struct {
+		name string
+		at   time.Time
+	}{
+		{"arrived", tr.Arrived}, {"flying", tr.Flying}, {"incus start", tr.IncusStart}, {"answered", tr.Answered},
+		{"settled", tr.Settled}, {"guest dial", tr.GuestDialStart}, {"guest dialled", tr.GuestDialed},
+		{"guest upgraded", tr.GuestUpgraded}, {"upgraded", tr.Upgraded},
+	}
+	for i := 1; i < len(steps); i++ {
+		if steps[i].at.Before(steps[i-1].at) {
+			t.Fatalf("%s (%s) before %s (%s)", steps[i].name, steps[i].at, steps[i-1].name, steps[i-1].at)
+		}
+	}
+	if len(tr.Probes) == 0 || !tr.Probes[len(tr.Probes)-1].Answered || !tr.Probes[len(tr.Probes)-1].End.Equal(tr.Answered) {
+		t.Fatalf("probes %+v, answered %s", tr.Probes, tr.Answered)
+	}
+	for _, p := range tr.Probes[:len(tr.Probes)-1] {
+		if p.Answered {
+			t.Fatalf("an answered probe before the last: %+v", tr.Probes)
+		}
+	}
+}
+
+// checkSum checks that the breakdown adds up and leaves the provider a
+// small, non-negative share: in-process fakes leave it little to do.
+func checkSum(t *testing.T, tr WakeTrace, dialTook time.Duration) WakeBreakdown {
+	t.Helper()
+	b, ok := tr.Breakdown()
+	if !ok {
+		t.Fatalf("no breakdown of %+v", tr)
+	}
+	if b.Incus+b.Daemon+b.Provider != b.Total || b.Total != tr.Upgraded.Sub(tr.Arrived) {
+		t.Fatalf("the breakdown does not add up: %+v", b)
+	}
+	if b.Total > dialTook {
+		t.Fatalf("the trace's total %s is longer than the dial seen from outside, %s", b.Total, dialTook)
+	}
+	if b.Incus < 0 || b.Daemon < 0 || b.Provider < 0 || b.Provider > 40*time.Millisecond {
+		t.Fatalf("breakdown %+v", b)
+	}
+	return b
+}
+
+func dialTimed(t *testing.T, r *rig) time.Duration {
+	t.Helper()
+	start := time.Now()
+	ws, resp, err := r.dial(ownRoute, nil)
+	took := time.Since(start)
+	if err != nil {
+		t.Fatalf("%v %v", err, resp)
+	}
+	initialize(t, ws)
+	_ = ws.Close()
+	return took
+}
+
+func TestWakeTraceFromPaused(t *testing.T) {
+	r := newTraceRig(t, nil)
+	const unfreeze = 60 * time.Millisecond
+	r.targets.set(incus.InstanceFrozen)
+	r.targets.wakeDelay = unfreeze
+	r.guest.freeze()
+	took := dialTimed(t, r.rig)
+	tr := r.one(t)
+	checkOrder(t, tr)
+	b := checkSum(t, tr, took)
+	if tr.From != "paused" || tr.Wakes != 1 || tr.Instance != testInstance {
+		t.Fatalf("trace %+v", tr)
+	}
+	// The thawed guest answers the probe that waited on it while the wake
+	// runs: that is Incus's time, and the daemon is left its relay dial.
+	if b.Incus < unfreeze || b.Incus > unfreeze+40*time.Millisecond {
+		t.Fatalf("incus %s for an unfreeze of %s", b.Incus, unfreeze)
+	}
+	if relay := tr.GuestUpgraded.Sub(tr.GuestDialStart); b.Daemon < relay || b.Daemon > relay+20*time.Millisecond {
+		t.Fatalf("daemon %s, relay dial %s", b.Daemon, relay)
+	}
+}
+
+func TestWakeTraceFromStopped(t *testing.T) {
+	r := newTraceRig(t, nil)
+	const start, boot = 50 * time.Millisecond, 120 * time.Millisecond
+	r.targets.set(incus.InstanceStopped)
+	r.targets.wakeDelay = start
+	r.guest.mu.Lock()
+	r.guest.stopped = true
+	r.guest.mu.Unlock()
+	// The daemon listens only some time after Incus has started the guest.
+	var wg sync.WaitGroup
+	t.Cleanup(wg.Wait)
+	r.targets.onWake = func(string) {
+		wg.Go(func() {
+			time.Sleep(boot)
+			r.guest.thaw()
+		})
+	}
+	took := dialTimed(t, r.rig)
+	tr := r.one(t)
+	checkOrder(t, tr)
+	b := checkSum(t, tr, took)
+	if tr.From != "stopped" || tr.IncusEnd.IsZero() || len(tr.Probes) < 2 {
+		t.Fatalf("trace %+v", tr)
+	}
+	if !tr.Probes[0].Start.After(tr.IncusEnd) {
+		t.Fatal("a stopped target was probed before Incus had started it")
+	}
+	if b.Incus < start || b.Incus > start+40*time.Millisecond {
+		t.Fatalf("incus %s for a start of %s", b.Incus, start)
+	}
+	// The boot is the daemon's, polling included.
+	if b.Daemon < boot || b.Daemon > boot+150*time.Millisecond {
+		t.Fatalf("daemon %s for a boot of %s", b.Daemon, boot)
+	}
+	if gap := tr.PollGap(); gap <= 0 || gap > 100*time.Millisecond {
+		t.Fatalf("poll gap %s", gap)
+	}
+}
+
+// A dial that stops waiting leaves the trace to the flight, which reports
+// it without the relay's part once the daemon answers; concurrent dials
+// that joined the flight report nothing of their own.
+func TestWakeTraceOfAFlightOutlivingItsDial(t *testing.T) {
+	r := newTraceRig(t, func(o *Options) { o.Hold = 4 * holdMargin })
+	r.targets.set(incus.InstanceFrozen)
+	r.targets.wakeDelay = 800 * time.Millisecond
+	r.guest.freeze()
+	var wg sync.WaitGroup
+	for range 3 {
+		wg.Go(func() {
+			if _, _, err := r.dial(ownRoute, nil); err == nil {
+				t.Error("a dial was upgraded within a hold shorter than the wake")
+			}
+		})
+	}
+	wg.Wait()
+	tr := r.one(t)
+	if _, ok := tr.Breakdown(); ok || !tr.Upgraded.IsZero() || !tr.GuestDialStart.IsZero() {
+		t.Fatalf("a trace with a relay for a refused dial: %+v", tr)
+	}
+	if tr.Answered.IsZero() || tr.Settled.Before(tr.Answered) {
+		t.Fatalf("trace %+v", tr)
+	}
+}
+
+// A target already running and proved ready makes no flight, so no trace.
+func TestWakeTraceNoneWithoutAFlight(t *testing.T) {
+	r := newTraceRig(t, nil)
+	dialTimed(t, r.rig) // proves the daemon: this one flies (a probe only)
+	tr := r.one(t)
+	if !tr.IncusStart.IsZero() || tr.From != "running" {
+		t.Fatalf("a probe-only flight: %+v", tr)
+	}
+	if b, ok := tr.Breakdown(); !ok || b.Incus != 0 || b.Incus+b.Daemon+b.Provider != b.Total {
+		t.Fatalf("breakdown %+v", b)
+	}
+	dialTimed(t, r.rig)
+	select {
+	case tr := <-r.traces:
+		t.Fatalf("a trace without a flight: %+v", tr)
+	case <-time.After(100 * time.Millisecond):
+	}
+}
