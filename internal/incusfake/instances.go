@@ -709,13 +709,7 @@ func (s *Server) renameInstance(w http.ResponseWriter, r *http.Request, name str
 		writeError(w, http.StatusConflict, fmt.Sprintf("Name %q already in use", newName))
 		return
 	}
-	op := s.newOp(p.name, "Renaming instance", name)
-	if busy := busyText(inst, "rename"); busy != "" {
-		s.failSoon(op, busy)
-		writeAsync(w, op.Operation)
-		return
-	}
-	s.take(inst, "rename", op, s.cfg.Durations.Rename, func() string {
+	s.operate(w, p, inst, "Renaming instance", "rename", s.cfg.Durations.Rename, func() string {
 		if p.instances[newName] != nil {
 			return "Failed renaming instance: UNIQUE constraint failed: instances.project_id, instances.name"
 		}
@@ -727,7 +721,6 @@ func (s *Server) renameInstance(w http.ResponseWriter, r *http.Request, name str
 		s.record(WriteRename, inst, old)
 		return ""
 	})
-	writeAsync(w, op.Operation)
 }
 
 // deleteInstance refuses a running instance at once, as Incus does, and
@@ -743,17 +736,23 @@ func (s *Server) deleteInstance(w http.ResponseWriter, r *http.Request, name str
 		writeError(w, http.StatusBadRequest, "Instance is running")
 		return
 	}
-	op := s.newOp(p.name, "Deleting instance", name)
-	if busy := busyText(inst, "delete"); busy != "" {
-		s.failSoon(op, busy)
-		writeAsync(w, op.Operation)
-		return
-	}
-	s.take(inst, "delete", op, s.cfg.Durations.Delete, func() string {
+	s.operate(w, p, inst, "Deleting instance", "delete", s.cfg.Durations.Delete, func() string {
 		delete(p.instances, inst.name)
 		s.lifecycle(p.name, "instance-deleted", instanceURL(p.name, inst.name), nil)
 		s.record(WriteDelete, inst, "")
 		return ""
 	})
+}
+
+// operate answers an operation of kind that holds inst for d and then
+// applies end, or that fails at once, as Incus's does, when another
+// operation holds inst.
+func (s *Server) operate(w http.ResponseWriter, p *project, inst *instance, desc, kind string, d time.Duration, end func() string) {
+	op := s.newOp(p.name, desc, inst.name)
+	if busy := busyText(inst, kind); busy != "" {
+		s.failSoon(op, busy)
+	} else {
+		s.take(inst, kind, op, d, end)
+	}
 	writeAsync(w, op.Operation)
 }
