@@ -277,6 +277,7 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 		obs  controller.Observation
 		tk   *relays.Ticket
 	)
+	reread := false
 	for tk == nil {
 		var err error
 		inst, obs, err = h.opts.Targets.ResolveRoute(ctx, route.Owner, route.TargetID)
@@ -286,6 +287,15 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 		}
 		if ref, outcome := h.fenceRefusal(ctx, err, route.TargetID); ref != nil {
 			return nil, ref, outcome
+		}
+		if !reread && !running(inst) && h.ready.ok(inst.Name) {
+			// Powered down, says the read, yet a wake proved the daemon
+			// ready since the last power change this process saw: the
+			// read is most likely older than that wake (a dial that came
+			// with others, just after their wake), whose action made the
+			// next read ask Incus. Read once more rather than wake again.
+			reread = true
+			continue
 		}
 		h.ready.seen(inst.Name, obs.Phase == controller.PhaseActive && !running(inst))
 		if ref, outcome := terminal(obs); ref != nil {

@@ -76,3 +76,32 @@ func TestAKeptPowerDownIsPendingForAUseAfterIt(t *testing.T) {
 		t.Fatal("the older power-down outlived a newer recorded request")
 	}
 }
+
+// Between a wake's action and its record, the target runs under the older
+// power-down's record: a use then is told that record is being replaced,
+// so it does not record running again (nor wake again); a request newer
+// than the wake's still counts.
+func TestARecordedPowerDownIsNotPendingWhileAWakeRecordsRunning(t *testing.T) {
+	s := &Service{}
+	t0 := time.UnixMilli(1_700_000_000_000)
+	running := func(in Intent) *incus.Instance {
+		inst := &incus.Instance{Name: "a", Status: incus.InstanceRunning, Config: map[string]string{
+			keySchema: schemaVersion, keyUniverse: "u", keyEnvironment: "e", keyBooted: msString(t0.Add(-time.Hour)),
+		}}
+		for k, v := range in.config() {
+			inst.Config[k] = v
+		}
+		return inst
+	}
+	older := running(Intent{Power: controller.PowerPaused, At: t0, By: BySetPower})
+	if !s.PowerDownPending(older, t0.Add(time.Second)) {
+		t.Fatal("a recorded pause the running target has not reached is not pending")
+	}
+	s.waking.putUnless("a", t0.Add(time.Millisecond), nil)
+	if s.PowerDownPending(older, t0.Add(time.Second)) {
+		t.Fatal("a wake records running over the pause, yet the pause is pending for a later use")
+	}
+	if !s.PowerDownPending(running(Intent{Power: controller.PowerPaused, At: t0.Add(time.Second), By: BySetPower}), t0.Add(2*time.Second)) {
+		t.Fatal("a pause asked after the wake is not pending")
+	}
+}

@@ -138,11 +138,18 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 		}
 	}
 	clearIdle := inst.Config[KeyIdleSince] != ""
+	// From the action until the record, the target runs under an older
+	// power-down's record: other uses are told it is being replaced.
+	s.waking.putUnless(name, at, nil)
+	recorded := func() {
+		s.waking.dropIf(name, func(cur time.Time) bool { return cur.Equal(at) })
+		unlock()
+	}
 	acted, err := s.wakeAct(held, inst, true)
 	if acted && err == nil {
 		s.changes.note(name) // a wake is a use: the idle loop counts from it
 		if s.work.spawn(func(bctx context.Context) {
-			defer unlock()
+			defer recorded()
 			rctx, cancel := context.WithTimeout(context.WithValue(bctx, ownHold{name}, true), wakeRecordWithin)
 			defer cancel()
 			if rerr := s.recordWake(rctx, name, at, clearIdle); rerr != nil && bctx.Err() == nil {
@@ -153,7 +160,7 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 			return st.Power, nil
 		}
 	}
-	defer unlock()
+	defer recorded()
 	rerr := s.recordWake(held, name, at, clearIdle)
 	if err != nil {
 		return st.Power, err
@@ -223,8 +230,11 @@ func (s *Service) recordWake(ctx context.Context, name string, at time.Time, cle
 // out, or one asked before at is kept in memory because Incus has not
 // taken it yet (see pendingTable), and would otherwise land after the use.
 func (s *Service) PowerDownPending(inst *incus.Instance, at time.Time) bool {
-	if StateOf(inst).PowerPending() {
-		return true
+	if st := StateOf(inst); st.PowerPending() {
+		// A wake that acted on the target and records its request for
+		// running now replaces the recorded one: the use need not.
+		w, waking := s.waking.get(inst.Name)
+		return !waking || st.Intent.At.After(w)
 	}
 	w, ok := s.pending.get(inst.Name)
 	return ok && w.intent.Power != controller.PowerRunning && !w.intent.At.After(at)

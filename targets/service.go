@@ -105,7 +105,10 @@ type Service struct {
 
 	locks keyedMutex
 	// gate is each instance's one writer in this process (see owner.go).
-	gate    keyedMutex
+	gate keyedMutex
+	// waking are the requests for running that a wake acted on and is
+	// recording now, by instance (see Wake, PowerDownPending).
+	waking  byName[time.Time]
 	listing listing
 	work    *worker
 	// relays is the process's relay registry: no power-down without it.
