@@ -15,7 +15,7 @@ import (
 // settled. Incus checks a PATCH's ETag before it applies the write, not
 // with it: two replicas that read one ETag can both pass the check, and
 // the write applied last stays, whatever its request's time. Within one
-// process the intents lock orders a name's writes; across replicas, an
+// process the instance's gate (owner.go) orders a name's writes; across replicas, an
 // older request applied over a newer one would be carried out, and the
 // newer one lost. So the replica that wrote the newer one reads the
 // instance again writtenFirstLook and writtenLastLook after its write, and
