@@ -102,14 +102,8 @@ func (s *Service) stopHeld(ctx context.Context, name string, grace time.Duration
 func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) (from controller.Power, err error) {
 	name := inst.Name
 	st := StateOf(inst)
-	if _, ok := ownerOf(inst); !ok {
-		return st.Power, errors.New("targets: wake of an instance that is not a target")
-	}
-	if st.Phase != controller.PhaseActive {
-		return st.Power, errors.New("targets: wake of a target that is not active")
-	}
-	if st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.At.After(at) {
-		return st.Power, ErrSuperseded
+	if err := wakeRefused(inst, st, at); err != nil {
+		return st.Power, err
 	}
 	unlock, waited, err := s.gate.lockWaited(ctx, name)
 	if err != nil {
@@ -128,13 +122,9 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 			return st.Power, fmt.Errorf("wake %s: %w", name, lerr)
 		}
 		inst, st = fresh, StateOf(fresh)
-		if st.Phase != controller.PhaseActive {
+		if err := wakeRefused(inst, st, at); err != nil {
 			unlock()
-			return st.Power, errors.New("targets: wake of a target that is not active")
-		}
-		if st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.At.After(at) {
-			unlock()
-			return st.Power, ErrSuperseded
+			return st.Power, err
 		}
 	}
 	clearIdle := inst.Config[KeyIdleSince] != ""
@@ -168,6 +158,23 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 	return st.Power, rerr
 }
 
+// wakeRefused says why a use made at at may not wake inst (st is its
+// state): it is no target, or not active, or a newer power change is
+// recorded on it (ErrSuperseded). A zero at skips that last check: the
+// record's own write refuses a newer request.
+func wakeRefused(inst *incus.Instance, st State, at time.Time) error {
+	if _, ok := ownerOf(inst); !ok {
+		return errors.New("targets: wake of an instance that is not a target")
+	}
+	if st.Phase != controller.PhaseActive {
+		return errors.New("targets: wake of a target that is not active")
+	}
+	if !at.IsZero() && st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.At.After(at) {
+		return ErrSuperseded
+	}
+	return nil
+}
+
 // wakeRecordWithin bounds the record that follows a wake's action: it
 // holds the instance's gate, so it must end, but a loaded Incus may take a
 // few seconds to apply a write.
@@ -178,21 +185,26 @@ const wakeRecordWithin = 10 * time.Second
 // (the cache's): when the action fails and Incus shows another status,
 // the action is chosen again once from what Incus shows.
 func (s *Service) wakeAct(ctx context.Context, inst *incus.Instance, again bool) (acted bool, err error) {
-	switch inst.Status {
-	case incus.InstanceFrozen:
-		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)
-	case incus.InstanceStopped:
-		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
-		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute)
-	default:
-		return false, nil
-	}
+	acted, err = s.toRunning(ctx, inst)
 	if err != nil && again && ctx.Err() == nil {
 		if fresh, lerr := s.lookup(ctx, inst.Name); lerr == nil && fresh != nil && fresh.Status != inst.Status {
 			return s.wakeAct(ctx, fresh, false)
 		}
 	}
-	return true, err
+	return acted, err
+}
+
+// toRunning unfreezes a frozen instance or starts a stopped one, as inst's
+// status says, and says whether it acted (not for any other status).
+func (s *Service) toRunning(ctx context.Context, inst *incus.Instance) (acted bool, err error) {
+	switch inst.Status {
+	case incus.InstanceFrozen:
+		return true, s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)
+	case incus.InstanceStopped:
+		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
+		return true, s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute)
+	}
+	return false, nil
 }
 
 // recordWake records running, asked at at by a use, as the target's
@@ -206,15 +218,7 @@ func (s *Service) recordWake(ctx context.Context, name string, at time.Time, cle
 		extra = map[string]string{KeyIdleSince: ""}
 	}
 	_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: at, By: ByUse}, extra,
-		func(cur *incus.Instance, st State) error {
-			if _, ok := ownerOf(cur); !ok {
-				return errors.New("targets: wake of an instance that is not a target")
-			}
-			if st.Phase != controller.PhaseActive {
-				return errors.New("targets: wake of a target that is not active")
-			}
-			return nil
-		})
+		func(cur *incus.Instance, st State) error { return wakeRefused(cur, st, time.Time{}) })
 	switch {
 	case err == nil:
 		s.pending.drop(name, at)
@@ -260,14 +264,7 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 	if inst == nil {
 		return errGone
 	}
-	switch inst.Status {
-	case incus.InstanceFrozen:
-		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)
-	case incus.InstanceStopped:
-		s.dialer.Forget(inst.Name) // a start makes a new init process; an unfreeze does not
-		err = s.act(ctx, inst.Name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute)
-	}
-	if err != nil {
+	if _, err := s.toRunning(ctx, inst); err != nil {
 		return err
 	}
 	if inst.Config[KeyIdleSince] != "" {
@@ -554,16 +551,8 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 	}
 	// From one powered-down state to another, through running: a stopped
 	// instance cannot be frozen, a frozen one cannot shut itself down.
-	switch cur.Status {
-	case incus.InstanceFrozen:
-		if err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second); err != nil {
-			return err
-		}
-	case incus.InstanceStopped:
-		s.dialer.Forget(name)
-		if err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute); err != nil {
-			return err
-		}
+	if _, err := s.toRunning(ctx, cur); err != nil {
+		return err
 	}
 	if to != controller.PowerPaused {
 		s.dialer.Forget(name) // a freeze keeps the init process
