@@ -671,13 +671,7 @@ func (s *Server) writeInstance(w http.ResponseWriter, r *http.Request, name stri
 		writeAsync(w, snap)
 		return
 	}
-	// A caller that goes away does not stop the write, as in Incus.
-	select {
-	case <-applied:
-		writeSync(w, map[string]any{}, "")
-	case <-r.Context().Done():
-	case <-s.done:
-	}
+	s.answerApplied(w, r, applied)
 }
 
 // renameInstance checks a stopped instance and a free new name at once,

@@ -156,12 +156,7 @@ func (s *Server) writeProject(w http.ResponseWriter, r *http.Request, name strin
 	})
 	s.notify()
 	s.mu.Unlock()
-	select {
-	case <-applied:
-		writeSync(w, map[string]any{}, "")
-	case <-r.Context().Done():
-	case <-s.done:
-	}
+	s.answerApplied(w, r, applied)
 }
 
 // deleteProject deletes an empty project; ?force=true deletes what it
@@ -201,4 +196,15 @@ func (s *Server) deleteProject(w http.ResponseWriter, r *http.Request, name stri
 	s.recordProject(WriteProjectDelete, p)
 	s.notify()
 	writeSync(w, map[string]any{}, "")
+}
+
+// answerApplied answers a write once it is applied. A caller that goes
+// away does not stop the write, as in Incus; nor is it answered.
+func (s *Server) answerApplied(w http.ResponseWriter, r *http.Request, applied <-chan struct{}) {
+	select {
+	case <-applied:
+		writeSync(w, map[string]any{}, "")
+	case <-r.Context().Done():
+	case <-s.done:
+	}
 }
