@@ -125,10 +125,13 @@ serve() {
   local name=$1; shift
   env "$@" PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
     PROVIDER_GRACEFUL_STOP=5s bin/incus-provider >"$work/$name.out" 2>"$work/$name.log" &
-  served=$!
+  served=$! served_log="$work/$name.log"
   await_provider "$served" "$work/$name.out" "$work/$name.log"
 }
-stop_served() { kill "$served" 2>/dev/null || true; wait "$served" 2>/dev/null || true; served=""; }
+stop_served() {
+  kill "$served" 2>/dev/null || true; wait "$served" 2>/dev/null || true; served=""
+  no_busy_warnings "$served_log"
+}
 
 # Lane "provider": the provider package's single-host tests (the
 # cluster's, named TestCluster*, are the cluster lane's).
