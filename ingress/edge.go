@@ -21,7 +21,6 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
-	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/relays"
@@ -36,15 +35,15 @@ type Targets interface {
 	// ResolveRoute fences and reads the target (one Incus call); the edge
 	// asks only for a target it has not seen serve since its last power
 	// change.
-	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error)
+	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (targets.Route, error)
 	// PowerDownPending: a request arriving at at that finds the target
 	// running goes through the shared wake (see targets.Service).
-	PowerDownPending(inst *incus.Instance, at time.Time) bool
+	PowerDownPending(r targets.Route, at time.Time) bool
 }
 
 // Waker is the data routes' shared wake: *routes.Handler.
 type Waker interface {
-	WakeForUse(ctx context.Context, owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time) *routes.Refusal
+	WakeForUse(ctx context.Context, r targets.Route, arrived time.Time) *routes.Refusal
 }
 
 var (
@@ -293,7 +292,7 @@ func (e *Edge) admit(ctx context.Context, route targets.IngressRoute) (*relays.T
 
 // wake reads the target and wakes it when it is powered down; 0 when it serves.
 func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived time.Time) (int, time.Duration) {
-	inst, obs, err := e.opts.Targets.ResolveRoute(ctx, route.Owner, route.Instance)
+	rt, err := e.opts.Targets.ResolveRoute(ctx, route.Owner, route.Instance)
 	switch {
 	case errors.Is(err, targets.ErrRouteGone) || errors.Is(err, targets.ErrRouteOwner):
 		return http.StatusNotFound, 0
@@ -303,7 +302,7 @@ func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived tim
 		}
 		return http.StatusServiceUnavailable, 2 * time.Second
 	}
-	switch obs.Phase {
+	switch rt.Observation.Phase {
 	case controller.PhaseClosing, controller.PhaseClosed:
 		return http.StatusNotFound, 0
 	case controller.PhaseFailed:
@@ -311,16 +310,16 @@ func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived tim
 	case controller.PhaseUnknown:
 		return http.StatusServiceUnavailable, 5 * time.Second
 	}
-	if inst.Status.Running() && !e.opts.Targets.PowerDownPending(inst, arrived) {
-		e.markReady(inst.Name)
+	if rt.State == targets.RouteRunning && !e.opts.Targets.PowerDownPending(rt, arrived) {
+		e.markReady(rt.Name)
 		return 0, 0
 	}
-	ref := e.opts.Waker.WakeForUse(ctx, route.Owner, inst, obs, arrived)
+	ref := e.opts.Waker.WakeForUse(ctx, rt, arrived)
 	took := time.Since(arrived)
 	switch {
 	case ref == nil:
 		e.opts.Metrics.wake(wakeReady, took)
-		e.markReady(inst.Name)
+		e.markReady(rt.Name)
 		return 0, 0
 	case ref.State == routes.StateGone:
 		e.opts.Metrics.wake(wakeGone, took)

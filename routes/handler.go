@@ -14,7 +14,6 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
-	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
 	"github.com/lightspeed-dev/incus-provider/internal/envd"
@@ -25,16 +24,17 @@ import (
 
 // Targets is what the data routes ask of the targets: *targets.Service.
 type Targets interface {
-	// ResolveRoute fences the route (see targets.Service.ResolveRoute).
-	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error)
+	// ResolveRoute fences the route and reads the target (see
+	// targets.Service.ResolveRoute).
+	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (targets.Route, error)
 	// Wake unfreezes a paused target or starts a stopped or suspended one
 	// at once, and records the dial's request for running, made at its
 	// arrival, right after (see targets.Service.Wake).
-	Wake(ctx context.Context, inst *incus.Instance, at time.Time) (controller.Power, error)
+	Wake(ctx context.Context, r targets.Route, at time.Time) (controller.Power, error)
 	// PowerDownPending says a power-down asked before at, recorded or
 	// kept until Incus takes it, is not carried out yet: a dial made at
 	// at replaces it through Wake.
-	PowerDownPending(inst *incus.Instance, at time.Time) bool
+	PowerDownPending(r targets.Route, at time.Time) bool
 }
 
 var _ Targets = (*targets.Service)(nil)
@@ -65,9 +65,6 @@ type Options struct {
 	// ClientInfo is what the readiness probe's initialize says of the
 	// provider (default: incus-provider and its build).
 	ClientInfo envd.ClientInfo
-	// Port is the daemon's port on an instance (default targets.DaemonPort,
-	// guest.DefaultPort when the instance records none).
-	Port func(*incus.Instance) int
 	// WakeTrace, when set, is given the trace of every flight that ends
 	// with the daemon answering (see WakeTrace), on the goroutine of the
 	// dial or the flight, after the dial's relay has started: it must
@@ -137,14 +134,6 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 	}
 	if opts.ClientInfo.Name == "" {
 		opts.ClientInfo = buildinfo.Describe("incus-provider")
-	}
-	if opts.Port == nil {
-		opts.Port = func(inst *incus.Instance) int {
-			if p := targets.DaemonPort(inst); p > 0 {
-				return p
-			}
-			return guest.DefaultPort
-		}
 	}
 	if opts.Log == nil {
 		opts.Log = zap.NewNop()
@@ -273,14 +262,13 @@ func (l *guestLink) close() {
 // provider's WebSocket to its daemon; or it answers why not.
 func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (*guestLink, *Refusal, string) {
 	var (
-		inst *incus.Instance
-		obs  controller.Observation
-		tk   *relays.Ticket
+		rt targets.Route
+		tk *relays.Ticket
 	)
 	reread := false
 	for tk == nil {
 		var err error
-		inst, obs, err = h.opts.Targets.ResolveRoute(ctx, route.Owner, route.TargetID)
+		rt, err = h.opts.Targets.ResolveRoute(ctx, route.Owner, route.TargetID)
 		if errors.Is(err, targets.ErrRouteGone) && route.TargetID == targets.Name(route.Owner) {
 			// The owner's target is gone (closed): forget what was proved of it.
 			h.ready.drop(route.TargetID)
@@ -288,7 +276,7 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 		if ref, outcome := h.fenceRefusal(ctx, err, route.TargetID); ref != nil {
 			return nil, ref, outcome
 		}
-		if !reread && !running(inst) && h.ready.ok(inst.Name) {
+		if !reread && !running(rt) && h.ready.ok(rt.Name) {
 			// Powered down, says the read, yet a wake proved the daemon
 			// ready since the last power change this process saw: the
 			// read is most likely older than that wake (a dial that came
@@ -297,12 +285,12 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 			reread = true
 			continue
 		}
-		h.ready.seen(inst.Name, obs.Phase == controller.PhaseActive && !running(inst))
-		if ref, outcome := terminal(obs); ref != nil {
+		h.ready.seen(rt.Name, rt.Observation.Phase == controller.PhaseActive && !running(rt))
+		if ref, outcome := terminal(rt.Observation); ref != nil {
 			return nil, ref, outcome
 		}
 		var quiet <-chan struct{}
-		if tk, quiet = h.reg.Enter(inst.Name, arrived); tk != nil {
+		if tk, quiet = h.reg.Enter(rt.Name, arrived); tk != nil {
 			break
 		}
 		// A power-down holds the target; wait for it, then look again.
@@ -320,27 +308,27 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 
 	// A dial is a request for running: one that finds a power-down still
 	// pending goes through the wake, which replaces it.
-	downPending := h.opts.Targets.PowerDownPending(inst, arrived)
-	if running(inst) && !downPending {
-		if h.ready.ok(inst.Name) {
-			link, err := h.openGuest(ctx, inst, tk, nil)
+	downPending := h.opts.Targets.PowerDownPending(rt, arrived)
+	if running(rt) && !downPending {
+		if h.ready.ok(rt.Name) {
+			link, err := h.openGuest(ctx, rt, tk, nil)
 			if err == nil {
 				return link, nil, ""
 			}
-			h.log.Debug("a daemon proved ready did not take the relay; probing again", zap.String("instance", inst.Name), zap.Error(err))
-			h.ready.forget(inst.Name)
+			h.log.Debug("a daemon proved ready did not take the relay; probing again", zap.String("instance", rt.Name), zap.Error(err))
+			h.ready.forget(rt.Name)
 		}
 	} else {
-		h.ready.forget(inst.Name)
+		h.ready.forget(rt.Name)
 	}
 
 	if !h.hold() {
-		f, _ := h.flightFor(route.Owner, inst, obs, arrived, false) // the wake starts all the same
+		f, _ := h.flightFor(rt, arrived, false) // the wake starts all the same
 		tk.Leave()
 		ref := f.refusalNow()
 		return nil, &Refusal{State: ref.State, RetryAfter: time.Second}, OutcomeShed
 	}
-	f, started := h.flightFor(route.Owner, inst, obs, arrived, true)
+	f, started := h.flightFor(rt, arrived, true)
 	select {
 	case <-f.settled:
 		h.unhold()
@@ -361,12 +349,12 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 	if started {
 		tr = f.trace // the flight is over: the trace is this dial's to report
 	}
-	link, err := h.openGuest(ctx, inst, tk, tr)
+	link, err := h.openGuest(ctx, rt, tk, tr)
 	if err != nil {
 		h.reportTrace(tr)
-		h.ready.forget(inst.Name)
+		h.ready.forget(rt.Name)
 		tk.Leave()
-		h.log.Debug("the daemon answered the probe but not the relay", zap.String("instance", inst.Name), zap.Error(err))
+		h.log.Debug("the daemon answered the probe but not the relay", zap.String("instance", rt.Name), zap.Error(err))
 		return nil, refuse(StateBooting, time.Second), OutcomeBooting
 	}
 	return link, nil, ""
@@ -438,17 +426,17 @@ func outcomeOf(r *Refusal) string {
 	return string(r.State)
 }
 
-// running says whether Incus shows the instance running (not frozen, not
-// in a transition).
-func running(inst *incus.Instance) bool { return inst.Status.Running() }
+// running says whether Incus shows the target's processes running (not
+// frozen, not in a transition).
+func running(r targets.Route) bool { return r.State == targets.RouteRunning }
 
-// openGuest opens the provider's WebSocket to the instance's daemon.
+// openGuest opens the provider's WebSocket to the target's daemon.
 // A trace, when given, gets the dial's and the handshake's times.
-func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *relays.Ticket, tr *WakeTrace) (*guestLink, error) {
+func (h *Handler) openGuest(ctx context.Context, r targets.Route, tk *relays.Ticket, tr *WakeTrace) (*guestLink, error) {
 	if tr != nil {
 		tr.GuestDialStart = time.Now()
 	}
-	conn, err := h.opts.Dialer.DialContext(ctx, guest.Target{Instance: inst.Name, Port: h.opts.Port(inst), Location: inst.Location})
+	conn, err := h.opts.Dialer.DialContext(ctx, r.Daemon)
 	if err != nil {
 		return nil, err
 	}
@@ -463,7 +451,7 @@ func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *relay
 	if tr != nil {
 		tr.GuestUpgraded = time.Now()
 	}
-	return &guestLink{instance: inst.Name, conn: conn, early: early, tk: tk, trace: tr}, nil
+	return &guestLink{instance: r.Name, conn: conn, early: early, tk: tk, trace: tr}, nil
 }
 
 // reportTrace hands a finished trace to the hook; nil is none to report.

@@ -48,7 +48,7 @@ var testOwner = controller.Owner{UniverseID: "u1", EnvironmentID: "env1"}
 type fakeTargets struct {
 	mu        sync.Mutex
 	exists    bool
-	status    incus.InstanceStatus
+	state     targets.RouteState
 	phase     controller.Phase
 	message   string
 	fenceErr  error
@@ -61,19 +61,19 @@ type fakeTargets struct {
 	keptDown atomic.Bool // a power-down kept until Incus takes it; a wake replaces it
 }
 
-func (f *fakeTargets) set(status incus.InstanceStatus) {
+func (f *fakeTargets) set(state targets.RouteState) {
 	f.mu.Lock()
-	f.exists, f.status, f.phase = true, status, controller.PhaseActive
+	f.exists, f.state, f.phase = true, state, controller.PhaseActive
 	f.mu.Unlock()
 }
 
 func (f *fakeTargets) observation() controller.Observation {
 	o := controller.Observation{TargetID: testInstance, Owner: testOwner, Phase: f.phase, Message: f.message}
 	if f.phase == controller.PhaseActive {
-		switch f.status {
-		case incus.InstanceFrozen:
+		switch f.state {
+		case targets.RoutePaused:
 			o.Power = controller.PowerPaused
-		case incus.InstanceStopped:
+		case targets.RouteStopped:
 			o.Power = controller.PowerStopped
 		default:
 			o.Power = controller.PowerRunning
@@ -82,30 +82,29 @@ func (f *fakeTargets) observation() controller.Observation {
 	return o
 }
 
-func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error) {
+func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, targetID string) (targets.Route, error) {
 	f.resolves.Add(1)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.fenceErr != nil {
-		return nil, controller.Observation{}, f.fenceErr
+		return targets.Route{}, f.fenceErr
 	}
 	if targetID != testInstance || owner != testOwner {
 		if strings.HasPrefix(targetID, "ls-") {
-			return nil, controller.Observation{}, targets.ErrRouteOwner
+			return targets.Route{}, targets.ErrRouteOwner
 		}
-		return nil, controller.Observation{}, targets.ErrRouteGone
+		return targets.Route{}, targets.ErrRouteGone
 	}
 	if !f.exists {
-		return nil, controller.Observation{}, targets.ErrRouteGone
+		return targets.Route{}, targets.ErrRouteGone
 	}
-	return &incus.Instance{Name: testInstance, Status: f.status}, f.observation(), nil
+	return targets.Route{Name: testInstance, Owner: owner, State: f.state, Observation: f.observation(),
+		Daemon: guest.Target{Instance: testInstance, Port: 1}}, nil
 }
 
-func (f *fakeTargets) PowerDownPending(inst *incus.Instance, _ time.Time) bool {
-	return targets.StateOf(inst).PowerPending() || f.keptDown.Load()
-}
+func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool { return f.keptDown.Load() }
 
-func (f *fakeTargets) Wake(ctx context.Context, _ *incus.Instance, _ time.Time) (controller.Power, error) {
+func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (controller.Power, error) {
 	f.wakes.Add(1)
 	f.mu.Lock()
 	from := f.observation().Power
@@ -121,7 +120,7 @@ func (f *fakeTargets) Wake(ctx context.Context, _ *incus.Instance, _ time.Time) 
 	}
 	f.keptDown.Store(false) // recorded over it, as Wake drops an older kept request
 	f.mu.Lock()
-	f.status = incus.InstanceRunning
+	f.state = targets.RouteRunning
 	on := f.onWake
 	f.mu.Unlock()
 	if on != nil {
@@ -272,12 +271,12 @@ type rig struct {
 func newHandlerRig(t *testing.T, mutate func(*Options)) *rig {
 	t.Helper()
 	ft := &fakeTargets{}
-	ft.set(incus.InstanceRunning)
+	ft.set(targets.RouteRunning)
 	g := newGuestSim(t)
 	ft.onWake = func(string) { g.thaw() }
 	m := newMetrics()
 	ctx, cancel := context.WithCancel(context.Background())
-	opts := Options{Targets: ft, Dialer: g, Relays: relays.New(4 * time.Second), Metrics: m, Port: func(*incus.Instance) int { return 1 }}
+	opts := Options{Targets: ft, Dialer: g, Relays: relays.New(4 * time.Second), Metrics: m}
 	if mutate != nil {
 		mutate(&opts)
 	}
@@ -494,7 +493,7 @@ func TestRouteCredentialAndPath(t *testing.T) {
 func TestRouteRefusals(t *testing.T) {
 	t.Run("another owner's target reaches nothing", func(t *testing.T) {
 		r := newHandlerRig(t, nil)
-		r.targets.set(incus.InstanceFrozen)
+		r.targets.set(targets.RoutePaused)
 		r.guest.freeze()
 		for _, route := range []Route{
 			{Owner: controller.Owner{UniverseID: "u1", EnvironmentID: "other"}, TargetID: testInstance},
@@ -550,7 +549,7 @@ func TestRouteRefusals(t *testing.T) {
 	})
 	t.Run("Incus does not answer for a target last seen paused", func(t *testing.T) {
 		r := newHandlerRig(t, nil)
-		r.targets.set(incus.InstanceFrozen)
+		r.targets.set(targets.RoutePaused)
 		r.targets.wakeErr = errors.New("incus: injected wake failure")
 		r.guest.freeze()
 		_, resp, err := r.dial(ownRoute, nil)
@@ -569,7 +568,7 @@ func TestRouteRefusals(t *testing.T) {
 
 func TestRouteWakesPausedTarget(t *testing.T) {
 	r := newHandlerRig(t, nil)
-	r.targets.set(incus.InstanceFrozen)
+	r.targets.set(targets.RoutePaused)
 	r.targets.wakeDelay = 50 * time.Millisecond
 	r.guest.freeze()
 	// Concurrent dials share one wake.
@@ -608,7 +607,7 @@ func TestRouteWakesPausedTarget(t *testing.T) {
 
 func TestRouteWakesStoppedTarget(t *testing.T) {
 	r := newHandlerRig(t, nil)
-	r.targets.set(incus.InstanceStopped)
+	r.targets.set(targets.RouteStopped)
 	r.targets.wakeDelay = 80 * time.Millisecond
 	r.guest.mu.Lock()
 	r.guest.stopped = true
@@ -638,7 +637,7 @@ func TestRouteHoldBound(t *testing.T) {
 	})
 	t.Run("waking: the wake outlasts the hold", func(t *testing.T) {
 		r := newHandlerRig(t, func(o *Options) { o.Hold = hold })
-		r.targets.set(incus.InstanceFrozen)
+		r.targets.set(targets.RoutePaused)
 		r.targets.wakeDelay = 3 * time.Second
 		r.guest.freeze()
 		d := r.dialRoute(ownRoute, "")
@@ -663,7 +662,7 @@ func TestRouteHoldBound(t *testing.T) {
 
 func TestRouteShedsPastTheCap(t *testing.T) {
 	r := newHandlerRig(t, func(o *Options) { o.MaxHeld = 2; o.Hold = 2 * time.Second })
-	r.targets.set(incus.InstanceFrozen)
+	r.targets.set(targets.RoutePaused)
 	r.targets.wakeDelay = time.Hour
 	r.guest.freeze()
 	var wg sync.WaitGroup

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
 // traceRig is a handler rig whose WakeTrace hook collects every trace.
@@ -105,7 +105,7 @@ func dialTimed(t *testing.T, r *rig) time.Duration {
 func TestWakeTraceFromPaused(t *testing.T) {
 	r := newTraceRig(t, nil)
 	const unfreeze = 60 * time.Millisecond
-	r.targets.set(incus.InstanceFrozen)
+	r.targets.set(targets.RoutePaused)
 	r.targets.wakeDelay = unfreeze
 	r.guest.freeze()
 	took := dialTimed(t, r.rig)
@@ -128,7 +128,7 @@ func TestWakeTraceFromPaused(t *testing.T) {
 func TestWakeTraceFromStopped(t *testing.T) {
 	r := newTraceRig(t, nil)
 	const start, boot = 50 * time.Millisecond, 120 * time.Millisecond
-	r.targets.set(incus.InstanceStopped)
+	r.targets.set(targets.RouteStopped)
 	r.targets.wakeDelay = start
 	r.guest.mu.Lock()
 	r.guest.stopped = true
@@ -169,7 +169,7 @@ func TestWakeTraceFromStopped(t *testing.T) {
 // that joined the flight report nothing of their own.
 func TestWakeTraceOfAFlightOutlivingItsDial(t *testing.T) {
 	r := newTraceRig(t, func(o *Options) { o.Hold = 4 * holdMargin })
-	r.targets.set(incus.InstanceFrozen)
+	r.targets.set(targets.RoutePaused)
 	r.targets.wakeDelay = 800 * time.Millisecond
 	r.guest.freeze()
 	var wg sync.WaitGroup

@@ -190,22 +190,22 @@ func (f *flight) giveUpTrace() *WakeTrace {
 // flightFor joins the target's flight, or starts it (started). byDial: the
 // caller is a dial that reports the trace of a flight it starts (see
 // giveUpTrace).
-func (h *Handler) flightFor(owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time, byDial bool) (f *flight, started bool) {
+func (h *Handler) flightFor(r targets.Route, arrived time.Time, byDial bool) (f *flight, started bool) {
 	h.fmu.Lock()
 	defer h.fmu.Unlock()
-	if f := h.flights[inst.Name]; f != nil {
+	if f := h.flights[r.Name]; f != nil {
 		return f, false
 	}
-	f = &flight{name: inst.Name, settled: make(chan struct{}), state: StateWaking, retry: time.Second, requested: arrived}
-	if running(inst) {
+	f = &flight{name: r.Name, settled: make(chan struct{}), state: StateWaking, retry: time.Second, requested: arrived}
+	if running(r) {
 		f.state = StateBooting
 	}
 	if h.opts.WakeTrace != nil {
-		f.trace = &WakeTrace{Instance: inst.Name, From: powerLabel(inst, obs), Arrived: arrived}
+		f.trace = &WakeTrace{Instance: r.Name, From: powerLabel(r), Arrived: arrived}
 		f.traceByDial = byDial
 	}
-	h.flights[inst.Name] = f
-	go h.fly(f, owner, inst, obs)
+	h.flights[r.Name] = f
+	go h.fly(f, r)
 	return f, true
 }
 
@@ -235,34 +235,35 @@ func (h *Handler) settle(f *flight, result *Refusal) {
 }
 
 // powerLabel is the wake histogram's "from" label.
-func powerLabel(inst *incus.Instance, o controller.Observation) string {
-	if o.Phase != controller.PhaseActive {
-		return string(o.Phase)
+func powerLabel(r targets.Route) string {
+	if r.Observation.Phase != controller.PhaseActive {
+		return string(r.Observation.Phase)
 	}
-	if running(inst) {
+	if running(r) {
 		return string(controller.PowerRunning)
 	}
-	return string(o.Power)
+	return string(r.Observation.Power)
 }
 
 // fly drives one target until its daemon answers, or the wake budget runs
 // out, or the target turns out to be gone or failed. It counts as a dial in
 // progress all along, so no power-down starts under it.
-func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o controller.Observation) {
+func (h *Handler) fly(f *flight, r targets.Route) {
 	ctx, cancel := context.WithTimeout(h.ctx, h.opts.WakeBudget)
 	defer cancel()
 	started := time.Now()
 	var tk *relays.Ticket
 	for tk == nil {
 		var quiet <-chan struct{}
-		if tk, quiet = h.reg.Enter(inst.Name, f.requested); tk == nil {
+		if tk, quiet = h.reg.Enter(r.Name, f.requested); tk == nil {
 			select {
 			case <-quiet:
 			case <-ctx.Done():
 				h.settle(f, refuse(StateWaking, 2*time.Second))
 				return
 			}
-			if inst, o = h.reread(ctx, f, owner, inst.Name); inst == nil {
+			var ok bool
+			if r, ok = h.reread(ctx, f, r); !ok {
 				return
 			}
 		}
@@ -273,7 +274,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 	if tr != nil {
 		tr.Flying = time.Now()
 	}
-	from := powerLabel(inst, o)
+	from := powerLabel(r)
 	outcome := wakeOutcomeGaveUp
 	// The wake is observed before the flight settles, so whoever the
 	// settling lets through (a held dial, a test) finds it counted.
@@ -299,16 +300,16 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			settle(f.refusalNow())
 			return
 		}
-		if ref, _ := terminal(o); ref != nil {
-			h.ready.drop(inst.Name)
+		if ref, _ := terminal(r.Observation); ref != nil {
+			h.ready.drop(r.Name)
 			outcome = wakeOutcomeFailed
 			settle(ref)
 			return
 		}
-		wakeable := o.Phase == controller.PhaseActive &&
-			(inst.Status == incus.InstanceFrozen || inst.Status == incus.InstanceStopped)
+		wakeable := r.Observation.Phase == controller.PhaseActive &&
+			(r.State == targets.RoutePaused || r.State == targets.RouteStopped)
 		switch {
-		case running(inst) && h.opts.Targets.PowerDownPending(inst, f.requested):
+		case running(r) && h.opts.Targets.PowerDownPending(r, f.requested):
 			// Running, with a power-down asked and not yet carried out
 			// (recorded on the instance, or kept until Incus takes it): the
 			// dial's request for running replaces it, unless it came later.
@@ -316,7 +317,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			if tr != nil {
 				wakeStart = time.Now()
 			}
-			_, err := h.opts.Targets.Wake(ctx, inst, f.requested)
+			_, err := h.opts.Targets.Wake(ctx, r, f.requested)
 			if tr != nil {
 				tr.wakeCall(wakeStart, time.Now())
 			}
@@ -327,28 +328,28 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 					return
 				}
 				if ctx.Err() == nil {
-					h.wakeFailed("recording a dial's request for running failed", inst.Name, err)
+					h.wakeFailed("recording a dial's request for running failed", r.Name, err)
 				}
 				clock.Sleep(ctx, 50*time.Millisecond)
 			}
 
-		case running(inst):
-			f.stage(StateBooting, h.bootingRetry(inst.Name))
-			if a := h.probeUntil(ctx, inst, tr); a != probeSilent {
+		case running(r):
+			f.stage(StateBooting, h.bootingRetry(r.Name))
+			if a := h.probeUntil(ctx, r, tr); a != probeSilent {
 				outcome = a.wakeOutcome()
-				h.ready.mark(inst.Name)
+				h.ready.mark(r.Name)
 				settle(nil)
 				return
 			}
-			f.stage(StateBooting, h.bootingRetry(inst.Name))
+			f.stage(StateBooting, h.bootingRetry(r.Name))
 			continue // the budget ran out; the top of the loop settles
 
 		case wakeable && wakes < 3:
 			wakes++
 			f.stage(StateWaking, time.Second)
-			if a := h.wakeAndProbe(ctx, f, inst); a != probeSilent {
+			if a := h.wakeAndProbe(ctx, f, r); a != probeSilent {
 				outcome = a.wakeOutcome()
-				h.ready.mark(inst.Name)
+				h.ready.mark(r.Name)
 				settle(nil)
 				return
 			}
@@ -362,7 +363,7 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 			// In a transition Incus finishes on its own (freezing,
 			// stopping, starting), or still being provisioned: look again
 			// shortly.
-			if o.Phase == controller.PhaseActive && !running(inst) {
+			if r.Observation.Phase == controller.PhaseActive && !running(r) {
 				f.stage(StateWaking, time.Second)
 			} else {
 				f.stage(StateBooting, 2*time.Second)
@@ -371,7 +372,8 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 				continue
 			}
 		}
-		if inst, o = h.reread(ctx, f, owner, inst.Name); inst == nil {
+		var ok bool
+		if r, ok = h.reread(ctx, f, r); !ok {
 			if ctx.Err() == nil {
 				outcome = wakeOutcomeFailed
 			}
@@ -380,22 +382,22 @@ func (h *Handler) fly(f *flight, owner controller.Owner, inst *incus.Instance, o
 	}
 }
 
-// reread reads the target again; nil once the flight has been settled
-// (the target is gone or another owner's) or its budget ran out.
-func (h *Handler) reread(ctx context.Context, f *flight, owner controller.Owner, name string) (*incus.Instance, controller.Observation) {
+// reread reads the target of r again; false once the flight has been
+// settled (the target is gone or another owner's) or its budget ran out.
+func (h *Handler) reread(ctx context.Context, f *flight, r targets.Route) (targets.Route, bool) {
 	for {
-		inst, o, err := h.opts.Targets.ResolveRoute(ctx, owner, name)
+		fresh, err := h.opts.Targets.ResolveRoute(ctx, r.Owner, r.Name)
 		if err == nil {
-			return inst, o
+			return fresh, true
 		}
 		if errors.Is(err, targets.ErrRouteGone) || errors.Is(err, targets.ErrRouteOwner) {
-			h.ready.drop(name)
+			h.ready.drop(r.Name)
 			h.settle(f, refuse(StateGone, 0))
-			return nil, o
+			return targets.Route{}, false
 		}
 		if !clock.Sleep(ctx, 100*time.Millisecond) {
 			h.settle(f, f.refusalNow())
-			return nil, o
+			return targets.Route{}, false
 		}
 	}
 }
@@ -404,7 +406,7 @@ func (h *Handler) reread(ctx context.Context, f *flight, owner controller.Owner,
 // the same time: a frozen guest answers the probe the moment it thaws,
 // before Incus has reported the unfreeze, and a started one as soon as its
 // daemon listens. It reports what the daemon answered, if anything.
-func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Instance) probeAnswer {
+func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, r targets.Route) probeAnswer {
 	// The wake has its own bound: Incus carries it out whatever happens to
 	// the dials.
 	wakeDone := make(chan struct{})
@@ -427,7 +429,7 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 		defer wtk.Leave()
 		wctx, cancel := context.WithTimeout(h.ctx, 2*time.Minute)
 		defer cancel()
-		_, wakeErr = h.opts.Targets.Wake(wctx, inst, f.requested)
+		_, wakeErr = h.opts.Targets.Wake(wctx, r, f.requested)
 		if tr != nil {
 			wakeEnd = time.Now()
 		}
@@ -447,7 +449,7 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 	pctx, cancelProbe := context.WithCancel(ctx)
 	defer cancelProbe()
 	probed := make(chan probeAnswer, 1)
-	paused := inst.Status == incus.InstanceFrozen
+	paused := r.State == targets.RoutePaused
 	go func() {
 		if !paused {
 			// A stopped instance has no daemon (nor even an init process)
@@ -463,7 +465,7 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 				return
 			}
 		}
-		probed <- h.probeUntil(pctx, inst, tr)
+		probed <- h.probeUntil(pctx, r, tr)
 	}()
 	done := wakeDone
 	for {
@@ -476,7 +478,7 @@ func (h *Handler) wakeAndProbe(ctx context.Context, f *flight, inst *incus.Insta
 				if errors.Is(wakeErr, targets.ErrSuperseded) {
 					f.superseded = true
 				} else if ctx.Err() == nil {
-					h.wakeFailed("waking a target failed", inst.Name, wakeErr)
+					h.wakeFailed("waking a target failed", r.Name, wakeErr)
 				}
 				cancelProbe()
 				<-probed
@@ -531,8 +533,7 @@ func (h *Handler) wakeFailed(msg, instance string, err error) {
 // that is not a compatible success ends the probe like a success.
 //
 // A trace, when given, gets every attempt; the caller owns it meanwhile.
-func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance, tr *WakeTrace) probeAnswer {
-	t := guest.Target{Instance: inst.Name, Port: h.opts.Port(inst), Location: inst.Location}
+func (h *Handler) probeUntil(ctx context.Context, r targets.Route, tr *WakeTrace) probeAnswer {
 	delay := 5 * time.Millisecond
 	for {
 		var start time.Time
@@ -540,7 +541,7 @@ func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance, tr *Wake
 			start = time.Now()
 		}
 		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		err := h.probeOnce(actx, t)
+		err := h.probeOnce(actx, r.Daemon)
 		cancel()
 		var answered *envd.AnsweredError
 		isAnswer := err == nil || errors.As(err, &answered)
@@ -548,17 +549,17 @@ func (h *Handler) probeUntil(ctx context.Context, inst *incus.Instance, tr *Wake
 			tr.probe(start, time.Now(), isAnswer)
 		}
 		if err == nil {
-			h.ready.compatible(inst.Name)
+			h.ready.compatible(r.Name)
 			return probeReady
 		}
 		if answered != nil {
-			h.noteIncompatible(inst.Name, answered)
+			h.noteIncompatible(r.Name, answered)
 			return probeIncompatible
 		}
-		h.ready.silent(inst.Name, time.Now())
+		h.ready.silent(r.Name, time.Now())
 		if !clock.Sleep(ctx, delay) {
 			if h.ctx.Err() == nil {
-				h.log.Debug("the daemon has not answered the readiness probe", zap.String("instance", inst.Name), zap.Error(err))
+				h.log.Debug("the daemon has not answered the readiness probe", zap.String("instance", r.Name), zap.Error(err))
 			}
 			return probeSilent
 		}
@@ -622,8 +623,8 @@ func (h *Handler) bootingRetry(instance string) time.Duration {
 // dials wait on, starting it when none is under way, and waits for it
 // within ctx. nil means the daemon answers; otherwise what a dial refused
 // now would be told.
-func (h *Handler) WakeForUse(ctx context.Context, owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time) *Refusal {
-	f, _ := h.flightFor(owner, inst, obs, arrived, false)
+func (h *Handler) WakeForUse(ctx context.Context, r targets.Route, arrived time.Time) *Refusal {
+	f, _ := h.flightFor(r, arrived, false)
 	select {
 	case <-f.settled:
 		return f.result
