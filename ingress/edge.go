@@ -24,8 +24,8 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/relays"
-	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // Targets is what the edge asks of the targets: *targets.Service.
@@ -41,15 +41,21 @@ type Targets interface {
 	PowerDownPending(r targets.Route, at time.Time) bool
 }
 
-// Waker is the data routes' shared wake: *routes.Handler.
+// Waker is the one wake of each target, which the data routes' dials
+// share too: *wake.Waker.
 type Waker interface {
-	WakeForUse(ctx context.Context, r targets.Route, arrived time.Time) *routes.Refusal
+	WakeForUse(ctx context.Context, r targets.Route, arrived time.Time) *wake.Refusal
 }
 
 var (
 	_ Targets = (*targets.Service)(nil)
-	_ Waker   = (*routes.Handler)(nil)
+	_ Waker   = (*wake.Waker)(nil)
 )
+
+// MaxHold is the longest a request is held while its target wakes: the
+// bound the contract sets a data-route dial, kept by a browser's request
+// too, so that neither waits on a wake longer than the other.
+const MaxHold = 5 * time.Second
 
 // Options configure the edge.
 type Options struct {
@@ -61,7 +67,7 @@ type Options struct {
 	Metrics *Metrics
 	Log     *zap.Logger
 	// Hold bounds how long a request waits for its target to wake (default
-	// and most: routes.MaxHold, the contract's bound for data routes).
+	// and most: MaxHold).
 	Hold time.Duration
 	// Stall bounds a client's silence while it sends its body or reads
 	// its answer (default DefaultStall).
@@ -93,8 +99,8 @@ func New(opts Options) (*Edge, error) {
 	if opts.Targets == nil || opts.Waker == nil || opts.Dialer == nil || opts.Relays == nil || opts.Base.String() == "" {
 		return nil, errors.New("ingress: Targets, Waker, Dialer, Relays and Base are required")
 	}
-	if opts.Hold <= 0 || opts.Hold > routes.MaxHold {
-		opts.Hold = routes.MaxHold
+	if opts.Hold <= 0 || opts.Hold > MaxHold {
+		opts.Hold = MaxHold
 	}
 	if opts.Log == nil {
 		opts.Log = zap.NewNop()
@@ -321,10 +327,10 @@ func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived tim
 		e.opts.Metrics.wake(wakeReady, took)
 		e.markReady(rt.Name)
 		return 0, 0
-	case ref.State == routes.StateGone:
+	case ref.State == wake.StateGone:
 		e.opts.Metrics.wake(wakeGone, took)
 		return http.StatusNotFound, 0
-	case ref.State == routes.StateFailed:
+	case ref.State == wake.StateFailed:
 		e.opts.Metrics.wake(wakeFailed, took)
 		return http.StatusBadGateway, 0
 	}

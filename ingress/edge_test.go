@@ -19,8 +19,8 @@ import (
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/relays"
-	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // The edge against fakes of the targets and the wake, with a loopback
@@ -50,11 +50,11 @@ func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, id
 }
 
 type fakeWaker struct {
-	refusal *routes.Refusal
+	refusal *wake.Refusal
 	wakes   atomic.Int32
 }
 
-func (w *fakeWaker) WakeForUse(context.Context, targets.Route, time.Time) *routes.Refusal {
+func (w *fakeWaker) WakeForUse(context.Context, targets.Route, time.Time) *wake.Refusal {
 	w.wakes.Add(1)
 	return w.refusal
 }
@@ -175,12 +175,12 @@ func TestProxySetsForwardingHeadersAndReadsTheTargetOnce(t *testing.T) {
 func TestAWakeThatRunsOutAnswers503WithRetryAfter(t *testing.T) {
 	r := newEdgeRig(t, http.NotFoundHandler())
 	r.tg.state = targets.RoutePaused
-	r.wk.refusal = &routes.Refusal{State: routes.StateWaking, RetryAfter: 3 * time.Second}
+	r.wk.refusal = &wake.Refusal{State: wake.StateWaking, RetryAfter: 3 * time.Second}
 	resp, body := r.get(t, r.label+".env.example.com", "/", nil)
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "3" || !strings.Contains(body, "waking") {
 		t.Fatalf("got %d, Retry-After %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
 	}
-	r.wk.refusal = &routes.Refusal{State: routes.StateGone}
+	r.wk.refusal = &wake.Refusal{State: wake.StateGone}
 	if resp, _ := r.get(t, r.label+".env.example.com", "/", nil); resp.StatusCode != http.StatusNotFound {
 		t.Fatalf("a target gone while it woke: %d", resp.StatusCode)
 	}

@@ -30,6 +30,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // The unit tests below run the handler against a fake of the targets and a
@@ -263,12 +264,19 @@ type rig struct {
 	targets *fakeTargets
 	guest   *guestSim
 	h       *Handler
+	wake    *wake.Waker
 	srv     *httptest.Server
 	metrics *Metrics
+	wakes   *prometheus.Registry // the wake's collectors
 	cancel  context.CancelFunc
 }
 
-func newHandlerRig(t *testing.T, mutate func(*Options)) *rig {
+func newHandlerRig(t *testing.T, mutate func(*Options)) *rig { return newWakeRig(t, nil, mutate) }
+
+// newWakeRig is a handler rig whose wake hands its traces to trace (nil:
+// none), built as the provider builds the two: on the same targets,
+// dialer and relay registry.
+func newWakeRig(t *testing.T, trace func(wake.Trace), mutate func(*Options)) *rig {
 	t.Helper()
 	ft := &fakeTargets{}
 	ft.set(targets.RouteRunning)
@@ -280,13 +288,20 @@ func newHandlerRig(t *testing.T, mutate func(*Options)) *rig {
 	if mutate != nil {
 		mutate(&opts)
 	}
+	wakes := prometheus.NewRegistry()
+	wk, err := wake.New(ctx, wake.Options{Targets: ft, Dialer: g, Relays: opts.Relays, Metrics: wake.NewMetrics(wakes),
+		Log: opts.Log, Trace: trace})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.Wake = wk
 	h, err := New(ctx, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv := httptest.NewServer(h)
 	t.Cleanup(func() { cancel(); srv.Close() })
-	return &rig{t: t, targets: ft, guest: g, h: h, srv: srv, metrics: m, cancel: cancel}
+	return &rig{t: t, targets: ft, guest: g, h: h, wake: wk, srv: srv, metrics: m, wakes: wakes, cancel: cancel}
 }
 
 func (r *rig) url(route Route) string {
@@ -355,19 +370,22 @@ func value(c prometheus.Collector) float64 {
 	return sum
 }
 
-// samples sums the observations of a histogram over its series.
-func samples(t testing.TB, c prometheus.Collector) uint64 {
+// wakeSamples counts the wakes observed with outcome ("": any), from any
+// power.
+func (r *rig) wakeSamples(t testing.TB, outcome string) uint64 {
 	t.Helper()
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(c)
-	mfs, err := reg.Gather()
+	mfs, err := r.wakes.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
 	var n uint64
 	for _, mf := range mfs {
-		for _, m := range mf.GetMetric() {
-			n += m.GetHistogram().GetSampleCount()
+		for _, s := range mf.GetMetric() {
+			for _, l := range s.GetLabel() {
+				if l.GetName() == "outcome" && (outcome == "" || l.GetValue() == outcome) {
+					n += s.GetHistogram().GetSampleCount()
+				}
+			}
 		}
 	}
 	return n
@@ -375,7 +393,7 @@ func samples(t testing.TB, c prometheus.Collector) uint64 {
 
 // refusal checks a refused dial's answer with the conformance package's
 // data-route helper and returns its state and Retry-After in seconds.
-func refusal(t testing.TB, resp *http.Response, err error) (State, int) {
+func refusal(t testing.TB, resp *http.Response, err error) (wake.State, int) {
 	t.Helper()
 	if err == nil {
 		t.Fatal("the dial was upgraded, want a refusal")
@@ -384,7 +402,7 @@ func refusal(t testing.TB, resp *http.Response, err error) (State, int) {
 	if cerr != nil {
 		t.Fatalf("not a typed refusal: %v (dial: %v)", cerr, err)
 	}
-	return State(ref.State), int(ref.RetryAfter / time.Second)
+	return wake.State(ref.State), int(ref.RetryAfter / time.Second)
 }
 
 // dialRoute dials with the conformance package's DialRoute, which checks
@@ -500,7 +518,7 @@ func TestRouteRefusals(t *testing.T) {
 			{Owner: testOwner, TargetID: "ls-99999999999999999999"},
 		} {
 			_, resp, err := r.dial(route, nil)
-			if st, _ := refusal(t, resp, err); st != StateGone {
+			if st, _ := refusal(t, resp, err); st != wake.StateGone {
 				t.Fatalf("state %s", st)
 			}
 		}
@@ -515,11 +533,11 @@ func TestRouteRefusals(t *testing.T) {
 		r := newHandlerRig(t, nil)
 		r.targets.exists = false
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateGone {
+		if st, _ := refusal(t, resp, err); st != wake.StateGone {
 			t.Fatalf("state %s", st)
 		}
 		_, resp, err = r.dial(Route{Owner: testOwner, TargetID: "not-ours"}, nil)
-		if st, _ := refusal(t, resp, err); st != StateGone {
+		if st, _ := refusal(t, resp, err); st != wake.StateGone {
 			t.Fatalf("state %s", st)
 		}
 	})
@@ -527,7 +545,7 @@ func TestRouteRefusals(t *testing.T) {
 		r := newHandlerRig(t, nil)
 		r.targets.phase = controller.PhaseClosing
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateGone {
+		if st, _ := refusal(t, resp, err); st != wake.StateGone {
 			t.Fatalf("state %s", st)
 		}
 	})
@@ -535,7 +553,7 @@ func TestRouteRefusals(t *testing.T) {
 		r := newHandlerRig(t, nil)
 		r.targets.phase, r.targets.message = controller.PhaseFailed, "The instance could not be started."
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateFailed {
+		if st, _ := refusal(t, resp, err); st != wake.StateFailed {
 			t.Fatalf("state %s", st)
 		}
 	})
@@ -543,7 +561,7 @@ func TestRouteRefusals(t *testing.T) {
 		r := newHandlerRig(t, nil)
 		r.targets.fenceErr = fmt.Errorf("incus: %w", incus.ErrNotFound) // any error that is not a fence answer
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateBooting {
+		if st, _ := refusal(t, resp, err); st != wake.StateBooting {
 			t.Fatalf("state %s", st)
 		}
 	})
@@ -553,14 +571,14 @@ func TestRouteRefusals(t *testing.T) {
 		r.targets.wakeErr = errors.New("incus: injected wake failure")
 		r.guest.freeze()
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateWaking {
+		if st, _ := refusal(t, resp, err); st != wake.StateWaking {
 			t.Fatalf("state %s", st)
 		}
 		r.targets.mu.Lock()
 		r.targets.fenceErr = fmt.Errorf("incus: %w", incus.ErrNotFound)
 		r.targets.mu.Unlock()
 		_, resp, err = r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateWaking {
+		if st, _ := refusal(t, resp, err); st != wake.StateWaking {
 			t.Fatalf("a paused target's dial while Incus does not answer: state %s, want waking", st)
 		}
 	})
@@ -600,7 +618,7 @@ func TestRouteWakesPausedTarget(t *testing.T) {
 	if w := r.targets.wakes.Load(); w != 1 {
 		t.Fatalf("%d wakes for %d concurrent dials, want 1", w, n)
 	}
-	if got := samples(t, r.metrics.wakes); got != 1 {
+	if got := r.wakeSamples(t, ""); got != 1 {
 		t.Fatalf("wake histogram counted %d wakes, want 1", got)
 	}
 }
@@ -682,7 +700,7 @@ func TestRouteShedsPastTheCap(t *testing.T) {
 	}
 	start := time.Now()
 	_, resp, err := r.dial(ownRoute, nil)
-	if st, _ := refusal(t, resp, err); st != StateWaking {
+	if st, _ := refusal(t, resp, err); st != wake.StateWaking {
 		t.Fatalf("state %s", st)
 	}
 	if took := time.Since(start); took > 500*time.Millisecond {
