@@ -173,7 +173,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 			return nil, fmt.Errorf("ingress edge: %w", err)
 		}
 	}
-	loop := idle.New(idle.Config{Inventory: svc, Dialer: cfg.Dialer, Metrics: idleMetrics, Log: log.Named("idle")})
+	loop := idle.New(idle.Config{Inventory: IdleInventory{Targets: svc}, Dialer: cfg.Dialer, Metrics: idleMetrics, Log: log.Named("idle")})
 	budget := cfg.DecodeBudget
 	if budget <= 0 {
 		budget = DefaultDecodeBudget

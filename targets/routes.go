@@ -3,11 +3,9 @@ package targets
 import (
 	"context"
 	"errors"
-	"fmt"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
-	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
@@ -85,13 +83,6 @@ var (
 	// instance whose recorded owner differs). Nothing about that target is
 	// read or changed.
 	ErrRouteOwner = errors.New("targets: the target belongs to another owner")
-	// ErrRelayOpen is what IdleAct answers when the target relays a data
-	// connection, or a dial of its data route is in progress (or came
-	// while the power-down waited and replaced it): the provider never
-	// powers a target down under a relay. It matches idle.ErrRelayOpen,
-	// which the idle loop treats as "not idle"; an explicit power change
-	// closes the relays first.
-	ErrRelayOpen = fmt.Errorf("targets: not powering the target down: %w", idle.ErrRelayOpen)
 )
 
 // errNotResolved: a route that ResolveRoute did not answer (a zero Route)
