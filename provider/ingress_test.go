@@ -24,6 +24,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/routes"
 )
 
@@ -292,11 +293,12 @@ func TestIngress(t *testing.T) {
 		stream, cancel := r.openEvents(t, endpoint)
 		defer cancel()
 		stream()
-		it, ok, err := r.p.Targets.IdleTarget(r.ctx(), web.TargetID)
+		inv := provider.IdleInventory{Targets: r.p.Targets}
+		it, ok, err := inv.IdleTarget(r.ctx(), web.TargetID)
 		if err != nil || !ok {
 			t.Fatalf("IdleTarget: %v %v", ok, err)
 		}
-		if err := r.p.Targets.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now()); !errors.Is(err, idle.ErrRelayOpen) {
+		if err := inv.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now()); !errors.Is(err, idle.ErrRelayOpen) {
 			t.Fatalf("an idle pause under an ingress stream: %v", err)
 		}
 		if _, err := r.setPower(web.Owner, controller.PowerPaused); err != nil {
