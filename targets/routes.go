@@ -3,6 +3,9 @@ package targets
 import (
 	"context"
 	"errors"
+	"time"
+
+	"go.uber.org/zap"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
@@ -85,6 +88,23 @@ var (
 	ErrRouteOwner = errors.New("targets: the target belongs to another owner")
 )
 
+// A route's read that failed on Incus's side is read again after
+// resolveRetryPause, while at least resolveRetryRoom of the caller's
+// deadline is left, at most resolveTries times in all (a caller without a
+// deadline waits no longer than that).
+const (
+	resolveTries      = 8
+	resolveRetryPause = 50 * time.Millisecond
+	resolveRetryRoom  = 250 * time.Millisecond
+)
+
+// roomFor says whether ctx leaves at least d before its deadline (or has
+// none).
+func roomFor(ctx context.Context, d time.Duration) bool {
+	dl, ok := ctx.Deadline()
+	return !ok || time.Until(dl) >= d
+}
+
 // errNotResolved: a route that ResolveRoute did not answer (a zero Route)
 // was given back to the service, which has no read of the target to go by.
 var errNotResolved = errors.New("targets: the route was not resolved")
@@ -108,6 +128,20 @@ func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targ
 		return Route{}, ErrRouteGone
 	}
 	inst, err := s.readFor(owner)(ctx, name)
+	// One read is bounded well short of a dial's hold (getAttempt: a
+	// cluster member that does not answer leaves time to ask the list),
+	// and a single Incus that is merely slow (a storm of wakes) can miss
+	// that bound. A refusal while the hold could still see an answer is a
+	// refusal too many: the read is tried again while the caller's
+	// deadline leaves room for one more.
+	for try := 1; try < resolveTries && err != nil && memberTrouble(err) && ctx.Err() == nil && roomFor(ctx, resolveRetryRoom); try++ {
+		s.log.Debug("a route's read of the target failed; reading again", zap.String("instance", name), zap.Error(err))
+		select {
+		case <-ctx.Done():
+		case <-time.After(resolveRetryPause):
+		}
+		inst, err = s.readFor(owner)(ctx, name)
+	}
 	if err != nil {
 		return Route{}, err
 	}
