@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -14,7 +13,6 @@ import (
 	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
-	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
 
 // The Service is the idle loop's inventory: it lists the targets, counts
@@ -201,33 +199,6 @@ func idleSinceText(t time.Time) string {
 		return ""
 	}
 	return msString(t)
-}
-
-// Recorded policies are few distinct strings (a template default, or what a
-// create named), so decoding each once spares the listing of thousands of
-// targets thousands of strict decodes. The cache is bounded; past the bound
-// a policy is decoded every time.
-var (
-	policyCache     sync.Map // raw JSON → *idlepolicy.Policy
-	policyCacheSize atomic.Int64
-)
-
-const policyCacheMax = 4096
-
-func policyOf(raw string) (*idlepolicy.Policy, error) {
-	if p, ok := policyCache.Load(raw); ok {
-		return p.(*idlepolicy.Policy), nil
-	}
-	var p idlepolicy.Policy
-	if err := wire.Decode([]byte(raw), &p); err != nil {
-		return nil, err
-	}
-	if policyCacheSize.Load() < policyCacheMax {
-		if _, loaded := policyCache.LoadOrStore(raw, &p); !loaded {
-			policyCacheSize.Add(1)
-		}
-	}
-	return &p, nil
 }
 
 // IdleTarget reads one target as IdleTargets lists it; ok is false when the

@@ -16,18 +16,13 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
-// Public ingress state, on the instance like every other intent. The label
-// is drawn once, at the first ensure, and kept for the target's life (a
-// remove keeps it), so a target's endpoint never changes. It is not secret
-// from the guest, which may well want to know its own public URL.
-const (
-	keyIngressLabel  = "user.lightspeed.ingress_label"
-	keyIngressRouted = "user.lightspeed.ingress_routed"
-	// keyIngressPort is the guest port the edge reaches, taken from the
-	// template at the ensure, so a route does not change under a target
-	// when the templates file does.
-	keyIngressPort = "user.lightspeed.ingress_port"
-)
+// Public ingress state is on the instance like every other intent (the
+// record's Ingress fields). The label is drawn once, at the first ensure,
+// and kept for the target's life (a remove keeps it), so a target's
+// endpoint never changes. It is not secret from the guest, which may well
+// want to know its own public URL. The port is the guest port the edge
+// reaches, taken from the template at the ensure, so a route does not
+// change under a target when the templates file does.
 
 // IngressRoute is where the edge sends a routed label's requests.
 type IngressRoute struct {

@@ -18,12 +18,7 @@ import (
 // so that it outlives the request, a failed attempt and the provider
 // process. The reconciler drives every target to its recorded power and
 // retries until it gets there, the target leaves active, or a newer request
-// replaces the record.
-const (
-	keyPower   = "user.lightspeed.power"
-	keyPowerAt = "user.lightspeed.power_at_ms"
-	keyPowerBy = "user.lightspeed.power_by"
-)
+// replaces the record. Its keys are in record.go.
 
 // Requester is who asked for a power: it decides what a power-down may do
 // to the target's open data connections.

@@ -18,8 +18,8 @@ import (
 
 // Replicas coordinate their data connections through Incus alone. Each
 // replica that relays a connection to a target keeps a lease on the
-// instance, user.lightspeed.relays.<replica> = the lease's expiry in Unix
-// milliseconds, renewed while it relays and removed when it stops. A
+// instance, a key of its own that holds the lease's expiry (record.Relays),
+// renewed while it relays and removed when it stops. A
 // power-down by any replica waits (explicit) or yields (idle) while another
 // replica's lease is live, and a replica that relays to a target whose
 // recorded power is an explicit power-down closes its relays first, with
@@ -27,7 +27,6 @@ import (
 // ends its lease. A replica that dies leaves a
 // lease that expires by itself.
 const (
-	keyRelayPrefix = "user.lightspeed.relays."
 	// leaseTTL is how long a lease stands unrenewed: how long a dead
 	// replica's relays hold off power-downs at most.
 	leaseTTL = 30 * time.Second

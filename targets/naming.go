@@ -16,7 +16,6 @@ import (
 	"encoding/hex"
 	"regexp"
 	"strconv"
-	"time"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
@@ -52,33 +51,6 @@ func Name(o controller.Owner) string {
 // else is answered notFound without asking Incus about someone else's instance.
 func looksLikeTargetID(id string) bool { return namePattern.MatchString(id) }
 
-// Metadata keys. Everything here is readable by the guest through
-// /dev/incus, so nothing secret is ever stored in them.
-const (
-	keySchema      = "user.lightspeed.schema"
-	keyUniverse    = "user.lightspeed.universe"
-	keyEnvironment = "user.lightspeed.environment"
-	keyTemplate    = "user.lightspeed.template"
-	keyImage       = "user.lightspeed.image"
-	keyDisplayName = "user.lightspeed.display_name"
-	keyIdle        = "user.lightspeed.idle"
-	keyDaemonPort  = "user.lightspeed.daemon_port"
-	keyCreatedAt   = "user.lightspeed.created_at_ms"
-	// keyBooted is set once the instance first ran; before it, a stopped
-	// instance is still being provisioned (and the reconciler starts it).
-	keyBooted = "user.lightspeed.booted_at_ms"
-	// keyClosing records a close: the reconciler stops and deletes the
-	// instance, and resumes that after a restart.
-	keyClosing = "user.lightspeed.closing_since_ms"
-	// keyFailure records why the provider gave up on an instance.
-	keyFailure = "user.lightspeed.failure"
-	// KeyIdleSince is the instant idleness began for a target the provider
-	// powered down, so its idle clock runs on while it cannot answer.
-	KeyIdleSince = "user.lightspeed.idle_since_ms"
-)
-
-const schemaVersion = "1"
-
 // ownerOf reads an instance's owner. ok is false for an instance that is not
 // one of ours: missing metadata, or a name that its metadata does not derive
 // (a renamed copy or clone is never taken for a target).
@@ -110,14 +82,4 @@ func DaemonPort(inst *incus.Instance) int {
 		return 0
 	}
 	return p
-}
-
-func msString(t time.Time) string { return strconv.FormatInt(t.UnixMilli(), 10) }
-
-func parseMs(s string) (time.Time, bool) {
-	n, err := strconv.ParseInt(s, 10, 64)
-	if err != nil || n <= 0 {
-		return time.Time{}, false
-	}
-	return time.UnixMilli(n), true
 }

@@ -21,7 +21,7 @@ import (
 // lost an answered request (the kill matrix found it: a setPower running
 // answered during a stop, and the target ended stopped). So the request is
 // written where Incus does accept writes then, the project's config, under
-// keyPendingPrefix and the instance's name, and kept there until it is on
+// a key of the instance's (see record.go), and kept there until it is on
 // the instance (or outranked, or the instance gone). Every reconcile pass
 // reads the project once and takes every stored request back into memory,
 // so a process started after the kill, or another replica, finishes it.
@@ -30,7 +30,6 @@ import (
 // PUT does), so each write is a read and an ETag-conditional PUT, made one
 // at a time in this process. The keys are few and short-lived: only
 // requests waiting on an operation are there.
-const keyPendingPrefix = "user.lightspeed.pending_power."
 
 // storedPending is a pending request as the project's config keeps it.
 type storedPending struct {

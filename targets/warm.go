@@ -75,19 +75,12 @@ import (
 // Refill: each slot is a name, so the pool is filled by creating missing
 // slots, and replicas racing for a slot are settled by Incus's name lock:
 // the pool never holds more than N, whatever the number of replicas.
-const (
-	warmPrefix = "warm-"
-	// keyWarm is the template a warm instance was built for.
-	keyWarm = "user.lightspeed.warm"
-	// keyWarmRecipe is the digest of what the instance was built from: a
-	// template whose image or resources changed no longer hands it out.
-	keyWarmRecipe = "user.lightspeed.warm_recipe"
-	// keyWarmReady is set once Incus finished creating the instance.
-	keyWarmReady = "user.lightspeed.warm_ready_ms"
-	// keyWarmClaim names the owner's instance a hand-out renames it to.
-	keyWarmClaim   = "user.lightspeed.warm_claim"
-	keyWarmClaimAt = "user.lightspeed.warm_claim_ms"
-)
+// warmPrefix starts every pool name. A warm instance's record carries the
+// template it was built for (Warm), the digest of what it was built from
+// (WarmRecipe: a template whose image or resources changed no longer hands
+// it out), when Incus finished creating it (WarmReady), and, once claimed,
+// the owner's name a hand-out renames it to (WarmClaim, at WarmClaimAt).
+const warmPrefix = "warm-"
 
 // poolKeys mark an instance of the pool; a claim takes them off.
 var poolKeys = []string{keyWarm, keyWarmRecipe, keyWarmReady}
