@@ -51,43 +51,40 @@ func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
 		// never acted on.
 		return idle.Target{Name: inst.Name, Phase: controller.PhaseUnknown, Location: inst.Location}, true
 	}
-	if _, ok := ownerOf(inst); !ok {
+	r := recordOf(inst.Config, fOwned|fState|fDaemonPort|fTemplate|fIdle|fIdleSince|fCreatedAt)
+	if _, ok := r.owner(inst.Name); !ok {
 		return idle.Target{}, false
 	}
-	st := StateOf(inst)
+	st := stateOf(inst, &r)
 	t := idle.Target{
-		Name:     inst.Name,
-		Phase:    st.Phase,
-		Power:    st.Power,
-		Settled:  st.Settled(),
-		Port:     DaemonPort(inst),
-		Location: inst.Location,
-		Stages:   idle.StagesOf(s.powerStates(inst)),
+		Name:      inst.Name,
+		Phase:     st.Phase,
+		Power:     st.Power,
+		Settled:   st.Settled(),
+		Port:      r.DaemonPort,
+		Location:  inst.Location,
+		Stages:    idle.StagesOf(s.templateStates(r.Template)),
+		IdleSince: r.IdleSince,
 	}
-	if raw := inst.Config[keyIdle]; raw != "" {
-		p, err := policyOf(raw)
-		if err != nil {
-			// Only this provider writes the key, so this is a defect or a
-			// hand edit: the target gets no idle policy rather than a guess.
-			s.log.Warn("the recorded idle policy does not decode; the target gets none",
-				zap.String("instance", inst.Name), zap.Error(err))
-		} else {
-			t.Policy = p
-		}
-	}
-	if since, ok := parseMs(inst.Config[KeyIdleSince]); ok {
-		t.IdleSince = since
+	switch {
+	case r.IdleErr != nil:
+		// Only this provider writes the key, so this is a defect or a
+		// hand edit: the target gets no idle policy rather than a guess.
+		s.log.Warn("the recorded idle policy does not decode; the target gets none",
+			zap.String("instance", inst.Name), zap.Error(r.IdleErr))
+	case r.Idle != nil:
+		t.Policy = r.Idle
 	}
 	switch t.Phase {
 	case controller.PhaseProvisioning:
 		t.PhaseSince = inst.CreatedAt
-		if at, ok := parseMs(inst.Config[keyCreatedAt]); ok {
+		if !r.CreatedAt.IsZero() {
 			// A warm instance handed out was created long before its owner.
-			t.PhaseSince = at
+			t.PhaseSince = r.CreatedAt
 		}
 	case controller.PhaseClosing:
-		if since, ok := parseMs(inst.Config[keyClosing]); ok {
-			t.PhaseSince = since
+		if !r.Closing.IsZero() {
+			t.PhaseSince = r.Closing
 		}
 	}
 	return t, true
@@ -124,17 +121,18 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 	if inst == nil {
 		return idle.ErrStale
 	}
-	if _, ok := ownerOf(inst); !ok {
+	r := recordOf(inst.Config, fOwned|fState|fIdleSince|fRelays)
+	if _, ok := r.owner(inst.Name); !ok {
 		return idle.ErrStale
 	}
-	st := StateOf(inst)
+	st := stateOf(inst, &r)
 	if !st.Settled() || st.Power != t.Power {
 		return idle.ErrStale
 	}
-	if st.Power != controller.PowerRunning && inst.Config[KeyIdleSince] != idleSinceText(t.IdleSince) {
+	if st.Power != controller.PowerRunning && !r.idleSinceIs(t.IdleSince) {
 		return idle.ErrStale
 	}
-	if s.relays.Open(t.Name) > 0 || foreignLeases(inst.Config, s.cfg.Replica, s.now()) > 0 {
+	if s.relays.Open(t.Name) > 0 || foreignLeases(r.Relays, s.cfg.Replica, s.now()) > 0 {
 		// This replica or another relays to it: no idle action while any
 		// replica relays a data connection to the target.
 		return ErrRelayOpen
@@ -147,7 +145,7 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 			return ErrRelayOpen
 		}
 		defer release()
-		if inst.Config[keyClosing] == "" {
+		if !r.has(fClosing) {
 			if err := s.patch(ctx, t.Name, map[string]string{keyClosing: msString(s.now())}); err != nil {
 				return err
 			}
@@ -192,13 +190,6 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 	default:
 		return fmt.Errorf("targets: idle %s of %s is recorded; the reconciler retries it", action, t.Name)
 	}
-}
-
-func idleSinceText(t time.Time) string {
-	if t.IsZero() {
-		return ""
-	}
-	return msString(t)
 }
 
 // IdleTarget reads one target as IdleTargets lists it; ok is false when the

@@ -34,16 +34,19 @@ type IngressRoute struct {
 // ingressOf reads a routed target's route off its instance; ok is false
 // unless it is routed, ours, and not closing.
 func ingressOf(inst *incus.Instance) (label string, r IngressRoute, ok bool) {
-	if inst.Config[keyIngressRouted] != "true" || inst.Config[keyClosing] != "" {
+	// Most instances are not routed: that is read first, alone.
+	if !recordOf(inst.Config, fIngressRouted).IngressRouted {
 		return "", IngressRoute{}, false
 	}
-	label = inst.Config[keyIngressLabel]
-	port, err := strconv.Atoi(inst.Config[keyIngressPort])
-	owner, ours := ownerOf(inst)
-	if !ours || !ingressurl.Valid(label) || err != nil || port <= 0 || port > 65535 {
+	rec := recordOf(inst.Config, fClosing|fIngressLabel|fIngressPort|fOwned)
+	if rec.has(fClosing) {
 		return "", IngressRoute{}, false
 	}
-	return label, IngressRoute{Instance: inst.Name, Owner: owner, Port: port}, true
+	owner, ours := rec.owner(inst.Name)
+	if !ours || !ingressurl.Valid(rec.IngressLabel) || rec.IngressPort == 0 {
+		return "", IngressRoute{}, false
+	}
+	return rec.IngressLabel, IngressRoute{Instance: inst.Name, Owner: owner, Port: rec.IngressPort}, true
 }
 
 // ingressIndex is the edge's map of labels to routes, kept in memory so
@@ -208,26 +211,27 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 			}
 			return nil, nil
 		}
+		rec := recordOf(cur.Config, fTemplate|fIngressLabel|fIngressRouted|fIngressPort)
 		if !route {
-			if cur.Config[keyIngressRouted] == "" {
+			if !rec.has(fIngressRouted) {
 				return nil, nil
 			}
 			return map[string]string{keyIngressRouted: ""}, nil
 		}
-		tmpl, ok := s.catalog.Load().Get(cur.Config[keyTemplate])
+		tmpl, ok := s.catalog.Load().Get(rec.Template)
 		if !ok || !tmpl.Wire.PublicIngress {
 			return nil, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ingressUnsupported",
-				"The target's template %q does not serve public ingress; template/list says which do (publicIngress).", cur.Config[keyTemplate])
+				"The target's template %q does not serve public ingress; template/list says which do (publicIngress).", rec.Template)
 		}
 		set := map[string]string{}
-		if !ingressurl.Valid(cur.Config[keyIngressLabel]) {
+		if !ingressurl.Valid(rec.IngressLabel) {
 			set[keyIngressLabel] = ingressurl.NewLabel()
 		}
-		if cur.Config[keyIngressRouted] != "true" {
+		if !rec.IngressRouted {
 			set[keyIngressRouted] = "true"
 		}
-		if port := strconv.Itoa(tmpl.IngressPort); cur.Config[keyIngressPort] != port {
-			set[keyIngressPort] = port
+		if rec.IngressPort != tmpl.IngressPort {
+			set[keyIngressPort] = strconv.Itoa(tmpl.IngressPort)
 		}
 		if len(set) == 0 {
 			return nil, nil

@@ -46,16 +46,7 @@ type Intent struct {
 	By    Requester
 }
 
-func intentOf(inst *incus.Instance) Intent {
-	p := controller.Power(inst.Config[keyPower])
-	switch p {
-	case controller.PowerRunning, controller.PowerPaused, controller.PowerSuspended, controller.PowerStopped:
-	default:
-		return Intent{}
-	}
-	at, _ := parseMs(inst.Config[keyPowerAt])
-	return Intent{Power: p, At: at, By: Requester(inst.Config[keyPowerBy])}
-}
+func intentOf(inst *incus.Instance) Intent { return recordOf(inst.Config, fIntent).Intent }
 
 func (in Intent) config() map[string]string {
 	return map[string]string{keyPower: string(in.Power), keyPowerAt: msString(in.At), keyPowerBy: string(in.By)}

@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"regexp"
-	"strings"
 	"sync"
 	"time"
 
@@ -51,15 +50,12 @@ func RandomReplica() string {
 	return "r" + hex.EncodeToString(b)
 }
 
-// foreignLeases counts the live leases other replicas hold on inst.
-func foreignLeases(config map[string]string, self string, now time.Time) int {
+// foreignLeases counts the live leases other replicas hold, of an
+// instance's leases (record.Relays).
+func foreignLeases(leases map[string]time.Time, self string, now time.Time) int {
 	n := 0
-	for k, v := range config {
-		id, ok := strings.CutPrefix(k, keyRelayPrefix)
-		if !ok || id == self {
-			continue
-		}
-		if exp, ok := parseMs(v); ok && exp.After(now) {
+	for id, until := range leases {
+		if id != self && until.After(now) {
 			n++
 		}
 	}
@@ -193,8 +189,7 @@ func (s *Service) dropLeases(ctx context.Context, held map[string]bool) {
 // left when it was killed. Other replicas ignore it once expired; this
 // keeps it from lingering on the instance.
 func (s *Service) forgetStaleLease(ctx context.Context, inst *incus.Instance) {
-	key := keyRelayPrefix + s.cfg.Replica
-	if inst.Config[key] == "" || s.relays.Open(inst.Name) > 0 {
+	if !s.leaseKey.heldIn(inst.Config) || s.relays.Open(inst.Name) > 0 {
 		return
 	}
 	s.leases.mu.Lock()
@@ -205,7 +200,7 @@ func (s *Service) forgetStaleLease(ctx context.Context, inst *incus.Instance) {
 	}
 	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	if err := s.patch(rctx, inst.Name, map[string]string{key: ""}); err != nil && !errors.Is(err, incus.ErrNotFound) {
+	if err := s.patch(rctx, inst.Name, map[string]string{keyRelayPrefix + s.cfg.Replica: ""}); err != nil && !errors.Is(err, incus.ErrNotFound) {
 		s.log.Debug("removing an earlier run's relay lease failed; retrying on the next pass", zap.String("instance", inst.Name), zap.Error(err))
 	}
 }

@@ -1,8 +1,8 @@
 // Package targets maps the controller plane's targets onto Incus instances:
 // one instance per owner, named deterministically from the owner, carrying
-// its ownership and intent in user.lightspeed.* metadata, so the provider
-// keeps no database. It implements controller.Backend and runs the
-// reconciler that drives every instance to where its metadata says it
+// its ownership and intent in config keys on the instance (record.go), so
+// the provider keeps no database. It implements controller.Backend and runs
+// the reconciler that drives every instance to where its metadata says it
 // should be (booted, at its recorded power, or deleted once closing), which
 // is how a restarted provider finishes what it started. StateOf is the one
 // reading of an instance that decisions use; observations are written from
@@ -15,7 +15,6 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"regexp"
-	"strconv"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
@@ -55,11 +54,14 @@ func looksLikeTargetID(id string) bool { return namePattern.MatchString(id) }
 // one of ours: missing metadata, or a name that its metadata does not derive
 // (a renamed copy or clone is never taken for a target).
 func ownerOf(inst *incus.Instance) (controller.Owner, bool) {
-	if inst.Config[keySchema] == "" {
-		return controller.Owner{}, false
-	}
-	o := controller.Owner{UniverseID: inst.Config[keyUniverse], EnvironmentID: inst.Config[keyEnvironment]}
-	if o.UniverseID == "" || o.EnvironmentID == "" || Name(o) != inst.Name {
+	r := recordOf(inst.Config, fOwned)
+	return r.owner(inst.Name)
+}
+
+// owner is ownerOf on a record decoded with fOwned, of the instance name.
+func (r *record) owner(name string) (controller.Owner, bool) {
+	o := r.Owner
+	if r.Schema == "" || o.UniverseID == "" || o.EnvironmentID == "" || Name(o) != name {
 		return controller.Owner{}, false
 	}
 	return o, true
@@ -72,14 +74,8 @@ func ownerOf(inst *incus.Instance) (controller.Owner, bool) {
 // for observing it (unknown), never for changing it: every write reads the
 // instance afresh, and fails while the member is down.
 func unreadable(inst *incus.Instance) bool {
-	return inst.Status == incus.InstanceError && inst.Config[keySchema] == ""
+	return inst.Status == incus.InstanceError && recordOf(inst.Config, fSchema).Schema == ""
 }
 
 // DaemonPort is the guest daemon's port recorded on the instance.
-func DaemonPort(inst *incus.Instance) int {
-	p, err := strconv.Atoi(inst.Config[keyDaemonPort])
-	if err != nil || p <= 0 || p > 65535 {
-		return 0
-	}
-	return p
-}
+func DaemonPort(inst *incus.Instance) int { return recordOf(inst.Config, fDaemonPort).DaemonPort }

@@ -127,7 +127,7 @@ func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) 
 			return st.Power, err
 		}
 	}
-	clearIdle := inst.Config[KeyIdleSince] != ""
+	clearIdle := recordOf(inst.Config, fIdleSince).has(fIdleSince)
 	// From the action until the record, the target runs under an older
 	// power-down's record: other uses are told it is being replaced.
 	s.waking.putUnless(name, at, nil)
@@ -267,7 +267,7 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 	if _, err := s.toRunning(ctx, inst); err != nil {
 		return err
 	}
-	if inst.Config[KeyIdleSince] != "" {
+	if recordOf(inst.Config, fIdleSince).has(fIdleSince) {
 		if perr := s.patch(ctx, inst.Name, map[string]string{KeyIdleSince: ""}); perr != nil {
 			s.logRetry("clearing idle-since failed", perr, zap.String("instance", inst.Name))
 		}
@@ -532,7 +532,7 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 	if now.Intent != st.Intent || now.Phase != controller.PhaseActive || !now.Resting {
 		return nil // the next step reads the newer state
 	}
-	if n := foreignLeases(cur.Config, s.cfg.Replica, s.now()); n > 0 {
+	if n := foreignLeases(recordOf(cur.Config, fRelays).Relays, s.cfg.Replica, s.now()); n > 0 {
 		// Another replica relays to the target. The idle loop's power-down
 		// yields to that use; an explicit one waits while that replica,
 		// which reads the request within leaseWatch, closes its relays.
@@ -571,7 +571,12 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 // powerStates are the states the target's template offers. A target whose
 // template left the catalog keeps the states every instance can reach.
 func (s *Service) powerStates(inst *incus.Instance) []controller.Power {
-	if t, ok := s.catalog.Load().Get(inst.Config[keyTemplate]); ok {
+	return s.templateStates(recordOf(inst.Config, fTemplate).Template)
+}
+
+// templateStates is powerStates of a target made from the template id.
+func (s *Service) templateStates(id string) []controller.Power {
+	if t, ok := s.catalog.Load().Get(id); ok {
 		return t.Wire.PowerStates
 	}
 	return []controller.Power{controller.PowerRunning, controller.PowerPaused, controller.PowerStopped}

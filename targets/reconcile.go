@@ -71,7 +71,7 @@ func (s *Service) pass(ctx context.Context) error {
 // landedAfterClosed says inst stands under a name this process answered
 // closed, with no close recorded on it: it arrived after that answer.
 func (s *Service) landedAfterClosed(inst *incus.Instance) bool {
-	return inst.Config[keyClosing] == "" && s.closed.has(inst.Name, s.now())
+	return !recordOf(inst.Config, fClosing).has(fClosing) && s.closed.has(inst.Name, s.now())
 }
 
 func needsWork(inst *incus.Instance) bool {
@@ -281,8 +281,8 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 		_ = s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)
 	}
 	if inst.Status != incus.InstanceStopped {
-		since, ok := parseMs(inst.Config[keyClosing])
-		if !ok {
+		since := recordOf(inst.Config, fClosing).Closing
+		if since.IsZero() {
 			since = s.now()
 		}
 		// What is left of the grace since the close was recorded, so a

@@ -104,6 +104,12 @@ const (
 
 	// fAll is every key of an instance.
 	fAll = fLast - 1
+	// fPool marks an instance of a warm pool; a claim takes it off.
+	fPool = fWarm | fWarmRecipe | fWarmReady
+	// fState is what StateOf reads.
+	fState = fBooted | fClosing | fFailure | fIntent
+	// fOwned is what ownerOf reads.
+	fOwned = fSchema | fOwner
 )
 
 // record is an instance's user.lightspeed.* keys, typed. A key that is
@@ -449,6 +455,20 @@ func fieldOf(key string) fields {
 	}
 	return 0
 }
+
+// leaseKey is one replica's relay lease key. A reconcile pass looks for
+// this replica's own lease on every instance: the key is made once, and the
+// look is one lookup.
+type leaseKey string
+
+func leaseKeyOf(replica string) leaseKey { return leaseKey(keyRelayPrefix + replica) }
+
+// heldIn says the lease is on an instance's config, whatever its value.
+func (k leaseKey) heldIn(config map[string]string) bool { return config[string(k)] != "" }
+
+// claimFilter is the Incus list filter (key, value) that selects the warm
+// instances claimed for name.
+func claimFilter(name string) (key, value string) { return keyWarmClaim, name }
 
 // msString is an instant as the keys hold it: Unix milliseconds, in
 // decimal.

@@ -200,7 +200,7 @@ func TestRecordReadsGarbageAsBefore(t *testing.T) {
 		if st := StateOf(&incus.Instance{Status: incus.InstanceStopped, Config: config}); st.Phase != controller.PhaseClosing || st.Booted {
 			t.Errorf("%q: a close is read by presence and a boot by its instant: %+v", bad, st)
 		}
-		if foreignLeases(config, "r-self", time.Now()) != 0 {
+		if foreignLeases(r.Relays, "r-self", time.Now()) != 0 {
 			t.Errorf("a lease of %q counts as live", bad)
 		}
 		if r.idleSinceIs(time.Time{}) || r.idleSinceIs(time.UnixMilli(5)) {

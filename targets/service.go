@@ -136,8 +136,10 @@ type Service struct {
 	closed closedTable
 	// changes tells the idle loop which targets this process changed (see idle.go).
 	changes changeFeed
-	// leases are this replica's relay leases on instances (see leases.go).
-	leases leaseTable
+	// leases are this replica's relay leases on instances (see leases.go),
+	// and leaseKey names this replica's.
+	leases   leaseTable
+	leaseKey leaseKey
 	// ingress maps the edge's labels to routed targets (see ingress.go).
 	ingress ingressIndex
 	// warm is this process's view of the warm pools (see warm.go).
@@ -170,6 +172,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s := &Service{incus: client, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
 		startFailures: map[string]int{}, lockedSince: map[string]time.Time{}}
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
+	s.leaseKey = leaseKeyOf(cfg.Replica)
 	s.ingress.init()
 	s.warm.init()
 	s.work = newWorker(s.converge)
@@ -720,7 +723,7 @@ func (s *Service) answerHandout(ctx context.Context, name string, p controller.C
 		return controller.Observation{}, err
 	}
 	if unfinishedHandout(inst) {
-		tmpl, ok := s.catalog.Load().Get(inst.Config[keyWarm])
+		tmpl, ok := s.catalog.Load().Get(recordOf(inst.Config, fWarm).Warm)
 		if !ok {
 			tmpl, ok = s.catalog.Load().Get(p.TemplateID)
 		}
@@ -890,7 +893,8 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	// Public ingress goes first: the edge answers the host 404 from now on,
 	// whatever the stop and delete take.
 	s.ingress.drop(name)
-	if inst.Config[keyClosing] == "" || unfinishedHandout(inst) {
+	rec := recordOf(inst.Config, fClosing|fIngressRouted)
+	if !rec.has(fClosing) || unfinishedHandout(inst) {
 		set := map[string]string{keyClosing: msString(s.now())}
 		if unfinishedHandout(inst) {
 			// The owner's name holds a hand-out that stopped before the
@@ -898,7 +902,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 			// so the reconciler deletes it like one.
 			set[keySchema], set[keyUniverse], set[keyEnvironment] = schemaVersion, ref.Owner.UniverseID, ref.Owner.EnvironmentID
 		}
-		if inst.Config[keyIngressRouted] != "" {
+		if rec.has(fIngressRouted) {
 			set[keyIngressRouted] = ""
 		}
 		err := s.patch(ctx, name, set)
@@ -931,7 +935,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		s.log.Warn("observing a recorded close failed; answering closing", zap.String("instance", name), zap.Error(err))
 		recorded := *inst
 		recorded.Config = maps.Clone(inst.Config)
-		if recorded.Config[keyClosing] == "" {
+		if !rec.has(fClosing) {
 			recorded.Config[keyClosing] = msString(s.now())
 		}
 		return s.observe(&recorded, ref.Owner), nil

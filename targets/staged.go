@@ -123,7 +123,7 @@ func (s *Service) finishStaged(ctx context.Context, name, wn string, op *incus.O
 			zap.String("staging", wn), zap.Error(err))
 		dctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		s.deleteWarm(dctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == name })
+		s.deleteWarm(dctx, wn, func(w *incus.Instance) bool { return claimOf(w) == name })
 		return
 	}
 	if s.warmHook != nil && s.warmHook("staged") {

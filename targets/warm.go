@@ -136,12 +136,18 @@ func (s *Service) handoutPendingNow(ctx context.Context, name string) (bool, err
 // finished. It belongs to the owner whose name it has; it is never anyone
 // else's target, and never an orphan.
 func unfinishedHandout(inst *incus.Instance) bool {
-	if !looksLikeTargetID(inst.Name) || inst.Config[keyWarm] == "" && inst.Config[keyWarmClaim] == "" {
+	if !looksLikeTargetID(inst.Name) {
+		return false
+	}
+	if r := recordOf(inst.Config, fWarm|fWarmClaim); r.Warm == "" && r.WarmClaim == "" {
 		return false
 	}
 	_, ok := ownerOf(inst)
 	return !ok
 }
+
+// claimOf is the owner's name a warm instance is claimed for ("": none).
+func claimOf(w *incus.Instance) string { return recordOf(w.Config, fWarmClaim).WarmClaim }
 
 // recipeOf digests what a template's instances are built from, apart from
 // the owner and the name.
@@ -505,7 +511,7 @@ func (s *Service) resumeClaim(ctx context.Context, wn, name string) (settled boo
 	case err != nil:
 		return false
 	case inst != nil:
-		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == name })
+		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return claimOf(w) == name })
 		return true
 	}
 	r, err := s.resumeHandout(ctx, name)
@@ -531,13 +537,14 @@ func (s *Service) claimsFor(ctx context.Context, name string, fresh bool) ([]inc
 	if !s.poolsOffered() {
 		return nil, nil
 	}
-	claimedFor := func(w *incus.Instance) bool { return isWarmName(w.Name) && w.Config[keyWarmClaim] == name }
+	claimedFor := func(w *incus.Instance) bool { return isWarmName(w.Name) && claimOf(w) == name }
 	if s.cache != nil && !fresh {
 		if out, ok := s.cache.find(claimedFor); ok {
 			return out, nil
 		}
 	}
-	listed, err := s.incus.ListInstancesWithConfig(ctx, keyWarmClaim, name)
+	key, value := claimFilter(name)
+	listed, err := s.incus.ListInstancesWithConfig(ctx, key, value)
 	if err != nil {
 		return nil, err
 	}
@@ -570,8 +577,11 @@ func (s *Service) poolsOffered() bool {
 
 // handable says a warm instance may be handed out for the template.
 func handable(w *incus.Instance, templateID, recipe string) bool {
-	return isWarmName(w.Name) && w.Config[keyWarm] == templateID && w.Config[keyWarmRecipe] == recipe &&
-		w.Config[keyWarmReady] != "" && w.Config[keyWarmClaim] == "" && w.Status == incus.InstanceStopped
+	if !isWarmName(w.Name) || w.Status != incus.InstanceStopped {
+		return false
+	}
+	r := recordOf(w.Config, fWarm|fWarmRecipe|fWarmReady|fWarmClaim)
+	return r.Warm == templateID && r.WarmRecipe == recipe && r.has(fWarmReady) && r.WarmClaim == ""
 }
 
 // finishHandout gives an unfinished hand-out (at the owner's name without
@@ -600,7 +610,7 @@ func (s *Service) discardWarm(wn, claimedFor string) {
 	s.work.spawn(func(ctx context.Context) {
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == claimedFor })
+		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return claimOf(w) == claimedFor })
 	})
 }
 
@@ -610,7 +620,7 @@ func (s *Service) deleteWarm(ctx context.Context, wn string, check func(*incus.I
 	if err != nil || !isWarmName(w.Name) || !check(w) || w.Status != incus.InstanceStopped {
 		return
 	}
-	if claim := w.Config[keyWarmClaim]; claim != "" {
+	if claim := claimOf(w); claim != "" {
 		s.log.Info("deleting a claimed warm instance", zap.String("warm", wn), zap.String("claim", claim))
 	}
 	err = s.owned(ctx, wn, func(ctx context.Context) error {
@@ -704,8 +714,9 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		if t != nil && recipes[t.Wire.TemplateID] == "" {
 			recipes[t.Wire.TemplateID] = recipeOf(templateRequest("", t))
 		}
+		r := recordOf(w.Config, fPool|fWarmClaim|fWarmClaimAt)
 		switch {
-		case w.Config[keyWarmClaim] != "":
+		case r.WarmClaim != "":
 			// Never deleted here, however old: a claimant that is alive
 			// but slow (a staged create on a loaded daemon renames seconds
 			// after its claim) may be renaming it, and Incus 6.0.4 keeps a
@@ -715,9 +726,9 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			// creates all lost). A resume renames it onto the owner's
 			// name, or deletes it once another instance holds that name,
 			// where no rename can land.
-			if !looksLikeTargetID(w.Config[keyWarmClaim]) {
+			if !looksLikeTargetID(r.WarmClaim) {
 				drop = append(drop, w) // no owner's name: no rename can be on its way
-			} else if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
+			} else if at := r.WarmClaimAt; at.IsZero() || s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
 				// Past its claimant's own method budget: a live claimant
 				// has sent its rename by now, or never will.
 				if r, backing := s.warm.resumeAfter[w.Name]; !backing || !s.now().Before(r.next) {
@@ -730,12 +741,12 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			// while the resume waits for its operation to end).
 			known[w.Name] = false
 			continue
-		case t == nil || w.Config[keyWarm] != t.Wire.TemplateID || w.Config[keyWarmRecipe] != recipes[t.Wire.TemplateID]:
+		case t == nil || r.Warm != t.Wire.TemplateID || r.WarmRecipe != recipes[t.Wire.TemplateID]:
 			drop = append(drop, w)
-		case w.Config[keyWarmReady] == "":
+		case !r.has(fWarmReady):
 			ready = append(ready, w)
 		}
-		known[w.Name] = w.Config[keyWarmReady] != "" && w.Config[keyWarmClaim] == ""
+		known[w.Name] = r.has(fWarmReady) && r.WarmClaim == ""
 	}
 	s.warm.known = known
 	s.warm.surveyed, s.warm.seen = true, len(known) > 0
@@ -746,8 +757,8 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	}
 	s.warm.mu.Unlock()
 	for _, w := range drop {
-		claim := w.Config[keyWarmClaim] // as listed: one written since keeps it
-		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return now.Config[keyWarmClaim] == claim })
+		claim := claimOf(&w) // as listed: one written since keeps it
+		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return claimOf(now) == claim })
 	}
 	for _, w := range ready {
 		// Listed without its ready mark and created by no one here: a
@@ -766,7 +777,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	// rename, and the survey (the pool's ready marks, the refill) must
 	// not wait for them.
 	for _, w := range resume {
-		wn, name := w.Name, w.Config[keyWarmClaim]
+		wn, name := w.Name, claimOf(&w)
 		s.warm.mu.Lock()
 		s.warm.resuming[wn] = true
 		s.warm.mu.Unlock()
