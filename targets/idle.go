@@ -146,7 +146,7 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 		}
 		defer release()
 		if !r.has(fClosing) {
-			if err := s.patch(ctx, t.Name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+			if err := s.patch(ctx, t.Name, change{keys: fClosing, to: record{Closing: s.now()}}.config()); err != nil {
 				return err
 			}
 		}
@@ -158,7 +158,7 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 		return fmt.Errorf("targets: idle action %s: the template does not offer %q", action, to)
 	}
 	_, _, err = s.want(ctx, t.Name, Intent{Power: to, At: s.now(), By: ByIdle},
-		map[string]string{KeyIdleSince: msString(idleSince)},
+		change{keys: fIdleSince, to: record{IdleSince: idleSince}},
 		func(_ *incus.Instance, now State) error {
 			if now.Intent != st.Intent || now.Power != st.Power {
 				return idle.ErrStale

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"strconv"
 	"sync"
 	"time"
 
@@ -198,43 +197,43 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 		return controller.Observation{}, err
 	}
 	defer unlock()
-	cur, err := s.patchIf(ctx, name, func(cur *incus.Instance) (map[string]string, error) {
+	cur, err := s.patchIf(ctx, name, func(cur *incus.Instance) (change, error) {
 		if unreadable(cur) {
-			return nil, jsonrpc.Unavailable(retryAfter, "Incus cannot read this target now (its cluster member does not answer); retry shortly.")
+			return change{}, jsonrpc.Unavailable(retryAfter, "Incus cannot read this target now (its cluster member does not answer); retry shortly.")
 		}
 		if err := checkOwned(cur, ref.Owner); err != nil {
-			return nil, err
+			return change{}, err
 		}
 		if StateOf(cur).Phase == controller.PhaseClosing {
 			if route {
-				return nil, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target is being closed; a closing target serves no public ingress.")
+				return change{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target is being closed; a closing target serves no public ingress.")
 			}
-			return nil, nil
+			return change{}, nil
 		}
 		rec := recordOf(cur.Config, fTemplate|fIngressLabel|fIngressRouted|fIngressPort)
 		if !route {
 			if !rec.has(fIngressRouted) {
-				return nil, nil
+				return change{}, nil
 			}
-			return map[string]string{keyIngressRouted: ""}, nil
+			return change{keys: fIngressRouted}, nil // to not routed: removed
 		}
 		tmpl, ok := s.catalog.Load().Get(rec.Template)
 		if !ok || !tmpl.Wire.PublicIngress {
-			return nil, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ingressUnsupported",
+			return change{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ingressUnsupported",
 				"The target's template %q does not serve public ingress; template/list says which do (publicIngress).", rec.Template)
 		}
-		set := map[string]string{}
+		var set change
 		if !ingressurl.Valid(rec.IngressLabel) {
-			set[keyIngressLabel] = ingressurl.NewLabel()
+			set.keys |= fIngressLabel
+			set.to.IngressLabel = ingressurl.NewLabel()
 		}
 		if !rec.IngressRouted {
-			set[keyIngressRouted] = "true"
+			set.keys |= fIngressRouted
+			set.to.IngressRouted = true
 		}
 		if rec.IngressPort != tmpl.IngressPort {
-			set[keyIngressPort] = strconv.Itoa(tmpl.IngressPort)
-		}
-		if len(set) == 0 {
-			return nil, nil
+			set.keys |= fIngressPort
+			set.to.IngressPort = tmpl.IngressPort
 		}
 		return set, nil
 	})
@@ -256,11 +255,11 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 	return s.observe(cur, ref.Owner), nil
 }
 
-// patchIf writes the keys decide answers (none: nothing to write) to the
+// patchIf writes the change decide answers (empty: nothing to write) to the
 // instance as read, conditional on its ETag, reading again when another
 // writer came first. It answers the instance as written. The reads and the
 // write hold the instance's gate (owner.go).
-func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.Instance) (map[string]string, error)) (*incus.Instance, error) {
+func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.Instance) (change, error)) (*incus.Instance, error) {
 	var inst *incus.Instance
 	err := s.owned(ctx, name, func(ctx context.Context) error {
 		var err error
@@ -270,7 +269,7 @@ func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.I
 	return inst, err
 }
 
-func (s *Service) patchIfHeld(ctx context.Context, name string, decide func(*incus.Instance) (map[string]string, error)) (*incus.Instance, error) {
+func (s *Service) patchIfHeld(ctx context.Context, name string, decide func(*incus.Instance) (change, error)) (*incus.Instance, error) {
 	for attempt := 0; ; attempt++ {
 		inst, etag, err := s.incus.GetInstance(ctx, name)
 		if errors.Is(err, incus.ErrNotFound) {
@@ -279,22 +278,17 @@ func (s *Service) patchIfHeld(ctx context.Context, name string, decide func(*inc
 		if err != nil {
 			return nil, err
 		}
-		set, err := decide(inst)
-		if err != nil || set == nil {
+		c, err := decide(inst)
+		if err != nil || c.empty() {
 			return inst, err
 		}
+		set := c.config()
 		err = s.incus.PatchInstanceConfigIf(ctx, name, set, etag)
 		s.listingChanged()
 		if err == nil {
 			written := *inst
 			written.Config = maps.Clone(inst.Config)
-			for k, v := range set {
-				if v == "" {
-					delete(written.Config, k)
-				} else {
-					written.Config[k] = v
-				}
-			}
+			applyPatch(written.Config, set)
 			return &written, nil
 		}
 		// Another writer came first (or Incus rewrote volatile keys), or an

@@ -62,6 +62,12 @@ func foreignLeases(leases map[string]time.Time, self string, now time.Time) int 
 	return n
 }
 
+// leaseChange writes this replica's lease on an instance: until when it
+// stands, or none to remove it.
+func (s *Service) leaseChange(until time.Time) change {
+	return change{keys: fRelays, to: record{Relays: map[string]time.Time{s.cfg.Replica: until}}}
+}
+
 // leaseTable is what this replica last wrote of its own leases.
 type leaseTable struct {
 	mu      sync.Mutex
@@ -142,7 +148,7 @@ func (s *Service) leaseOne(ctx context.Context, name string) {
 		return
 	}
 	next := now.Add(leaseTTL)
-	if err := s.patch(ctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: msString(next)}); err != nil {
+	if err := s.patch(ctx, name, s.leaseChange(next).config()); err != nil {
 		s.log.Debug("writing a relay lease failed; retrying", zap.String("instance", name), zap.Error(err))
 		return
 	}
@@ -172,7 +178,7 @@ func (s *Service) dropLeases(ctx context.Context, held map[string]bool) {
 			return
 		}
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		err := s.patch(rctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: ""})
+		err := s.patch(rctx, name, s.leaseChange(time.Time{}).config())
 		cancel()
 		if err != nil && !errors.Is(err, incus.ErrNotFound) {
 			s.log.Debug("removing a relay lease failed; retrying", zap.String("instance", name), zap.Error(err))
@@ -200,7 +206,7 @@ func (s *Service) forgetStaleLease(ctx context.Context, inst *incus.Instance) {
 	}
 	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	if err := s.patch(rctx, inst.Name, map[string]string{keyRelayPrefix + s.cfg.Replica: ""}); err != nil && !errors.Is(err, incus.ErrNotFound) {
+	if err := s.patch(rctx, inst.Name, s.leaseChange(time.Time{}).config()); err != nil && !errors.Is(err, incus.ErrNotFound) {
 		s.log.Debug("removing an earlier run's relay lease failed; retrying on the next pass", zap.String("instance", inst.Name), zap.Error(err))
 	}
 }

@@ -213,9 +213,9 @@ func (s *Service) toRunning(ctx context.Context, inst *incus.Instance) (acted bo
 // after this one (as SetPower does). A newer request found recorded
 // (ErrSuperseded) is handed to the reconciler, which carries it out.
 func (s *Service) recordWake(ctx context.Context, name string, at time.Time, clearIdle bool) error {
-	var extra map[string]string
+	var extra change
 	if clearIdle {
-		extra = map[string]string{KeyIdleSince: ""}
+		extra.keys = fIdleSince // to none: removed
 	}
 	_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: at, By: ByUse}, extra,
 		func(cur *incus.Instance, st State) error { return wakeRefused(cur, st, time.Time{}) })
@@ -268,7 +268,7 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 		return err
 	}
 	if recordOf(inst.Config, fIdleSince).has(fIdleSince) {
-		if perr := s.patch(ctx, inst.Name, map[string]string{KeyIdleSince: ""}); perr != nil {
+		if perr := s.patch(ctx, inst.Name, change{keys: fIdleSince}.config()); perr != nil {
 			s.logRetry("clearing idle-since failed", perr, zap.String("instance", inst.Name))
 		}
 	}
@@ -297,9 +297,9 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	if err != nil {
 		return controller.Observation{}, err
 	}
-	extra := map[string]string{}
+	var extra change
 	if power != controller.PowerRunning {
-		extra[KeyIdleSince] = msString(s.now())
+		extra = change{keys: fIdleSince, to: record{IdleSince: s.now()}}
 	}
 	in := Intent{Power: power, At: s.now(), By: BySetPower}
 	// Most of the answer bound may go to waiting out an Incus operation
@@ -461,7 +461,7 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 		r, ok := s.relays.Quiesce(name)
 		if !ok {
 			// A dial came after the idle loop decided: the use wins.
-			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, nil, nil)
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, change{}, nil)
 			if err != nil && !errors.Is(err, ErrSuperseded) {
 				return err
 			}
@@ -480,7 +480,7 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 			// relay of it is closed.
 			r()
 			s.progress.clear(name)
-			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: use, By: ByUse}, nil, nil)
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: use, By: ByUse}, change{}, nil)
 			if err != nil && !errors.Is(err, ErrSuperseded) {
 				return err
 			}
@@ -537,7 +537,7 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 		// yields to that use; an explicit one waits while that replica,
 		// which reads the request within leaseWatch, closes its relays.
 		if st.Intent.By == ByIdle {
-			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, nil, nil)
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, change{}, nil)
 			if err != nil && !errors.Is(err, ErrSuperseded) {
 				return err
 			}

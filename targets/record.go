@@ -456,6 +456,11 @@ func fieldOf(key string) fields {
 	return 0
 }
 
+// config is the intent's keys as written.
+func (in Intent) config() map[string]string {
+	return change{keys: fIntent, to: record{Intent: in}}.config()
+}
+
 // leaseKey is one replica's relay lease key. A reconcile pass looks for
 // this replica's own lease on every instance: the key is made once, and the
 // look is one lookup.
@@ -526,4 +531,75 @@ func policyOf(raw string) (*idlepolicy.Policy, error) {
 		}
 	}
 	return &p, nil
+}
+
+// The project's keys: one power request kept for an instance, as JSON,
+// under keyPendingPrefix and the instance's name. The project is written
+// whole (see editProject), so a request is removed by leaving its key out.
+
+// storedPending is a pending request as the project's config keeps it.
+// Extra is the instance keys written with the intent, as a config PATCH.
+type storedPending struct {
+	Power controller.Power  `json:"power"`
+	By    Requester         `json:"by"`
+	AtMs  int64             `json:"atMs"`
+	Extra map[string]string `json:"extra,omitempty"`
+}
+
+func encodePending(w pendingWrite) string {
+	raw, _ := json.Marshal(storedPending{Power: w.intent.Power, By: w.intent.By, AtMs: w.intent.At.UnixMilli(), Extra: w.extra.config()})
+	return string(raw)
+}
+
+func decodePending(v string) (pendingWrite, bool) {
+	var sp storedPending
+	if err := json.Unmarshal([]byte(v), &sp); err != nil || sp.Power == "" || sp.AtMs <= 0 {
+		return pendingWrite{}, false
+	}
+	return pendingWrite{intent: Intent{Power: sp.Power, By: sp.By, At: time.UnixMilli(sp.AtMs)}, extra: changeOf(sp.Extra)}, true
+}
+
+// pendingIn reads the request the project's config keeps for name:
+// present says its key is there at all, ok that it decodes.
+func pendingIn(config map[string]string, name string) (w pendingWrite, present, ok bool) {
+	v, present := config[keyPendingPrefix+name]
+	if !present {
+		return pendingWrite{}, false, false
+	}
+	w, ok = decodePending(v)
+	return w, true, ok
+}
+
+// putPending keeps w for name in the project's config.
+func putPending(config map[string]string, name string, w pendingWrite) {
+	config[keyPendingPrefix+name] = encodePending(w)
+}
+
+// dropPending removes name's request from the project's config.
+func dropPending(config map[string]string, name string) {
+	delete(config, keyPendingPrefix+name)
+}
+
+// pendingAll reads every request the project's config keeps, by instance;
+// bad are those that do not decode, with their text.
+func pendingAll(config map[string]string) (kept map[string]pendingWrite, bad map[string]string) {
+	for k, v := range config {
+		name, ok := strings.CutPrefix(k, keyPendingPrefix)
+		if !ok {
+			continue
+		}
+		w, ok := decodePending(v)
+		if !ok {
+			if bad == nil {
+				bad = map[string]string{}
+			}
+			bad[name] = v
+			continue
+		}
+		if kept == nil {
+			kept = map[string]pendingWrite{}
+		}
+		kept[name] = w
+	}
+	return kept, bad
 }

@@ -1,7 +1,12 @@
 package targets
 
 import (
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"maps"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -140,6 +145,28 @@ func TestRecordWireIsUnchanged(t *testing.T) {
 		t.Fatal("the idle-since key or the schema changed")
 	}
 
+	// The project's copy of a power request kept for an instance.
+	w := pendingWrite{intent: Intent{Power: controller.PowerStopped, At: time.UnixMilli(1_700_000_000_000), By: BySetPower},
+		extra: change{keys: fIdleSince, to: record{IdleSince: time.UnixMilli(1_700_000_000_000)}}}
+	project := map[string]string{"other": "kept"}
+	putPending(project, "ls-0123456789abcdef0123", w)
+	wantProject := map[string]string{"other": "kept",
+		"user.lightspeed.pending_power.ls-0123456789abcdef0123": `{"power":"stopped","by":"setPower","atMs":1700000000000,"extra":{"user.lightspeed.idle_since_ms":"1700000000000"}}`}
+	if !maps.Equal(project, wantProject) {
+		t.Fatalf("the stored request's encoding changed: %v", project)
+	}
+	back, present, ok := pendingIn(project, "ls-0123456789abcdef0123")
+	if !present || !ok || !sameIntent(back.intent, w.intent) || !maps.Equal(back.extra.config(), w.extra.config()) {
+		t.Fatalf("the stored request does not read back: %+v %v %v", back, present, ok)
+	}
+	// A request with no extra keys stores none (SetPower running).
+	if got := encodePending(pendingWrite{intent: w.intent}); got != `{"power":"stopped","by":"setPower","atMs":1700000000000}` {
+		t.Fatalf("a request without extra keys stores %s", got)
+	}
+	dropPending(project, "ls-0123456789abcdef0123")
+	if !maps.Equal(project, map[string]string{"other": "kept"}) {
+		t.Fatalf("a dropped request's key stays: %v", project)
+	}
 }
 
 // A change naming a key with its zero value writes the empty string,
@@ -197,7 +224,7 @@ func TestRecordReadsGarbageAsBefore(t *testing.T) {
 		if _, ok := parseMs(bad); ok {
 			t.Errorf("parseMs(%q) reads an instant", bad)
 		}
-		if st := StateOf(&incus.Instance{Status: incus.InstanceStopped, Config: config}); st.Phase != controller.PhaseClosing || st.Booted {
+		if st := stateOf(&incus.Instance{Status: incus.InstanceStopped}, &r); st.Phase != controller.PhaseClosing || st.Booted {
 			t.Errorf("%q: a close is read by presence and a boot by its instant: %+v", bad, st)
 		}
 		if foreignLeases(r.Relays, "r-self", time.Now()) != 0 {
@@ -232,5 +259,87 @@ func TestRecordReadsGarbageAsBefore(t *testing.T) {
 	}
 	if got := recordOf(nil, fAll); !reflect.DeepEqual(got, record{}) || !got.idleSinceIs(time.Time{}) {
 		t.Errorf("no config reads as %+v", got)
+	}
+	if kept, bad := pendingAll(map[string]string{keyPendingPrefix + "a": "{", keyPendingPrefix + "b": `{"power":"","atMs":5}`,
+		keyPendingPrefix + "c": `{"power":"running","by":"use","atMs":5}`, "user.other": "x"}); len(kept) != 1 || len(bad) != 2 || bad["a"] != "{" {
+		t.Errorf("stored requests: kept %v, bad %v", kept, bad)
+	}
+	if _, present, ok := pendingIn(map[string]string{keyPendingPrefix + "a": ""}, "a"); !present || ok {
+		t.Error("an empty stored request is not present and undecodable")
+	}
+}
+
+// Only record.go names the keys or reads an instance's config: every other
+// file of the package goes through recordOf and change.
+func TestOnlyRecordReadsTheKeys(t *testing.T) {
+	fset := token.NewFileSet()
+	rec, err := parser.ParseFile(fset, "record.go", nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := map[string]bool{}
+	for _, d := range rec.Decls {
+		g, ok := d.(*ast.GenDecl)
+		if !ok || g.Tok != token.CONST {
+			continue
+		}
+		for _, spec := range g.Specs {
+			vs := spec.(*ast.ValueSpec)
+			for i, name := range vs.Names {
+				if i < len(vs.Values) {
+					if lit, ok := vs.Values[i].(*ast.BasicLit); ok && strings.HasPrefix(lit.Value, `"user.lightspeed.`) {
+						keys[name.Name] = true
+					}
+				}
+			}
+		}
+	}
+	if len(keys) < 25 {
+		t.Fatalf("found only %d key constants in record.go", len(keys))
+	}
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	checked := 0
+	for _, name := range files {
+		if name == "record.go" || strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		checked++
+		src, err := os.ReadFile(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i := strings.Index(string(src), "user.lightspeed."); i >= 0 {
+			t.Errorf("%s:%d names a key: only record.go does", name, 1+strings.Count(string(src[:i]), "\n"))
+		}
+		f, err := parser.ParseFile(fset, name, src, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		written := map[ast.Expr]bool{}
+		ast.Inspect(f, func(n ast.Node) bool {
+			switch n := n.(type) {
+			case *ast.AssignStmt:
+				if n.Tok == token.ASSIGN {
+					for _, lhs := range n.Lhs {
+						written[lhs] = true
+					}
+				}
+			case *ast.IndexExpr:
+				if sel, ok := n.X.(*ast.SelectorExpr); ok && sel.Sel.Name == "Config" && !written[n] {
+					t.Errorf("%s: reads a Config map directly: decode it with recordOf", fset.Position(n.Pos()))
+				}
+			case *ast.Ident:
+				if keys[n.Name] {
+					t.Errorf("%s: uses the key %s: only record.go does", fset.Position(n.Pos()), n.Name)
+				}
+			}
+			return true
+		})
+	}
+	if checked < 15 {
+		t.Fatalf("checked only %d files", checked)
 	}
 }

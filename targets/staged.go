@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"maps"
 	"time"
 
 	"go.uber.org/zap"
@@ -61,7 +62,7 @@ func (s *Service) createStaged(ctx context.Context, name string, p controller.Cr
 	}
 	wn := stagingName(tmpl.Wire.TemplateID)
 	req.Name, req.Start = wn, false
-	req.Config[keyWarmClaim], req.Config[keyWarmClaimAt] = name, msString(s.now())
+	maps.Copy(req.Config, change{keys: fWarmClaim | fWarmClaimAt, to: record{WarmClaim: name, WarmClaimAt: s.now()}}.config())
 	// This process renames it itself, and its survey must not.
 	release := s.warm.hold(wn)
 	op, err := s.incus.CreateInstance(ctx, req)

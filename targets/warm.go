@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"maps"
 	"math/rand/v2"
 	"sort"
 	"strconv"
@@ -81,9 +82,6 @@ import (
 // it out), when Incus finished creating it (WarmReady), and, once claimed,
 // the owner's name a hand-out renames it to (WarmClaim, at WarmClaimAt).
 const warmPrefix = "warm-"
-
-// poolKeys mark an instance of the pool; a claim takes them off.
-var poolKeys = []string{keyWarm, keyWarmRecipe, keyWarmReady}
 
 // warmCreates bounds the pool's creates in flight across all templates:
 // on a dir pool a create is mostly disk writes, which the owners' own
@@ -323,7 +321,7 @@ func (s *Service) handout(ctx context.Context, name string, p controller.CreateP
 	if t.Warm == 0 {
 		return warmMiss
 	}
-	owner, err := s.ownerConfig(p, t)
+	owner, err := s.ownerChange(p, t)
 	if err != nil {
 		return warmMiss
 	}
@@ -346,7 +344,7 @@ func (s *Service) handout(ctx context.Context, name string, p controller.CreateP
 
 // handoutOne tries one warm instance: claim, then rename (see the top of
 // this file).
-func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[string]string, recipe string, t *templates.Template) handoutResult {
+func (s *Service) handoutOne(ctx context.Context, name, wn string, owner change, recipe string, t *templates.Template) handoutResult {
 	w, etag, err := s.incus.GetInstance(ctx, wn)
 	if errors.Is(err, incus.ErrNotFound) {
 		s.warm.forget(wn)
@@ -355,17 +353,12 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 	if err != nil || !handable(w, t.Wire.TemplateID, recipe) {
 		return warmMiss
 	}
-	claim := make(map[string]string, len(owner)+len(poolKeys)+2)
-	for k, v := range owner {
-		claim[k] = v
-	}
-	for _, k := range poolKeys {
-		claim[k] = ""
-	}
-	claim[keyWarmClaim], claim[keyWarmClaimAt] = name, msString(s.now())
+	claim := owner
+	claim.keys |= fPool | fWarmClaim | fWarmClaimAt // the pool's keys to none: removed
+	claim.to.WarmClaim, claim.to.WarmClaimAt = name, s.now()
 	devices := s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort})
 	err = s.owned(ctx, wn, func(ctx context.Context) error {
-		return s.incus.PatchInstanceIf(ctx, wn, claim, devices, etag)
+		return s.incus.PatchInstanceIf(ctx, wn, claim.config(), devices, etag)
 	})
 	s.listingChanged()
 	s.warm.forget(wn) // claimed, refused or unknown: not handable any more as far as this process knows
@@ -588,17 +581,15 @@ func handable(w *incus.Instance, templateID, recipe string) bool {
 // the owner's metadata) the owner's metadata and devices, and takes the
 // pool's keys off. Idempotent.
 func (s *Service) finishHandout(ctx context.Context, inst *incus.Instance, p controller.CreateParams, t *templates.Template) error {
-	set, err := s.ownerConfig(p, t)
+	set, err := s.ownerChange(p, t)
 	if err != nil {
 		return err
 	}
-	for _, k := range poolKeys {
-		set[k] = ""
-	}
-	set[keyWarmClaim] = inst.Name
+	set.keys |= fPool | fWarmClaim // the pool's keys to none: removed
+	set.to.WarmClaim = inst.Name
 	devices := s.dialer.Devices(guest.Target{Instance: inst.Name, Port: t.DaemonPort})
 	err = s.owned(ctx, inst.Name, func(ctx context.Context) error {
-		return s.incus.PatchInstanceIf(ctx, inst.Name, set, devices, "")
+		return s.incus.PatchInstanceIf(ctx, inst.Name, set.config(), devices, "")
 	})
 	s.listingChanged()
 	return err
@@ -766,7 +757,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		if op, err := s.operationOn(ctx, w.Name); err != nil || op != nil {
 			continue
 		}
-		if err := s.patch(ctx, w.Name, map[string]string{keyWarmReady: msString(s.now())}); err == nil {
+		if err := s.patch(ctx, w.Name, change{keys: fWarmReady, to: record{WarmReady: s.now()}}.config()); err == nil {
 			s.warm.mu.Lock()
 			s.warm.known[w.Name] = true
 			s.warm.mu.Unlock()
@@ -857,8 +848,7 @@ func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Temp
 		s.warm.kick()
 	}()
 	req := templateRequest(name, t)
-	req.Config[keyWarm] = id
-	req.Config[keyWarmRecipe] = recipeOf(templateRequest("", t))
+	maps.Copy(req.Config, change{keys: fWarm | fWarmRecipe, to: record{Warm: id, WarmRecipe: recipeOf(templateRequest("", t))}}.config())
 	req.Start = false
 	op, err := s.incus.CreateInstance(ctx, req)
 	if err == nil {
@@ -876,7 +866,7 @@ func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Temp
 		return
 	}
 	for attempt := 0; ; attempt++ {
-		err = s.patch(ctx, name, map[string]string{keyWarmReady: msString(s.now())})
+		err = s.patch(ctx, name, change{keys: fWarmReady, to: record{WarmReady: s.now()}}.config())
 		if err == nil || attempt >= 5 || !clock.Sleep(ctx, 200*time.Millisecond) {
 			break
 		}
