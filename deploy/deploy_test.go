@@ -26,6 +26,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/serve"
 	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 const (
@@ -206,6 +207,7 @@ func registered(t *testing.T) map[string]family {
 	controller.NewMetrics(r)
 	serve.NewMetrics(r)
 	routes.NewMetrics(r)
+	wake.NewMetrics(r)
 	idle.NewMetrics(r)
 	ingress.NewMetrics(r)
 	targets.NewWarmMetrics(r)

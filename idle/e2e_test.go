@@ -21,6 +21,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/incustest"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
+	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
@@ -64,16 +65,16 @@ func newE2E(t *testing.T) *e2e {
 	return &e2e{t: t, client: client, catalog: catalog, dialer: dialer}
 }
 
-// provider runs a targets service and an idle loop, as one provider
-// process does; stop ends both.
-type provider struct {
+// process runs a targets service and an idle loop, as one provider
+// process does (wired as provider.New wires them); stop ends both.
+type process struct {
 	svc  *targets.Service
 	loop *idle.Loop
 	reg  *prometheus.Registry
 	stop func()
 }
 
-func (e *e2e) start() *provider {
+func (e *e2e) start() *process {
 	log := zaptest.NewLogger(e.t)
 	svc, err := targets.New(e.client, e.catalog, e.dialer, relays.New(time.Second), log.Named("targets"),
 		targets.Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
@@ -82,7 +83,7 @@ func (e *e2e) start() *provider {
 	}
 	reg := prometheus.NewRegistry()
 	loop := idle.New(idle.Config{
-		Inventory:       svc,
+		Inventory:       provider.IdleInventory{Targets: svc},
 		Dialer:          e.dialer,
 		Metrics:         idle.NewMetrics(reg),
 		Log:             log.Named("idle"),
@@ -98,7 +99,7 @@ func (e *e2e) start() *provider {
 	var once sync.Once
 	stop := func() { once.Do(func() { cancel(); wg.Wait() }) }
 	e.t.Cleanup(stop)
-	return &provider{svc: svc, loop: loop, reg: reg, stop: stop}
+	return &process{svc: svc, loop: loop, reg: reg, stop: stop}
 }
 
 func owner(env string) controller.Owner {

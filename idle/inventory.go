@@ -40,8 +40,9 @@ type Target struct {
 	IdleSince time.Time
 }
 
-// Inventory is what the loop asks of the provider's targets. The targets
-// package implements it on Incus.
+// Inventory is what the loop asks of the provider's targets:
+// provider.IdleInventory puts the targets package's own terms in the
+// loop's.
 type Inventory interface {
 	// IdleTargets lists every target the provider owns, whatever its phase
 	// (the loop keeps the targets gauge from it).

@@ -21,12 +21,11 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
-	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/clock"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/relays"
-	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // Targets is what the edge asks of the targets: *targets.Service.
@@ -36,21 +35,27 @@ type Targets interface {
 	// ResolveRoute fences and reads the target (one Incus call); the edge
 	// asks only for a target it has not seen serve since its last power
 	// change.
-	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error)
+	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (targets.Route, error)
 	// PowerDownPending: a request arriving at at that finds the target
 	// running goes through the shared wake (see targets.Service).
-	PowerDownPending(inst *incus.Instance, at time.Time) bool
+	PowerDownPending(r targets.Route, at time.Time) bool
 }
 
-// Waker is the data routes' shared wake: *routes.Handler.
+// Waker is the one wake of each target, which the data routes' dials
+// share too: *wake.Waker.
 type Waker interface {
-	WakeForUse(ctx context.Context, owner controller.Owner, inst *incus.Instance, obs controller.Observation, arrived time.Time) *routes.Refusal
+	WakeForUse(ctx context.Context, r targets.Route, arrived time.Time) *wake.Refusal
 }
 
 var (
 	_ Targets = (*targets.Service)(nil)
-	_ Waker   = (*routes.Handler)(nil)
+	_ Waker   = (*wake.Waker)(nil)
 )
+
+// MaxHold is the longest a request is held while its target wakes: the
+// bound the contract sets a data-route dial, kept by a browser's request
+// too, so that neither waits on a wake longer than the other.
+const MaxHold = 5 * time.Second
 
 // Options configure the edge.
 type Options struct {
@@ -62,7 +67,7 @@ type Options struct {
 	Metrics *Metrics
 	Log     *zap.Logger
 	// Hold bounds how long a request waits for its target to wake (default
-	// and most: routes.MaxHold, the contract's bound for data routes).
+	// and most: MaxHold).
 	Hold time.Duration
 	// Stall bounds a client's silence while it sends its body or reads
 	// its answer (default DefaultStall).
@@ -94,8 +99,8 @@ func New(opts Options) (*Edge, error) {
 	if opts.Targets == nil || opts.Waker == nil || opts.Dialer == nil || opts.Relays == nil || opts.Base.String() == "" {
 		return nil, errors.New("ingress: Targets, Waker, Dialer, Relays and Base are required")
 	}
-	if opts.Hold <= 0 || opts.Hold > routes.MaxHold {
-		opts.Hold = routes.MaxHold
+	if opts.Hold <= 0 || opts.Hold > MaxHold {
+		opts.Hold = MaxHold
 	}
 	if opts.Log == nil {
 		opts.Log = zap.NewNop()
@@ -293,7 +298,7 @@ func (e *Edge) admit(ctx context.Context, route targets.IngressRoute) (*relays.T
 
 // wake reads the target and wakes it when it is powered down; 0 when it serves.
 func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived time.Time) (int, time.Duration) {
-	inst, obs, err := e.opts.Targets.ResolveRoute(ctx, route.Owner, route.Instance)
+	rt, err := e.opts.Targets.ResolveRoute(ctx, route.Owner, route.Instance)
 	switch {
 	case errors.Is(err, targets.ErrRouteGone) || errors.Is(err, targets.ErrRouteOwner):
 		return http.StatusNotFound, 0
@@ -303,7 +308,7 @@ func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived tim
 		}
 		return http.StatusServiceUnavailable, 2 * time.Second
 	}
-	switch obs.Phase {
+	switch rt.Observation.Phase {
 	case controller.PhaseClosing, controller.PhaseClosed:
 		return http.StatusNotFound, 0
 	case controller.PhaseFailed:
@@ -311,21 +316,21 @@ func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived tim
 	case controller.PhaseUnknown:
 		return http.StatusServiceUnavailable, 5 * time.Second
 	}
-	if inst.Status.Running() && !e.opts.Targets.PowerDownPending(inst, arrived) {
-		e.markReady(inst.Name)
+	if rt.State == targets.RouteRunning && !e.opts.Targets.PowerDownPending(rt, arrived) {
+		e.markReady(rt.Name)
 		return 0, 0
 	}
-	ref := e.opts.Waker.WakeForUse(ctx, route.Owner, inst, obs, arrived)
+	ref := e.opts.Waker.WakeForUse(ctx, rt, arrived)
 	took := time.Since(arrived)
 	switch {
 	case ref == nil:
 		e.opts.Metrics.wake(wakeReady, took)
-		e.markReady(inst.Name)
+		e.markReady(rt.Name)
 		return 0, 0
-	case ref.State == routes.StateGone:
+	case ref.State == wake.StateGone:
 		e.opts.Metrics.wake(wakeGone, took)
 		return http.StatusNotFound, 0
-	case ref.State == routes.StateFailed:
+	case ref.State == wake.StateFailed:
 		e.opts.Metrics.wake(wakeFailed, took)
 		return http.StatusBadGateway, 0
 	}

@@ -17,11 +17,10 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
-	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/relays"
-	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // The edge against fakes of the targets and the wake, with a loopback
@@ -30,7 +29,7 @@ import (
 
 type fakeTargets struct {
 	routes   map[string]targets.IngressRoute
-	status   incus.InstanceStatus
+	state    targets.RouteState
 	resolves atomic.Int32
 }
 
@@ -39,25 +38,23 @@ func (f *fakeTargets) IngressLookup(label string) (targets.IngressRoute, bool) {
 	return r, ok
 }
 
-func (f *fakeTargets) PowerDownPending(inst *incus.Instance, _ time.Time) bool {
-	return targets.StateOf(inst).PowerPending()
-}
+func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool { return false }
 
-func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, id string) (*incus.Instance, controller.Observation, error) {
+func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, id string) (targets.Route, error) {
 	f.resolves.Add(1)
 	o := controller.Observation{TargetID: id, Owner: owner, Phase: controller.PhaseActive, Power: controller.PowerRunning}
-	if f.status == incus.InstanceFrozen {
+	if f.state == targets.RoutePaused {
 		o.Power = controller.PowerPaused
 	}
-	return &incus.Instance{Name: id, Status: f.status, Config: map[string]string{}}, o, nil
+	return targets.Route{Name: id, Owner: owner, State: f.state, Observation: o}, nil
 }
 
 type fakeWaker struct {
-	refusal *routes.Refusal
+	refusal *wake.Refusal
 	wakes   atomic.Int32
 }
 
-func (w *fakeWaker) WakeForUse(context.Context, controller.Owner, *incus.Instance, controller.Observation, time.Time) *routes.Refusal {
+func (w *fakeWaker) WakeForUse(context.Context, targets.Route, time.Time) *wake.Refusal {
 	w.wakes.Add(1)
 	return w.refusal
 }
@@ -102,7 +99,7 @@ func newEdgeRigTo(t *testing.T, addr string, stall time.Duration) *edgeRig {
 		t.Fatal(err)
 	}
 	label := ingressurl.NewLabel()
-	tg := &fakeTargets{status: incus.InstanceRunning, routes: map[string]targets.IngressRoute{
+	tg := &fakeTargets{state: targets.RouteRunning, routes: map[string]targets.IngressRoute{
 		label: {Instance: instance, Owner: controller.Owner{UniverseID: "u", EnvironmentID: "e"}, Port: 8080},
 	}}
 	wk := &fakeWaker{}
@@ -177,13 +174,13 @@ func TestProxySetsForwardingHeadersAndReadsTheTargetOnce(t *testing.T) {
 
 func TestAWakeThatRunsOutAnswers503WithRetryAfter(t *testing.T) {
 	r := newEdgeRig(t, http.NotFoundHandler())
-	r.tg.status = incus.InstanceFrozen
-	r.wk.refusal = &routes.Refusal{State: routes.StateWaking, RetryAfter: 3 * time.Second}
+	r.tg.state = targets.RoutePaused
+	r.wk.refusal = &wake.Refusal{State: wake.StateWaking, RetryAfter: 3 * time.Second}
 	resp, body := r.get(t, r.label+".env.example.com", "/", nil)
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "3" || !strings.Contains(body, "waking") {
 		t.Fatalf("got %d, Retry-After %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
 	}
-	r.wk.refusal = &routes.Refusal{State: routes.StateGone}
+	r.wk.refusal = &wake.Refusal{State: wake.StateGone}
 	if resp, _ := r.get(t, r.label+".env.example.com", "/", nil); resp.StatusCode != http.StatusNotFound {
 		t.Fatalf("a target gone while it woke: %d", resp.StatusCode)
 	}

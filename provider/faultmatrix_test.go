@@ -17,7 +17,7 @@ import (
 // dialing, close until closed). Every answer is bounded and typed, the life
 // completes once the fault has passed, and nothing is left in Incus.
 func TestFaultMatrix(t *testing.T) {
-	r, proxy := faultRig(t)
+	t.Parallel()
 	calls := []struct{ method, path string }{
 		{"POST", "/1.0/instances"},
 		{"GET", "/1.0/instances/*"},
@@ -34,31 +34,37 @@ func TestFaultMatrix(t *testing.T) {
 		{Fault: incusfault.Delay, Delay: 3 * time.Second, Times: 1},
 		{Fault: incusfault.BlackHole, Times: 1},
 	}
-	n := 0
-	for _, c := range calls {
-		for _, f := range faults {
-			rule := f
-			rule.Method, rule.Path = c.method, c.path
-			n++
-			owner := controller.Owner{UniverseID: "u-matrix", EnvironmentID: fmt.Sprintf("env-%02d", n)}
-			id := proxy.Add(rule)
-			if err := life(r, owner); err != nil {
-				t.Errorf("%s: %v", rule, err)
+	// One provider and one fault proxy per kind of call, the kinds at once:
+	// a rule matches every call of its kind through its proxy, so only
+	// lives on separate proxies can run side by side. Within a kind the
+	// lives run one after another, each fault alone.
+	for ci, c := range calls {
+		t.Run(c.method+" "+c.path, func(t *testing.T) {
+			t.Parallel()
+			r, proxy := faultRig(t)
+			for fi, f := range faults {
+				rule := f
+				rule.Method, rule.Path = c.method, c.path
+				owner := controller.Owner{UniverseID: "u-matrix", EnvironmentID: fmt.Sprintf("env-%02d", ci*len(faults)+fi+1)}
+				id := proxy.Add(rule)
+				if err := life(r, owner); err != nil {
+					t.Errorf("%s: %v", rule, err)
+				}
+				hits := proxy.Hits(id)
+				proxy.Remove(id)
+				t.Logf("%s: hit %d times", rule, hits)
+				if hits == 0 {
+					t.Errorf("%s: the fault was never hit, so this life tested nothing of it", rule)
+				}
 			}
-			hits := proxy.Hits(id)
-			proxy.Remove(id)
-			t.Logf("%s: hit %d times", rule, hits)
-			if hits == 0 {
-				t.Errorf("%s: the fault was never hit, so this life tested nothing of it", rule)
+			list, err := r.client.ListInstances(r.ctx())
+			if err != nil {
+				t.Fatal(err)
 			}
-		}
-	}
-	list, err := r.client.ListInstances(r.ctx())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(list) != 0 {
-		t.Fatalf("%d instances left after every life ended", len(list))
+			if len(list) != 0 {
+				t.Fatalf("%d instances left after every life ended", len(list))
+			}
+		})
 	}
 }
 

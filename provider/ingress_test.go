@@ -24,6 +24,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/routes"
 )
 
@@ -100,6 +101,7 @@ func wantRPC(t *testing.T, err error, kind jsonrpc.Kind, reason string) {
 }
 
 func TestIngress(t *testing.T) {
+	t.Parallel()
 	r := newRig(t, rigOptions{})
 	web := r.create("ingress-web", "web")
 	plain := r.create("ingress-plain", "t1")
@@ -291,11 +293,12 @@ func TestIngress(t *testing.T) {
 		stream, cancel := r.openEvents(t, endpoint)
 		defer cancel()
 		stream()
-		it, ok, err := r.p.Targets.IdleTarget(r.ctx(), web.TargetID)
+		inv := provider.IdleInventory{Targets: r.p.Targets}
+		it, ok, err := inv.IdleTarget(r.ctx(), web.TargetID)
 		if err != nil || !ok {
 			t.Fatalf("IdleTarget: %v %v", ok, err)
 		}
-		if err := r.p.Targets.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now()); !errors.Is(err, idle.ErrRelayOpen) {
+		if err := inv.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now()); !errors.Is(err, idle.ErrRelayOpen) {
 			t.Fatalf("an idle pause under an ingress stream: %v", err)
 		}
 		if _, err := r.setPower(web.Owner, controller.PowerPaused); err != nil {
@@ -451,6 +454,7 @@ func (r *rig) edgeWebSocket(t *testing.T, endpoint string) *websocket.Conn {
 }
 
 func TestIngressManyOwnersAtOnce(t *testing.T) {
+	t.Parallel()
 	r := newRig(t, rigOptions{})
 	const n = 12
 	rts := make([]routes.Route, n)

@@ -45,6 +45,17 @@ type killProc struct {
 	cmd  *exec.Cmd
 	addr string
 	log  string
+	// done closes when the process has exited and been waited for.
+	done chan struct{}
+}
+
+func (p *killProc) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
 }
 
 type killHarness struct {
@@ -77,7 +88,7 @@ func (h *killHarness) start(round int) {
 		h.t.Fatal(err)
 	}
 	cmd := exec.Command(h.bin)
-	cmd.Env = append(os.Environ(),
+	cmd.Env = append(childEnv(),
 		"PROVIDER_LISTEN="+h.addr, "PROVIDER_METRICS_LISTEN=off", "PROVIDER_INGRESS_LISTEN=off",
 		"PROVIDER_TEMPLATES="+h.templates, "PROVIDER_CREDENTIAL_FILE="+filepath.Join(h.dir, "credential"),
 		"INCUS_SOCKET="+incustest.Socket(), "INCUS_PROJECT="+h.project,
@@ -87,19 +98,35 @@ func (h *killHarness) start(round int) {
 		h.t.Fatal(err)
 	}
 	_ = logf.Close()
-	h.proc = &killProc{cmd: cmd, addr: h.addr, log: logPath}
+	h.proc = &killProc{cmd: cmd, addr: h.addr, log: logPath, done: make(chan struct{})}
+	go func(p *killProc) { _ = p.cmd.Wait(); close(p.done) }(h.proc)
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		if c, err := net.DialTimeout("tcp", h.addr, 200*time.Millisecond); err == nil {
 			_ = c.Close()
 			return
 		}
-		if time.Now().After(deadline) {
+		if time.Now().After(deadline) || h.proc.exited() {
 			out, _ := os.ReadFile(logPath)
-			h.t.Fatalf("the provider did not listen within 30 s:\n%s", out)
+			h.t.Fatalf("the provider did not listen (exited: %v) within 30 s:\n%s", h.proc.exited(), out)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// childEnv is this test's environment without the provider's own settings
+// (INCUS_*, PROVIDER_*): a provider process started here takes exactly
+// the settings its test gives it, whatever the shell that ran go test
+// exported (the cluster rig's INCUS_URL, say).
+func childEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "INCUS_") || strings.HasPrefix(kv, "PROVIDER_") {
+			continue
+		}
+		env = append(env, kv)
+	}
+	return env
 }
 
 // logsOf prints every provider log line, from every round, that names the
@@ -152,7 +179,7 @@ func (h *killHarness) kill() {
 		return
 	}
 	_ = h.proc.cmd.Process.Signal(syscall.SIGKILL)
-	_ = h.proc.cmd.Wait()
+	<-h.proc.done
 	h.proc = nil
 }
 
@@ -338,6 +365,7 @@ func TestKillMatrix(t *testing.T) { killMatrix(t, 0) }
 func TestKillMatrixWithAWarmPool(t *testing.T) { killMatrix(t, 4) }
 
 func killMatrix(t *testing.T, warm int) {
+	t.Parallel()
 	seed := testSeed(t)
 	t.Logf("kill matrix seed %d (PROVIDER_TEST_SEED replays it; rounds of %d owners; warm pool %d)", seed, killOwners, warm)
 	rng := rand.New(rand.NewPCG(uint64(seed), 7))

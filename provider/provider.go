@@ -1,6 +1,6 @@
 // Package provider assembles the service from its parts: the targets on
-// Incus and their reconciler, the relay registry, the data routes, the idle
-// loop and the controller plane. It is the one wiring of them: the command,
+// Incus and their reconciler, the relay registry, the wake, the data
+// routes, the public ingress edge, the idle loop and the controller plane. It is the one wiring of them: the command,
 // the benchmarks and the integration tests all build the provider here, so
 // a test runs the provider that ships.
 package provider
@@ -28,6 +28,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // Config is what the provider is built from. Incus, Catalog (resolved) and
@@ -69,9 +70,9 @@ type Config struct {
 	// IngressBase is the public ingress edge's base URL; nil serves no
 	// public ingress (the capability is not advertised).
 	IngressBase *ingressurl.Base
-	// RouteWakeTrace is the data routes' wake trace hook
-	// (routes.Options.WakeTrace): a benchmark's view of each wake.
-	RouteWakeTrace func(routes.WakeTrace)
+	// WakeTrace is the wake's trace hook (wake.Options.Trace): a
+	// benchmark's view of each wake a data-route dial started.
+	WakeTrace func(wake.Trace)
 }
 
 // DefaultDecodeBudget is the default decode budget: four messages of the
@@ -82,6 +83,7 @@ const DefaultDecodeBudget = 64 << 20
 type Provider struct {
 	Targets *targets.Service
 	Relays  *relays.Registry
+	Wake    *wake.Waker
 	Routes  *routes.Handler
 	Idle    *idle.Loop
 	Control *controller.Handler
@@ -125,6 +127,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		return nil, err
 	}
 	var (
+		wakeMetrics  *wake.Metrics
 		routeMetrics *routes.Metrics
 		idleMetrics  *idle.Metrics
 		ctrlMetrics  *controller.Metrics
@@ -134,13 +137,21 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		if cfg.IngressBase != nil {
 			edgeMetrics = ingress.NewMetrics(cfg.Metrics)
 		}
+		wakeMetrics = wake.NewMetrics(cfg.Metrics)
 		routeMetrics = routes.NewMetrics(cfg.Metrics)
 		idleMetrics = idle.NewMetrics(cfg.Metrics)
 		ctrlMetrics = controller.NewMetrics(cfg.Metrics)
 	}
 	ctx, cancel := context.WithCancel(ctx)
+	wk, err := wake.New(ctx, wake.Options{Targets: svc, Dialer: cfg.Dialer, Relays: reg, Metrics: wakeMetrics,
+		Log: log.Named("wake"), Trace: cfg.WakeTrace})
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("wake: %w", err)
+	}
 	rh, err := routes.New(ctx, routes.Options{
 		Targets:     svc,
+		Wake:        wk,
 		Dialer:      cfg.Dialer,
 		Relays:      reg,
 		Credential:  cfg.Credential,
@@ -148,7 +159,6 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		Log:         log.Named("routes"),
 		IdleTimeout: cfg.RelayIdleTimeout,
 		MaxHeld:     cfg.RouteMaxHeld,
-		WakeTrace:   cfg.RouteWakeTrace,
 	})
 	if err != nil {
 		cancel()
@@ -156,14 +166,14 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	}
 	var edge *ingress.Edge
 	if cfg.IngressBase != nil {
-		edge, err = ingress.New(ingress.Options{Targets: svc, Waker: rh, Dialer: cfg.Dialer, Relays: reg,
+		edge, err = ingress.New(ingress.Options{Targets: svc, Waker: wk, Dialer: cfg.Dialer, Relays: reg,
 			Base: *cfg.IngressBase, Metrics: edgeMetrics, Log: log.Named("ingress")})
 		if err != nil {
 			cancel()
 			return nil, fmt.Errorf("ingress edge: %w", err)
 		}
 	}
-	loop := idle.New(idle.Config{Inventory: svc, Dialer: cfg.Dialer, Metrics: idleMetrics, Log: log.Named("idle")})
+	loop := idle.New(idle.Config{Inventory: IdleInventory{Targets: svc}, Dialer: cfg.Dialer, Metrics: idleMetrics, Log: log.Named("idle")})
 	budget := cfg.DecodeBudget
 	if budget <= 0 {
 		budget = DefaultDecodeBudget
@@ -184,7 +194,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	mux.Handle("/control", ctrl)
 	mux.Handle("/{$}", ctrl)
 	mux.Handle(rh.Prefix()+"/", rh)
-	return &Provider{Targets: svc, Relays: reg, Routes: rh, Idle: loop, Control: ctrl, Ingress: edge,
+	return &Provider{Targets: svc, Relays: reg, Wake: wk, Routes: rh, Idle: loop, Control: ctrl, Ingress: edge,
 		log: log, handler: mux, cancel: cancel, ctx: ctx}, nil
 }
 

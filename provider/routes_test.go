@@ -13,11 +13,13 @@ import (
 	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/routes"
 	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
 func TestRoutes(t *testing.T) {
+	t.Parallel()
 	r := newRig(t, rigOptions{})
 	a := r.create("env-a", "t1")
 	b := r.create("env-b", "t1")
@@ -106,11 +108,12 @@ func TestRoutes(t *testing.T) {
 	t.Run("no idle power-down under a relay; an explicit one closes it with going-away", func(t *testing.T) {
 		ws := r.mustUpgrade(a)
 		// What the idle loop would do: refused.
-		it, ok, err := r.p.Targets.IdleTarget(r.ctx(), a.TargetID)
+		inv := provider.IdleInventory{Targets: r.p.Targets}
+		it, ok, err := inv.IdleTarget(r.ctx(), a.TargetID)
 		if err != nil || !ok {
 			t.Fatalf("IdleTarget: %v %v", ok, err)
 		}
-		err = r.p.Targets.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now())
+		err = inv.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now())
 		if !errors.Is(err, targets.ErrRelayOpen) || !errors.Is(err, idle.ErrRelayOpen) {
 			t.Fatalf("an idle pause under a relay: %v", err)
 		}

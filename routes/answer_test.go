@@ -9,12 +9,12 @@ import (
 	"time"
 
 	"github.com/gorilla/websocket"
-	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // The tests below put daemons that answer initialize without a data-plane
@@ -84,28 +84,6 @@ func initializeRaw(t *testing.T, ws *websocket.Conn) (map[string]json.RawMessage
 	return resp.Result, resp.Error
 }
 
-// wakeSamples counts the wakes observed with outcome, from any power.
-func wakeSamples(t *testing.T, m *Metrics, outcome string) uint64 {
-	t.Helper()
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(m.wakes)
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var n uint64
-	for _, mf := range mfs {
-		for _, s := range mf.GetMetric() {
-			for _, l := range s.GetLabel() {
-				if l.GetName() == "outcome" && l.GetValue() == outcome {
-					n += s.GetHistogram().GetSampleCount()
-				}
-			}
-		}
-	}
-	return n
-}
-
 func TestRouteRelaysADaemonOfAnotherVersion(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	r := newHandlerRig(t, func(o *Options) { o.Log = zap.New(core) })
@@ -124,15 +102,15 @@ func TestRouteRelaysADaemonOfAnotherVersion(t *testing.T) {
 		}
 		ws.Close()
 		// A power change forgets readiness: the next dial probes again.
-		r.h.ready.forget(testInstance)
+		r.wake.Unready(testInstance)
 	}
 	if got := dialCount(r.metrics, OutcomeUpgraded); got != 2 {
 		t.Fatalf("upgraded dials %v, want 2", got)
 	}
-	if got := wakeSamples(t, r.metrics, "incompatible"); got != 2 {
+	if got := r.wakeSamples(t, "incompatible"); got != 2 {
 		t.Fatalf("wakes counted incompatible %d, want 2", got)
 	}
-	if got := wakeSamples(t, r.metrics, "ready"); got != 0 {
+	if got := r.wakeSamples(t, "ready"); got != 0 {
 		t.Fatalf("wakes counted ready %d, want 0: the daemon is of another version", got)
 	}
 	// One line for the operator, naming both versions, however many probes.
@@ -190,7 +168,7 @@ func TestRouteRelaysOtherAnswersToInitialize(t *testing.T) {
 			defer ws.Close()
 			result, rpcErr := initializeRaw(t, ws)
 			tc.check(t, result, rpcErr)
-			if got := wakeSamples(t, r.metrics, "incompatible"); got != 1 {
+			if got := r.wakeSamples(t, "incompatible"); got != 1 {
 				t.Fatalf("wakes counted incompatible %d, want 1", got)
 			}
 		})
@@ -238,20 +216,20 @@ func TestRouteKeepsADaemonThatDoesNotAnswerBooting(t *testing.T) {
 			tc.setup(t, r.guest)
 			r.guest.mu.Unlock()
 			d := r.dialRoute(ownRoute, "")
-			if d.Refusal == nil || d.Refusal.State != string(StateBooting) || d.Refusal.RetryAfter != time.Second {
+			if d.Refusal == nil || d.Refusal.State != string(wake.StateBooting) || d.Refusal.RetryAfter != time.Second {
 				t.Fatalf("got %+v, want booting with Retry-After 1 s", d)
 			}
 			if d.Elapsed > hold {
 				t.Fatalf("refused after %s, later than the hold %s", d.Elapsed, hold)
 			}
-			if r.h.ready.ok(testInstance) {
+			if r.wake.Ready(testInstance) {
 				t.Fatal("a daemon that did not answer was marked ready")
 			}
 			if n := r.guest.dials.Load(); n < 1 {
 				t.Fatal("the daemon was never probed")
 			}
 			for _, o := range []string{"ready", "incompatible"} {
-				if got := wakeSamples(t, r.metrics, o); got != 0 {
+				if got := r.wakeSamples(t, o); got != 0 {
 					t.Fatalf("wakes counted %s %d, want 0", o, got)
 				}
 			}

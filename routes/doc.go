@@ -10,18 +10,19 @@
 //  3. Fence: targets.Service.ResolveRoute. A target id that is not the
 //     owner's own target reaches nothing: it is refused (410 gone) without a
 //     single Incus call, whatever that target's state.
-//  4. Wake: a paused target is unfrozen, a stopped one started (a suspended
-//     one restored), through targets.Service.Wake. Concurrent dials of one
-//     target share one wake (a "flight"); the dial is held while the target
-//     resumes and its daemon starts answering, proved by a data-plane
-//     initialize (internal/envd.Handshake) on the provider's own connection
-//     through the GuestDialer, never by a TCP connect (a frozen guest's
-//     kernel accepts those). Any well-formed answer to that initialize
-//     proves the daemon there, versionMismatch or a result of another plane
-//     included: the dial is relayed, so that the runtime's own handshake
-//     meets the answer and fails the environment naming both versions.
-//     A running target whose daemon was proved ready, and whose power has
-//     not changed since, is dialed at once.
+//  4. Wake: a dial that finds its target powered down (or running with a
+//     power-down pending) joins the target's one wake (package wake, a
+//     "flight" shared with every other dial and public ingress request of
+//     it): a paused target is unfrozen, a stopped one started (a suspended
+//     one restored), through targets.Service.Wake; the dial is held while
+//     the target resumes and its daemon starts answering, proved by a
+//     data-plane initialize on the provider's own connection, never by a
+//     TCP connect. Any well-formed answer to that initialize proves the
+//     daemon there, versionMismatch or a result of another plane included:
+//     the dial is relayed, so that the runtime's own handshake meets the
+//     answer and fails the environment naming both versions. A running
+//     target whose daemon was proved ready, and whose power has not changed
+//     since, is dialed at once.
 //  5. Refuse: everything from the request's arrival to the upgrade or the
 //     refusal, Incus calls included, is bounded by the hold (5 s at most,
 //     MaxHold). A dial that cannot be upgraded in time gets the spec's typed
@@ -49,8 +50,9 @@
 // dial's arrival, so a power change asked after the dial wins over it.
 //
 // What this package may touch: the HTTP request and its hijacked connection;
-// Incus only through targets.Service (ResolveRoute reads one instance; Wake
-// records a request for running and carries it out); guests only through the guest.Dialer it is given. It never
-// edits instance metadata itself and never dials any address of its own
-// choosing.
+// Incus only through targets.Service (ResolveRoute reads one target into a
+// targets.Route, which is all the package decides on) and the wake (which
+// records a request for running and carries it out); guests only through
+// the guest.Dialer it is given. It never edits instance metadata itself and
+// never dials any address of its own choosing.
 package routes

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -14,27 +13,22 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
-	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
-	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
-	"github.com/lightspeed-dev/incus-provider/internal/envd"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // Targets is what the data routes ask of the targets: *targets.Service.
 type Targets interface {
-	// ResolveRoute fences the route (see targets.Service.ResolveRoute).
-	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error)
-	// Wake unfreezes a paused target or starts a stopped or suspended one
-	// at once, and records the dial's request for running, made at its
-	// arrival, right after (see targets.Service.Wake).
-	Wake(ctx context.Context, inst *incus.Instance, at time.Time) (controller.Power, error)
+	// ResolveRoute fences the route and reads the target (see
+	// targets.Service.ResolveRoute).
+	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (targets.Route, error)
 	// PowerDownPending says a power-down asked before at, recorded or
 	// kept until Incus takes it, is not carried out yet: a dial made at
-	// at replaces it through Wake.
-	PowerDownPending(inst *incus.Instance, at time.Time) bool
+	// at replaces it through the wake.
+	PowerDownPending(r targets.Route, at time.Time) bool
 }
 
 var _ Targets = (*targets.Service)(nil)
@@ -42,7 +36,10 @@ var _ Targets = (*targets.Service)(nil)
 // Options configure the data routes. Zero values take the defaults.
 type Options struct {
 	Targets Targets
-	Dialer  guest.Dialer
+	// Wake is the process's one wake of each target, shared with the
+	// public ingress: a dial that finds its target powered down joins it.
+	Wake   *wake.Waker
+	Dialer guest.Dialer
 	// Relays is the process's relay registry, shared with the targets:
 	// every dial and relay is entered in it.
 	Relays     *relays.Registry
@@ -59,20 +56,6 @@ type Options struct {
 	IdleTimeout time.Duration
 	// MaxHeld caps the dials held at once while targets wake (default 256).
 	MaxHeld int
-	// WakeBudget bounds a wake and its readiness probe, which go on after
-	// the dials that asked for them were refused (default 30 s).
-	WakeBudget time.Duration
-	// ClientInfo is what the readiness probe's initialize says of the
-	// provider (default: incus-provider and its build).
-	ClientInfo envd.ClientInfo
-	// Port is the daemon's port on an instance (default targets.DaemonPort,
-	// guest.DefaultPort when the instance records none).
-	Port func(*incus.Instance) int
-	// WakeTrace, when set, is given the trace of every flight that ends
-	// with the daemon answering (see WakeTrace), on the goroutine of the
-	// dial or the flight, after the dial's relay has started: it must
-	// return quickly. The trace is the hook's to keep. Nil records nothing.
-	WakeTrace func(WakeTrace)
 
 	// maxMessage overrides the message limit (tests only).
 	maxMessage uint64
@@ -92,23 +75,20 @@ type Handler struct {
 	log     *zap.Logger
 	metrics *Metrics
 	reg     *relays.Registry
-	ready   *readiness
+	wake    *wake.Waker
 	guarded http.Handler
 	relay   relayConfig
 	// closed is closed once every relay got its going-away close at shutdown.
 	closed chan struct{}
 
 	held atomic.Int64
-
-	fmu     sync.Mutex
-	flights map[string]*flight
 }
 
 // New checks the options and builds the handler. ctx bounds everything it
 // serves: when it ends, every relay is closed with a going-away frame.
 func New(ctx context.Context, opts Options) (*Handler, error) {
-	if opts.Targets == nil || opts.Dialer == nil || opts.Relays == nil {
-		return nil, errors.New("routes: Targets, Dialer and Relays are required")
+	if opts.Targets == nil || opts.Wake == nil || opts.Dialer == nil || opts.Relays == nil {
+		return nil, errors.New("routes: Targets, Wake, Dialer and Relays are required")
 	}
 	if opts.Prefix == "" {
 		opts.Prefix = DefaultPrefix
@@ -132,20 +112,6 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 		opts.MaxHeld = DefaultMaxHeld
 	}
 	opts.Metrics.setHeldMax(opts.MaxHeld)
-	if opts.WakeBudget <= 0 {
-		opts.WakeBudget = 30 * time.Second
-	}
-	if opts.ClientInfo.Name == "" {
-		opts.ClientInfo = buildinfo.Describe("incus-provider")
-	}
-	if opts.Port == nil {
-		opts.Port = func(inst *incus.Instance) int {
-			if p := targets.DaemonPort(inst); p > 0 {
-				return p
-			}
-			return guest.DefaultPort
-		}
-	}
 	if opts.Log == nil {
 		opts.Log = zap.NewNop()
 	}
@@ -157,8 +123,7 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 		ctx:     ctx,
 		log:     opts.Log,
 		metrics: opts.Metrics,
-		ready:   newReadiness(),
-		flights: map[string]*flight{},
+		wake:    opts.Wake,
 		relay: relayConfig{
 			maxMessage: opts.maxMessage,
 			idle:       opts.IdleTimeout,
@@ -167,7 +132,6 @@ func New(ctx context.Context, opts Options) (*Handler, error) {
 		},
 	}
 	h.reg = opts.Relays
-	h.reg.OnPowerChange(h.ready.forget)
 	h.guarded = opts.Credential.Require(http.HandlerFunc(h.serve), func(*http.Request) {
 		h.metrics.dial(OutcomeUnauthorized, 0)
 	})
@@ -227,14 +191,14 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
 		h.metrics.dial(outcome, time.Since(arrived))
 		h.log.Debug("data route refused", zap.String("target", route.TargetID), zap.String("outcome", outcome),
 			zap.String("state", string(ref.State)), zap.Duration("after", time.Since(arrived)))
-		ref.Write(w)
+		writeRefusal(w, ref)
 		return
 	}
 	conn, early, err := acceptClient(w, r, arrived.Add(h.opts.Hold))
 	if err != nil {
 		link.close()
 		h.metrics.dial(OutcomeAborted, time.Since(arrived))
-		h.reportTrace(link.trace)
+		h.wake.Report(link.trace)
 		return
 	}
 	if link.trace != nil {
@@ -249,7 +213,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
 	h.metrics.relayOpened()
 	h.metrics.dial(OutcomeUpgraded, time.Since(arrived))
 	rl.start()
-	h.reportTrace(link.trace)
+	h.wake.Report(link.trace)
 	// The relay runs on its own goroutines: returning here lets the HTTP
 	// server free this request's state, which an idle relay does not need.
 }
@@ -261,7 +225,7 @@ type guestLink struct {
 	early    []byte
 	tk       *relays.Ticket
 	// trace is the flight's, when this dial started it and reports it.
-	trace *WakeTrace
+	trace *wake.Trace
 }
 
 func (l *guestLink) close() {
@@ -271,24 +235,23 @@ func (l *guestLink) close() {
 
 // connect fences the route, wakes the target when it must, and opens the
 // provider's WebSocket to its daemon; or it answers why not.
-func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (*guestLink, *Refusal, string) {
+func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (*guestLink, *wake.Refusal, string) {
 	var (
-		inst *incus.Instance
-		obs  controller.Observation
-		tk   *relays.Ticket
+		rt targets.Route
+		tk *relays.Ticket
 	)
 	reread := false
 	for tk == nil {
 		var err error
-		inst, obs, err = h.opts.Targets.ResolveRoute(ctx, route.Owner, route.TargetID)
+		rt, err = h.opts.Targets.ResolveRoute(ctx, route.Owner, route.TargetID)
 		if errors.Is(err, targets.ErrRouteGone) && route.TargetID == targets.Name(route.Owner) {
 			// The owner's target is gone (closed): forget what was proved of it.
-			h.ready.drop(route.TargetID)
+			h.wake.Gone(route.TargetID)
 		}
 		if ref, outcome := h.fenceRefusal(ctx, err, route.TargetID); ref != nil {
 			return nil, ref, outcome
 		}
-		if !reread && !running(inst) && h.ready.ok(inst.Name) {
+		if !reread && !running(rt) && h.wake.Ready(rt.Name) {
 			// Powered down, says the read, yet a wake proved the daemon
 			// ready since the last power change this process saw: the
 			// read is most likely older than that wake (a dial that came
@@ -297,77 +260,77 @@ func (h *Handler) connect(ctx context.Context, route Route, arrived time.Time) (
 			reread = true
 			continue
 		}
-		h.ready.seen(inst.Name, obs.Phase == controller.PhaseActive && !running(inst))
-		if ref, outcome := terminal(obs); ref != nil {
+		h.wake.Seen(rt.Name, rt.Observation.Phase == controller.PhaseActive && !running(rt))
+		if ref, outcome := terminal(rt.Observation); ref != nil {
 			return nil, ref, outcome
 		}
 		var quiet <-chan struct{}
-		if tk, quiet = h.reg.Enter(inst.Name, arrived); tk != nil {
+		if tk, quiet = h.reg.Enter(rt.Name, arrived); tk != nil {
 			break
 		}
 		// A power-down holds the target; wait for it, then look again.
 		if !h.hold() {
-			return nil, refuse(StateWaking, time.Second), OutcomeShed
+			return nil, refuse(wake.StateWaking, time.Second), OutcomeShed
 		}
 		select {
 		case <-quiet:
 			h.unhold()
 		case <-ctx.Done():
 			h.unhold()
-			return nil, refuse(StateWaking, 2*time.Second), OutcomeWaking
+			return nil, refuse(wake.StateWaking, 2*time.Second), OutcomeWaking
 		}
 	}
 
 	// A dial is a request for running: one that finds a power-down still
 	// pending goes through the wake, which replaces it.
-	downPending := h.opts.Targets.PowerDownPending(inst, arrived)
-	if running(inst) && !downPending {
-		if h.ready.ok(inst.Name) {
-			link, err := h.openGuest(ctx, inst, tk, nil)
+	downPending := h.opts.Targets.PowerDownPending(rt, arrived)
+	if running(rt) && !downPending {
+		if h.wake.Ready(rt.Name) {
+			link, err := h.openGuest(ctx, rt, tk, nil)
 			if err == nil {
 				return link, nil, ""
 			}
-			h.log.Debug("a daemon proved ready did not take the relay; probing again", zap.String("instance", inst.Name), zap.Error(err))
-			h.ready.forget(inst.Name)
+			h.log.Debug("a daemon proved ready did not take the relay; probing again", zap.String("instance", rt.Name), zap.Error(err))
+			h.wake.Unready(rt.Name)
 		}
 	} else {
-		h.ready.forget(inst.Name)
+		h.wake.Unready(rt.Name)
 	}
 
 	if !h.hold() {
-		f, _ := h.flightFor(route.Owner, inst, obs, arrived, false) // the wake starts all the same
+		f, _ := h.wake.Join(rt, arrived, false) // the wake starts all the same
 		tk.Leave()
-		ref := f.refusalNow()
-		return nil, &Refusal{State: ref.State, RetryAfter: time.Second}, OutcomeShed
+		ref := f.RefusalNow()
+		return nil, &wake.Refusal{State: ref.State, RetryAfter: time.Second}, OutcomeShed
 	}
-	f, started := h.flightFor(route.Owner, inst, obs, arrived, true)
+	f, started := h.wake.Join(rt, arrived, true)
 	select {
-	case <-f.settled:
+	case <-f.Settled():
 		h.unhold()
 	case <-ctx.Done():
 		h.unhold()
 		tk.Leave()
 		if started {
-			h.reportTrace(f.giveUpTrace())
+			h.wake.Report(f.GiveUpTrace())
 		}
-		ref := f.refusalNow()
+		ref := f.RefusalNow()
 		return nil, ref, outcomeOf(ref)
 	}
-	if f.result != nil {
+	if ref := f.Result(); ref != nil {
 		tk.Leave()
-		return nil, f.result, outcomeOf(f.result)
+		return nil, ref, outcomeOf(ref)
 	}
-	var tr *WakeTrace
+	var tr *wake.Trace
 	if started {
-		tr = f.trace // the flight is over: the trace is this dial's to report
+		tr = f.Trace() // the flight is over: the trace is this dial's to report
 	}
-	link, err := h.openGuest(ctx, inst, tk, tr)
+	link, err := h.openGuest(ctx, rt, tk, tr)
 	if err != nil {
-		h.reportTrace(tr)
-		h.ready.forget(inst.Name)
+		h.wake.Report(tr)
+		h.wake.Unready(rt.Name)
 		tk.Leave()
-		h.log.Debug("the daemon answered the probe but not the relay", zap.String("instance", inst.Name), zap.Error(err))
-		return nil, refuse(StateBooting, time.Second), OutcomeBooting
+		h.log.Debug("the daemon answered the probe but not the relay", zap.String("instance", rt.Name), zap.Error(err))
+		return nil, refuse(wake.StateBooting, time.Second), OutcomeBooting
 	}
 	return link, nil, ""
 }
@@ -387,68 +350,62 @@ func (h *Handler) unhold() {
 }
 
 // fenceRefusal turns a failed fence into its answer.
-func (h *Handler) fenceRefusal(ctx context.Context, err error, instance string) (*Refusal, string) {
+func (h *Handler) fenceRefusal(ctx context.Context, err error, instance string) (*wake.Refusal, string) {
 	switch {
 	case err == nil:
 		return nil, ""
 	case errors.Is(err, targets.ErrRouteOwner):
-		return refuse(StateGone, 0), OutcomeRefusedOwner
+		return refuse(wake.StateGone, 0), OutcomeRefusedOwner
 	case errors.Is(err, targets.ErrRouteGone):
-		return refuse(StateGone, 0), OutcomeGone
+		return refuse(wake.StateGone, 0), OutcomeGone
 	}
 	if ctx.Err() == nil {
 		h.log.Warn("data route: Incus did not answer the fence", zap.Error(err))
 	}
-	if h.ready.lastDown(instance) {
-		return refuse(StateWaking, 2*time.Second), OutcomeUnavailable
+	if h.wake.LastDown(instance) {
+		return refuse(wake.StateWaking, 2*time.Second), OutcomeUnavailable
 	}
-	return refuse(StateBooting, 2*time.Second), OutcomeUnavailable
+	return refuse(wake.StateBooting, 2*time.Second), OutcomeUnavailable
 }
 
-// terminal answers the phases no wait can change.
-func terminal(o controller.Observation) (*Refusal, string) {
-	switch o.Phase {
-	case controller.PhaseClosing, controller.PhaseClosed:
-		return refuse(StateGone, 0), OutcomeGone
-	case controller.PhaseFailed:
-		msg := o.Message
-		if msg == "" {
-			msg = defaultFailedMessage
-		}
-		return &Refusal{State: StateFailed, Message: msg}, OutcomeFailed
-	case controller.PhaseUnknown:
-		// Incus cannot tell (a cluster member down): no wait within the
-		// hold would change that, and a wake must not touch the target.
-		return refuse(StateBooting, 5*time.Second), OutcomeUnavailable
+// terminal answers the phases no wait can change (wake.Terminal), and
+// names the dial's outcome: a phase Incus cannot tell is its unavailability.
+func terminal(o controller.Observation) (*wake.Refusal, string) {
+	ref := wake.Terminal(o)
+	switch {
+	case ref == nil:
+		return nil, ""
+	case o.Phase == controller.PhaseUnknown:
+		return ref, OutcomeUnavailable
 	}
-	return nil, ""
+	return ref, outcomeOf(ref)
 }
 
-func outcomeOf(r *Refusal) string {
+func outcomeOf(r *wake.Refusal) string {
 	switch r.State {
-	case StateWaking:
+	case wake.StateWaking:
 		return OutcomeWaking
-	case StateBooting:
+	case wake.StateBooting:
 		return OutcomeBooting
-	case StateGone:
+	case wake.StateGone:
 		return OutcomeGone
-	case StateFailed:
+	case wake.StateFailed:
 		return OutcomeFailed
 	}
 	return string(r.State)
 }
 
-// running says whether Incus shows the instance running (not frozen, not
-// in a transition).
-func running(inst *incus.Instance) bool { return inst.Status.Running() }
+// running says whether Incus shows the target's processes running (not
+// frozen, not in a transition).
+func running(r targets.Route) bool { return r.State == targets.RouteRunning }
 
-// openGuest opens the provider's WebSocket to the instance's daemon.
+// openGuest opens the provider's WebSocket to the target's daemon.
 // A trace, when given, gets the dial's and the handshake's times.
-func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *relays.Ticket, tr *WakeTrace) (*guestLink, error) {
+func (h *Handler) openGuest(ctx context.Context, r targets.Route, tk *relays.Ticket, tr *wake.Trace) (*guestLink, error) {
 	if tr != nil {
 		tr.GuestDialStart = time.Now()
 	}
-	conn, err := h.opts.Dialer.DialContext(ctx, guest.Target{Instance: inst.Name, Port: h.opts.Port(inst), Location: inst.Location})
+	conn, err := h.opts.Dialer.DialContext(ctx, r.Daemon)
 	if err != nil {
 		return nil, err
 	}
@@ -463,12 +420,5 @@ func (h *Handler) openGuest(ctx context.Context, inst *incus.Instance, tk *relay
 	if tr != nil {
 		tr.GuestUpgraded = time.Now()
 	}
-	return &guestLink{instance: inst.Name, conn: conn, early: early, tk: tk, trace: tr}, nil
-}
-
-// reportTrace hands a finished trace to the hook; nil is none to report.
-func (h *Handler) reportTrace(tr *WakeTrace) {
-	if tr != nil {
-		h.opts.WakeTrace(*tr)
-	}
+	return &guestLink{instance: r.Name, conn: conn, early: early, tk: tk, trace: tr}, nil
 }

@@ -30,6 +30,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // The unit tests below run the handler against a fake of the targets and a
@@ -48,7 +49,7 @@ var testOwner = controller.Owner{UniverseID: "u1", EnvironmentID: "env1"}
 type fakeTargets struct {
 	mu        sync.Mutex
 	exists    bool
-	status    incus.InstanceStatus
+	state     targets.RouteState
 	phase     controller.Phase
 	message   string
 	fenceErr  error
@@ -61,19 +62,19 @@ type fakeTargets struct {
 	keptDown atomic.Bool // a power-down kept until Incus takes it; a wake replaces it
 }
 
-func (f *fakeTargets) set(status incus.InstanceStatus) {
+func (f *fakeTargets) set(state targets.RouteState) {
 	f.mu.Lock()
-	f.exists, f.status, f.phase = true, status, controller.PhaseActive
+	f.exists, f.state, f.phase = true, state, controller.PhaseActive
 	f.mu.Unlock()
 }
 
 func (f *fakeTargets) observation() controller.Observation {
 	o := controller.Observation{TargetID: testInstance, Owner: testOwner, Phase: f.phase, Message: f.message}
 	if f.phase == controller.PhaseActive {
-		switch f.status {
-		case incus.InstanceFrozen:
+		switch f.state {
+		case targets.RoutePaused:
 			o.Power = controller.PowerPaused
-		case incus.InstanceStopped:
+		case targets.RouteStopped:
 			o.Power = controller.PowerStopped
 		default:
 			o.Power = controller.PowerRunning
@@ -82,30 +83,29 @@ func (f *fakeTargets) observation() controller.Observation {
 	return o
 }
 
-func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, targetID string) (*incus.Instance, controller.Observation, error) {
+func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, targetID string) (targets.Route, error) {
 	f.resolves.Add(1)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.fenceErr != nil {
-		return nil, controller.Observation{}, f.fenceErr
+		return targets.Route{}, f.fenceErr
 	}
 	if targetID != testInstance || owner != testOwner {
 		if strings.HasPrefix(targetID, "ls-") {
-			return nil, controller.Observation{}, targets.ErrRouteOwner
+			return targets.Route{}, targets.ErrRouteOwner
 		}
-		return nil, controller.Observation{}, targets.ErrRouteGone
+		return targets.Route{}, targets.ErrRouteGone
 	}
 	if !f.exists {
-		return nil, controller.Observation{}, targets.ErrRouteGone
+		return targets.Route{}, targets.ErrRouteGone
 	}
-	return &incus.Instance{Name: testInstance, Status: f.status}, f.observation(), nil
+	return targets.Route{Name: testInstance, Owner: owner, State: f.state, Observation: f.observation(),
+		Daemon: guest.Target{Instance: testInstance, Port: 1}}, nil
 }
 
-func (f *fakeTargets) PowerDownPending(inst *incus.Instance, _ time.Time) bool {
-	return targets.StateOf(inst).PowerPending() || f.keptDown.Load()
-}
+func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool { return f.keptDown.Load() }
 
-func (f *fakeTargets) Wake(ctx context.Context, _ *incus.Instance, _ time.Time) (controller.Power, error) {
+func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (controller.Power, error) {
 	f.wakes.Add(1)
 	f.mu.Lock()
 	from := f.observation().Power
@@ -121,7 +121,7 @@ func (f *fakeTargets) Wake(ctx context.Context, _ *incus.Instance, _ time.Time) 
 	}
 	f.keptDown.Store(false) // recorded over it, as Wake drops an older kept request
 	f.mu.Lock()
-	f.status = incus.InstanceRunning
+	f.state = targets.RouteRunning
 	on := f.onWake
 	f.mu.Unlock()
 	if on != nil {
@@ -264,30 +264,44 @@ type rig struct {
 	targets *fakeTargets
 	guest   *guestSim
 	h       *Handler
+	wake    *wake.Waker
 	srv     *httptest.Server
 	metrics *Metrics
+	wakes   *prometheus.Registry // the wake's collectors
 	cancel  context.CancelFunc
 }
 
-func newHandlerRig(t *testing.T, mutate func(*Options)) *rig {
+func newHandlerRig(t *testing.T, mutate func(*Options)) *rig { return newWakeRig(t, nil, mutate) }
+
+// newWakeRig is a handler rig whose wake hands its traces to trace (nil:
+// none), built as the provider builds the two: on the same targets,
+// dialer and relay registry.
+func newWakeRig(t *testing.T, trace func(wake.Trace), mutate func(*Options)) *rig {
 	t.Helper()
 	ft := &fakeTargets{}
-	ft.set(incus.InstanceRunning)
+	ft.set(targets.RouteRunning)
 	g := newGuestSim(t)
 	ft.onWake = func(string) { g.thaw() }
 	m := newMetrics()
 	ctx, cancel := context.WithCancel(context.Background())
-	opts := Options{Targets: ft, Dialer: g, Relays: relays.New(4 * time.Second), Metrics: m, Port: func(*incus.Instance) int { return 1 }}
+	opts := Options{Targets: ft, Dialer: g, Relays: relays.New(4 * time.Second), Metrics: m}
 	if mutate != nil {
 		mutate(&opts)
 	}
+	wakes := prometheus.NewRegistry()
+	wk, err := wake.New(ctx, wake.Options{Targets: ft, Dialer: g, Relays: opts.Relays, Metrics: wake.NewMetrics(wakes),
+		Log: opts.Log, Trace: trace})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.Wake = wk
 	h, err := New(ctx, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv := httptest.NewServer(h)
 	t.Cleanup(func() { cancel(); srv.Close() })
-	return &rig{t: t, targets: ft, guest: g, h: h, srv: srv, metrics: m, cancel: cancel}
+	return &rig{t: t, targets: ft, guest: g, h: h, wake: wk, srv: srv, metrics: m, wakes: wakes, cancel: cancel}
 }
 
 func (r *rig) url(route Route) string {
@@ -356,19 +370,22 @@ func value(c prometheus.Collector) float64 {
 	return sum
 }
 
-// samples sums the observations of a histogram over its series.
-func samples(t testing.TB, c prometheus.Collector) uint64 {
+// wakeSamples counts the wakes observed with outcome ("": any), from any
+// power.
+func (r *rig) wakeSamples(t testing.TB, outcome string) uint64 {
 	t.Helper()
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(c)
-	mfs, err := reg.Gather()
+	mfs, err := r.wakes.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
 	var n uint64
 	for _, mf := range mfs {
-		for _, m := range mf.GetMetric() {
-			n += m.GetHistogram().GetSampleCount()
+		for _, s := range mf.GetMetric() {
+			for _, l := range s.GetLabel() {
+				if l.GetName() == "outcome" && (outcome == "" || l.GetValue() == outcome) {
+					n += s.GetHistogram().GetSampleCount()
+				}
+			}
 		}
 	}
 	return n
@@ -376,7 +393,7 @@ func samples(t testing.TB, c prometheus.Collector) uint64 {
 
 // refusal checks a refused dial's answer with the conformance package's
 // data-route helper and returns its state and Retry-After in seconds.
-func refusal(t testing.TB, resp *http.Response, err error) (State, int) {
+func refusal(t testing.TB, resp *http.Response, err error) (wake.State, int) {
 	t.Helper()
 	if err == nil {
 		t.Fatal("the dial was upgraded, want a refusal")
@@ -385,7 +402,7 @@ func refusal(t testing.TB, resp *http.Response, err error) (State, int) {
 	if cerr != nil {
 		t.Fatalf("not a typed refusal: %v (dial: %v)", cerr, err)
 	}
-	return State(ref.State), int(ref.RetryAfter / time.Second)
+	return wake.State(ref.State), int(ref.RetryAfter / time.Second)
 }
 
 // dialRoute dials with the conformance package's DialRoute, which checks
@@ -494,14 +511,14 @@ func TestRouteCredentialAndPath(t *testing.T) {
 func TestRouteRefusals(t *testing.T) {
 	t.Run("another owner's target reaches nothing", func(t *testing.T) {
 		r := newHandlerRig(t, nil)
-		r.targets.set(incus.InstanceFrozen)
+		r.targets.set(targets.RoutePaused)
 		r.guest.freeze()
 		for _, route := range []Route{
 			{Owner: controller.Owner{UniverseID: "u1", EnvironmentID: "other"}, TargetID: testInstance},
 			{Owner: testOwner, TargetID: "ls-99999999999999999999"},
 		} {
 			_, resp, err := r.dial(route, nil)
-			if st, _ := refusal(t, resp, err); st != StateGone {
+			if st, _ := refusal(t, resp, err); st != wake.StateGone {
 				t.Fatalf("state %s", st)
 			}
 		}
@@ -516,11 +533,11 @@ func TestRouteRefusals(t *testing.T) {
 		r := newHandlerRig(t, nil)
 		r.targets.exists = false
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateGone {
+		if st, _ := refusal(t, resp, err); st != wake.StateGone {
 			t.Fatalf("state %s", st)
 		}
 		_, resp, err = r.dial(Route{Owner: testOwner, TargetID: "not-ours"}, nil)
-		if st, _ := refusal(t, resp, err); st != StateGone {
+		if st, _ := refusal(t, resp, err); st != wake.StateGone {
 			t.Fatalf("state %s", st)
 		}
 	})
@@ -528,7 +545,7 @@ func TestRouteRefusals(t *testing.T) {
 		r := newHandlerRig(t, nil)
 		r.targets.phase = controller.PhaseClosing
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateGone {
+		if st, _ := refusal(t, resp, err); st != wake.StateGone {
 			t.Fatalf("state %s", st)
 		}
 	})
@@ -536,7 +553,7 @@ func TestRouteRefusals(t *testing.T) {
 		r := newHandlerRig(t, nil)
 		r.targets.phase, r.targets.message = controller.PhaseFailed, "The instance could not be started."
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateFailed {
+		if st, _ := refusal(t, resp, err); st != wake.StateFailed {
 			t.Fatalf("state %s", st)
 		}
 	})
@@ -544,24 +561,24 @@ func TestRouteRefusals(t *testing.T) {
 		r := newHandlerRig(t, nil)
 		r.targets.fenceErr = fmt.Errorf("incus: %w", incus.ErrNotFound) // any error that is not a fence answer
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateBooting {
+		if st, _ := refusal(t, resp, err); st != wake.StateBooting {
 			t.Fatalf("state %s", st)
 		}
 	})
 	t.Run("Incus does not answer for a target last seen paused", func(t *testing.T) {
 		r := newHandlerRig(t, nil)
-		r.targets.set(incus.InstanceFrozen)
+		r.targets.set(targets.RoutePaused)
 		r.targets.wakeErr = errors.New("incus: injected wake failure")
 		r.guest.freeze()
 		_, resp, err := r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateWaking {
+		if st, _ := refusal(t, resp, err); st != wake.StateWaking {
 			t.Fatalf("state %s", st)
 		}
 		r.targets.mu.Lock()
 		r.targets.fenceErr = fmt.Errorf("incus: %w", incus.ErrNotFound)
 		r.targets.mu.Unlock()
 		_, resp, err = r.dial(ownRoute, nil)
-		if st, _ := refusal(t, resp, err); st != StateWaking {
+		if st, _ := refusal(t, resp, err); st != wake.StateWaking {
 			t.Fatalf("a paused target's dial while Incus does not answer: state %s, want waking", st)
 		}
 	})
@@ -569,7 +586,7 @@ func TestRouteRefusals(t *testing.T) {
 
 func TestRouteWakesPausedTarget(t *testing.T) {
 	r := newHandlerRig(t, nil)
-	r.targets.set(incus.InstanceFrozen)
+	r.targets.set(targets.RoutePaused)
 	r.targets.wakeDelay = 50 * time.Millisecond
 	r.guest.freeze()
 	// Concurrent dials share one wake.
@@ -601,14 +618,14 @@ func TestRouteWakesPausedTarget(t *testing.T) {
 	if w := r.targets.wakes.Load(); w != 1 {
 		t.Fatalf("%d wakes for %d concurrent dials, want 1", w, n)
 	}
-	if got := samples(t, r.metrics.wakes); got != 1 {
+	if got := r.wakeSamples(t, ""); got != 1 {
 		t.Fatalf("wake histogram counted %d wakes, want 1", got)
 	}
 }
 
 func TestRouteWakesStoppedTarget(t *testing.T) {
 	r := newHandlerRig(t, nil)
-	r.targets.set(incus.InstanceStopped)
+	r.targets.set(targets.RouteStopped)
 	r.targets.wakeDelay = 80 * time.Millisecond
 	r.guest.mu.Lock()
 	r.guest.stopped = true
@@ -638,7 +655,7 @@ func TestRouteHoldBound(t *testing.T) {
 	})
 	t.Run("waking: the wake outlasts the hold", func(t *testing.T) {
 		r := newHandlerRig(t, func(o *Options) { o.Hold = hold })
-		r.targets.set(incus.InstanceFrozen)
+		r.targets.set(targets.RoutePaused)
 		r.targets.wakeDelay = 3 * time.Second
 		r.guest.freeze()
 		d := r.dialRoute(ownRoute, "")
@@ -663,7 +680,7 @@ func TestRouteHoldBound(t *testing.T) {
 
 func TestRouteShedsPastTheCap(t *testing.T) {
 	r := newHandlerRig(t, func(o *Options) { o.MaxHeld = 2; o.Hold = 2 * time.Second })
-	r.targets.set(incus.InstanceFrozen)
+	r.targets.set(targets.RoutePaused)
 	r.targets.wakeDelay = time.Hour
 	r.guest.freeze()
 	var wg sync.WaitGroup
@@ -683,7 +700,7 @@ func TestRouteShedsPastTheCap(t *testing.T) {
 	}
 	start := time.Now()
 	_, resp, err := r.dial(ownRoute, nil)
-	if st, _ := refusal(t, resp, err); st != StateWaking {
+	if st, _ := refusal(t, resp, err); st != wake.StateWaking {
 		t.Fatalf("state %s", st)
 	}
 	if took := time.Since(start); took > 500*time.Millisecond {

@@ -19,16 +19,6 @@ const (
 	OutcomeMalformed    = "malformed"         // not a data route, or not a WebSocket handshake
 	OutcomeAborted      = "aborted"           // the runtime went away before its upgrade
 	OutcomeUnavailable  = "incus_unavailable" // Incus did not answer the fence (a 503 booting)
-	wakeOutcomeReady    = "ready"
-	// The daemon answered initialize, but not with a data-plane success of
-	// this version (versionMismatch, another plane): its dials are relayed
-	// all the same, so that the runtime sees the answer.
-	wakeOutcomeIncompatible = "incompatible"
-	wakeOutcomeFailed       = "failed"
-	wakeOutcomeGaveUp       = "gave_up"
-	wakeOutcomeCancelled    = "cancelled"
-	// A power change asked after the dial replaced its request for running.
-	wakeOutcomeSuperseded = "superseded"
 )
 
 // Outcomes lists every dial outcome, in the order dashboards show them.
@@ -41,7 +31,6 @@ func Outcomes() []string {
 type Metrics struct {
 	dials         *prometheus.CounterVec
 	dialLatency   *prometheus.HistogramVec
-	wakes         *prometheus.HistogramVec
 	held          prometheus.Gauge
 	heldMax       prometheus.Gauge
 	open          prometheus.Gauge
@@ -55,7 +44,7 @@ type Metrics struct {
 // NewMetrics registers the data routes' collectors on reg.
 func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := newMetrics()
-	reg.MustRegister(m.dials, m.dialLatency, m.wakes, m.held, m.heldMax, m.open, m.closed, m.relayBytes, m.relayMessages)
+	reg.MustRegister(m.dials, m.dialLatency, m.held, m.heldMax, m.open, m.closed, m.relayBytes, m.relayMessages)
 	return m
 }
 
@@ -70,11 +59,6 @@ func newMetrics() *Metrics {
 			Help:    "Time from a data route request's arrival to its upgrade or refusal, by outcome.",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2, 3, 4, 5},
 		}, []string{"outcome"}),
-		wakes: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "incus_provider_route_wake_duration_seconds",
-			Help:    "Time from the start of a wake (or readiness probe) to the daemon answering, by the power the target started from and the outcome (ready, incompatible: answered initialize but not as a data plane of this version, failed, gave_up, cancelled, superseded).",
-			Buckets: []float64{.01, .025, .05, .075, .1, .15, .25, .5, 1, 2, 5, 10, 30},
-		}, []string{"from", "outcome"}),
 		held: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "incus_provider_route_dials_held",
 			Help: "Data route dials held now while their target wakes or its daemon starts.",
@@ -111,13 +95,6 @@ func newMetrics() *Metrics {
 	for _, r := range []string{"normal", "peer_gone", "idle", "power_down", "shutdown", "too_big", "protocol_error", "close_timeout"} {
 		m.closed.WithLabelValues(r)
 	}
-	// Wakes exist from the start too, so that increase() counts the first
-	// wake from each power rather than missing it.
-	for _, from := range []string{"running", "paused", "stopped", "suspended"} {
-		for _, o := range []string{wakeOutcomeReady, wakeOutcomeIncompatible, wakeOutcomeFailed, wakeOutcomeGaveUp, wakeOutcomeCancelled, wakeOutcomeSuperseded} {
-			m.wakes.WithLabelValues(from, o)
-		}
-	}
 	return m
 }
 
@@ -127,13 +104,6 @@ func (m *Metrics) dial(outcome string, d time.Duration) {
 	}
 	m.dials.WithLabelValues(outcome).Inc()
 	m.dialLatency.WithLabelValues(outcome).Observe(d.Seconds())
-}
-
-func (m *Metrics) wake(from, outcome string, d time.Duration) {
-	if m == nil {
-		return
-	}
-	m.wakes.WithLabelValues(from, outcome).Observe(d.Seconds())
 }
 
 func (m *Metrics) setHeldMax(n int) {

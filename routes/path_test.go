@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // ParsePath and Path are internal/routepath's parser and encoder (tested
@@ -35,23 +36,23 @@ func TestParsePath(t *testing.T) {
 
 func TestRefusalWrite(t *testing.T) {
 	cases := []struct {
-		ref        *Refusal
+		ref        *wake.Refusal
 		status     int
 		body       string
 		retryAfter string
 	}{
-		{refuse(StateWaking, 0), 503, `{"state":"waking"}`, "1"},
-		{refuse(StateWaking, 1500*time.Millisecond), 503, `{"state":"waking"}`, "2"},
-		{refuse(StateBooting, time.Hour), 503, `{"state":"booting"}`, "60"},
-		{refuse(StateBooting, -time.Second), 503, `{"state":"booting"}`, "1"},
-		{refuse(StateGone, 5*time.Second), 410, `{"state":"gone"}`, ""},
-		{&Refusal{State: StateFailed, Message: "disk\x00 broken\n"}, 409, `{"state":"failed","message":"disk broken"}`, ""},
-		{&Refusal{State: StateFailed}, 409, `{"state":"failed","message":"` + defaultFailedMessage + `"}`, ""},
-		{&Refusal{State: StateFailed, Message: strings.Repeat("é", 600)}, 409, "", ""},
+		{refuse(wake.StateWaking, 0), 503, `{"state":"waking"}`, "1"},
+		{refuse(wake.StateWaking, 1500*time.Millisecond), 503, `{"state":"waking"}`, "2"},
+		{refuse(wake.StateBooting, time.Hour), 503, `{"state":"booting"}`, "60"},
+		{refuse(wake.StateBooting, -time.Second), 503, `{"state":"booting"}`, "1"},
+		{refuse(wake.StateGone, 5*time.Second), 410, `{"state":"gone"}`, ""},
+		{&wake.Refusal{State: wake.StateFailed, Message: "disk\x00 broken\n"}, 409, `{"state":"failed","message":"disk broken"}`, ""},
+		{&wake.Refusal{State: wake.StateFailed}, 409, `{"state":"failed","message":"` + wake.DefaultFailedMessage + `"}`, ""},
+		{&wake.Refusal{State: wake.StateFailed, Message: strings.Repeat("é", 600)}, 409, "", ""},
 	}
 	for _, c := range cases {
 		rec := httptest.NewRecorder()
-		c.ref.Write(rec)
+		writeRefusal(rec, c.ref)
 		if rec.Code != c.status {
 			t.Errorf("%v: status %d, want %d", c.ref, rec.Code, c.status)
 		}
@@ -74,17 +75,17 @@ func TestRefusalWrite(t *testing.T) {
 		if err := dec.Decode(&body); err != nil {
 			t.Errorf("%v: body does not decode: %v", c.ref, err)
 		}
-		if c.ref.State == StateFailed && (len(body.Message) == 0 || len(body.Message) > 1024) {
+		if c.ref.State == wake.StateFailed && (len(body.Message) == 0 || len(body.Message) > 1024) {
 			t.Errorf("%v: message of %d bytes", c.ref, len(body.Message))
 		}
-		if c.ref.State != StateFailed && body.Message != "" {
+		if c.ref.State != wake.StateFailed && body.Message != "" {
 			t.Errorf("%v: a message on a %s refusal", c.ref, c.ref.State)
 		}
-		if c.ref.State.Status() != c.status {
-			t.Errorf("%s: Status() = %d", c.ref.State, c.ref.State.Status())
+		if statusOf(c.ref.State) != c.status {
+			t.Errorf("%s: statusOf = %d", c.ref.State, statusOf(c.ref.State))
 		}
 	}
-	if http.StatusText(StateWaking.Status()) != "Service Unavailable" {
+	if http.StatusText(statusOf(wake.StateWaking)) != "Service Unavailable" {
 		t.Fatal("waking is not a 503")
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // The bounds the contract names for data routes (x-lightspeed-data-route).
@@ -18,49 +20,18 @@ const (
 	RetryAfterMax = 60
 )
 
-// State tags a refusal body.
-type State string
-
-// The provider's refusal states.
-const (
-	StateWaking  State = "waking"  // 503: resuming from a powered-down state
-	StateBooting State = "booting" // 503: running, the daemon does not answer yet
-	StateGone    State = "gone"    // 410: the target no longer exists
-	StateFailed  State = "failed"  // 409: broken beyond the provider's recovery
-)
-
-// Status is the HTTP status the contract fixes for the state.
-func (s State) Status() int {
+// statusOf is the HTTP status the contract fixes for a refusal's state.
+func statusOf(s wake.State) int {
 	switch s {
-	case StateWaking, StateBooting:
+	case wake.StateWaking, wake.StateBooting:
 		return http.StatusServiceUnavailable
-	case StateGone:
+	case wake.StateGone:
 		return http.StatusGone
-	case StateFailed:
+	case wake.StateFailed:
 		return http.StatusConflict
 	}
 	return http.StatusInternalServerError
 }
-
-// Refusal is a typed answer to a dial that is not upgraded.
-type Refusal struct {
-	State State
-	// Message is sent only with StateFailed (required there).
-	Message string
-	// RetryAfter is sent with every 503, clamped to 1..60 whole seconds.
-	RetryAfter time.Duration
-}
-
-func (r *Refusal) Error() string {
-	s := "data route refused: " + string(r.State)
-	if r.Message != "" {
-		s += ": " + r.Message
-	}
-	return s
-}
-
-// defaultFailedMessage stands in for a failure the observation did not explain.
-const defaultFailedMessage = "The target is broken beyond the provider's recovery."
 
 // retryAfterSeconds is the Retry-After value of a 503: whole seconds from
 // 1 to 60, rounded up.
@@ -69,34 +40,36 @@ func retryAfterSeconds(d time.Duration) int {
 	return max(1, min(RetryAfterMax, s))
 }
 
-// Body is the refusal's JSON body.
-func (r *Refusal) Body() []byte {
+// refusalBody is the refusal's JSON body.
+func refusalBody(r *wake.Refusal) []byte {
 	body := struct {
-		State   State  `json:"state"`
-		Message string `json:"message,omitempty"`
+		State   wake.State `json:"state"`
+		Message string     `json:"message,omitempty"`
 	}{State: r.State}
-	if r.State == StateFailed {
+	if r.State == wake.StateFailed {
 		body.Message = cleanText(r.Message)
 		if body.Message == "" {
-			body.Message = defaultFailedMessage
+			body.Message = wake.DefaultFailedMessage
 		}
 	}
 	b, _ := json.Marshal(body)
 	return b
 }
 
-// Write answers the refusal: the status its state names, the typed JSON
-// body, and Retry-After on a 503. It is an HTTP answer, never a JSON-RPC
+// writeRefusal answers a dial that is not upgraded: the status the
+// refusal's state names, the typed JSON body (the message only with
+// wake.StateFailed, which requires one), and Retry-After on a 503, in
+// whole seconds from 1 to 60. It is an HTTP answer, never a JSON-RPC
 // message.
-func (r *Refusal) Write(w http.ResponseWriter) {
+func writeRefusal(w http.ResponseWriter, r *wake.Refusal) {
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("Cache-Control", "no-store")
-	status := r.State.Status()
+	status := statusOf(r.State)
 	if status == http.StatusServiceUnavailable {
 		h.Set("Retry-After", strconv.Itoa(retryAfterSeconds(r.RetryAfter)))
 	}
-	body := r.Body()
+	body := refusalBody(r)
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(status)
 	_, _ = w.Write(body)
@@ -120,6 +93,6 @@ func cleanText(s string) string {
 	return strings.TrimSpace(b.String())
 }
 
-func refuse(state State, retry time.Duration) *Refusal {
-	return &Refusal{State: state, RetryAfter: retry}
+func refuse(state wake.State, retry time.Duration) *wake.Refusal {
+	return &wake.Refusal{State: state, RetryAfter: retry}
 }

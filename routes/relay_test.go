@@ -14,6 +14,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/wsframe"
 	"github.com/lightspeed-dev/incus-provider/internal/wsframe/wsframetest"
 	"github.com/lightspeed-dev/incus-provider/relays"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // tcpPair is a connected pair of loopback TCP connections.
@@ -497,14 +498,22 @@ func TestRelayIdle(t *testing.T) {
 }
 
 func TestNewRefusesIdleBelowFloor(t *testing.T) {
-	_, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Relays: relays.New(0), IdleTimeout: 59 * time.Second})
+	reg := relays.New(0)
+	wk, err := wake.New(t.Context(), wake.Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Relays: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = New(t.Context(), Options{Targets: &fakeTargets{}, Wake: wk, Dialer: &loopDialer{}, Relays: reg, IdleTimeout: 59 * time.Second})
 	if err == nil {
 		t.Fatal("an idle timeout below 60 s was accepted")
 	}
-	if _, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Relays: relays.New(0), Hold: 6 * time.Second}); err == nil {
+	if _, err := New(t.Context(), Options{Targets: &fakeTargets{}, Wake: wk, Dialer: &loopDialer{}, Relays: reg, Hold: 6 * time.Second}); err == nil {
 		t.Fatal("a hold over 5 s was accepted")
 	}
-	h, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Relays: relays.New(0)})
+	if _, err := New(t.Context(), Options{Targets: &fakeTargets{}, Dialer: &loopDialer{}, Relays: reg}); err == nil {
+		t.Fatal("data routes without a wake were accepted")
+	}
+	h, err := New(t.Context(), Options{Targets: &fakeTargets{}, Wake: wk, Dialer: &loopDialer{}, Relays: reg})
 	if err != nil {
 		t.Fatal(err)
 	}

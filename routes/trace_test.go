@@ -5,31 +5,27 @@ import (
 	"testing"
 	"time"
 
-	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/targets"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
-// traceRig is a handler rig whose WakeTrace hook collects every trace.
+// traceRig is a handler rig whose wake's trace hook collects every trace.
 type traceRig struct {
 	*rig
-	traces chan WakeTrace
+	traces chan wake.Trace
 }
 
 func newTraceRig(t *testing.T, mutate func(*Options)) *traceRig {
 	t.Helper()
-	traces := make(chan WakeTrace, 16)
-	r := newHandlerRig(t, func(o *Options) {
-		o.WakeTrace = func(tr WakeTrace) { traces <- tr }
-		if mutate != nil {
-			mutate(o)
-		}
-	})
+	traces := make(chan wake.Trace, 16)
+	r := newWakeRig(t, func(tr wake.Trace) { traces <- tr }, mutate)
 	return &traceRig{rig: r, traces: traces}
 }
 
 // one waits for the next trace and checks that no second one follows.
-func (r *traceRig) one(t *testing.T) WakeTrace {
+func (r *traceRig) one(t *testing.T) wake.Trace {
 	t.Helper()
-	var tr WakeTrace
+	var tr wake.Trace
 	select {
 	case tr = <-r.traces:
 	case <-time.After(10 * time.Second):
@@ -44,7 +40,7 @@ func (r *traceRig) one(t *testing.T) WakeTrace {
 }
 
 // checkOrder checks that the trace's times follow the wake's course.
-func checkOrder(t *testing.T, tr WakeTrace) {
+func checkOrder(t *testing.T, tr wake.Trace) {
 	t.Helper()
 	steps := []struct {
 		name string
@@ -71,7 +67,7 @@ func checkOrder(t *testing.T, tr WakeTrace) {
 
 // checkSum checks that the breakdown adds up and leaves the provider a
 // small, non-negative share: in-process fakes leave it little to do.
-func checkSum(t *testing.T, tr WakeTrace, dialTook time.Duration) WakeBreakdown {
+func checkSum(t *testing.T, tr wake.Trace, dialTook time.Duration) wake.Breakdown {
 	t.Helper()
 	b, ok := tr.Breakdown()
 	if !ok {
@@ -105,7 +101,7 @@ func dialTimed(t *testing.T, r *rig) time.Duration {
 func TestWakeTraceFromPaused(t *testing.T) {
 	r := newTraceRig(t, nil)
 	const unfreeze = 60 * time.Millisecond
-	r.targets.set(incus.InstanceFrozen)
+	r.targets.set(targets.RoutePaused)
 	r.targets.wakeDelay = unfreeze
 	r.guest.freeze()
 	took := dialTimed(t, r.rig)
@@ -128,7 +124,7 @@ func TestWakeTraceFromPaused(t *testing.T) {
 func TestWakeTraceFromStopped(t *testing.T) {
 	r := newTraceRig(t, nil)
 	const start, boot = 50 * time.Millisecond, 120 * time.Millisecond
-	r.targets.set(incus.InstanceStopped)
+	r.targets.set(targets.RouteStopped)
 	r.targets.wakeDelay = start
 	r.guest.mu.Lock()
 	r.guest.stopped = true
@@ -169,7 +165,7 @@ func TestWakeTraceFromStopped(t *testing.T) {
 // that joined the flight report nothing of their own.
 func TestWakeTraceOfAFlightOutlivingItsDial(t *testing.T) {
 	r := newTraceRig(t, func(o *Options) { o.Hold = 4 * holdMargin })
-	r.targets.set(incus.InstanceFrozen)
+	r.targets.set(targets.RoutePaused)
 	r.targets.wakeDelay = 800 * time.Millisecond
 	r.guest.freeze()
 	var wg sync.WaitGroup

@@ -56,23 +56,23 @@ func TestTablesByNameKeepTheirRules(t *testing.T) {
 func TestAKeptPowerDownIsPendingForAUseAfterIt(t *testing.T) {
 	s := &Service{}
 	t0 := time.UnixMilli(1_700_000_000_000)
-	if s.PowerDownPending(&incus.Instance{Name: "a"}, t0) {
+	if s.PowerDownPending(routeFor(&incus.Instance{Name: "a"}), t0) {
 		t.Fatal("nothing kept, yet a power-down is")
 	}
 	s.pending.put("a", pendingWrite{intent: Intent{Power: controller.PowerStopped, At: t0, By: BySetPower}})
-	if !s.PowerDownPending(&incus.Instance{Name: "a"}, t0.Add(time.Millisecond)) || !s.PowerDownPending(&incus.Instance{Name: "a"}, t0) {
+	if !s.PowerDownPending(routeFor(&incus.Instance{Name: "a"}), t0.Add(time.Millisecond)) || !s.PowerDownPending(routeFor(&incus.Instance{Name: "a"}), t0) {
 		t.Fatal("a power-down asked before the dial is not seen")
 	}
-	if s.PowerDownPending(&incus.Instance{Name: "a"}, t0.Add(-time.Millisecond)) {
+	if s.PowerDownPending(routeFor(&incus.Instance{Name: "a"}), t0.Add(-time.Millisecond)) {
 		t.Fatal("a power-down asked after the dial is counted as older")
 	}
 	s.pending.put("b", pendingWrite{intent: Intent{Power: controller.PowerRunning, At: t0, By: BySetPower}})
-	if s.PowerDownPending(&incus.Instance{Name: "b"}, t0.Add(time.Second)) {
+	if s.PowerDownPending(routeFor(&incus.Instance{Name: "b"}), t0.Add(time.Second)) {
 		t.Fatal("a kept request for running counted as a power-down")
 	}
 	// What Wake does once its request is recorded.
 	s.pending.drop("a", t0.Add(time.Millisecond))
-	if s.PowerDownPending(&incus.Instance{Name: "a"}, t0.Add(time.Second)) {
+	if s.PowerDownPending(routeFor(&incus.Instance{Name: "a"}), t0.Add(time.Second)) {
 		t.Fatal("the older power-down outlived a newer recorded request")
 	}
 }
@@ -84,14 +84,14 @@ func TestAKeptPowerDownIsPendingForAUseAfterIt(t *testing.T) {
 func TestARecordedPowerDownIsNotPendingWhileAWakeRecordsRunning(t *testing.T) {
 	s := &Service{}
 	t0 := time.UnixMilli(1_700_000_000_000)
-	running := func(in Intent) *incus.Instance {
+	running := func(in Intent) Route {
 		inst := &incus.Instance{Name: "a", Status: incus.InstanceRunning, Config: map[string]string{
 			keySchema: schemaVersion, keyUniverse: "u", keyEnvironment: "e", keyBooted: msString(t0.Add(-time.Hour)),
 		}}
 		for k, v := range in.config() {
 			inst.Config[k] = v
 		}
-		return inst
+		return routeFor(inst)
 	}
 	older := running(Intent{Power: controller.PowerPaused, At: t0, By: BySetPower})
 	if !s.PowerDownPending(older, t0.Add(time.Second)) {

@@ -155,7 +155,7 @@ func TestWriteLandedAcrossEndpoints(t *testing.T) {
 }
 
 // Every member down: targets answers unavailable, with retryAfterMs, soon.
-func TestClusterDownIsUnavailable(t *testing.T) {
+func TestEveryMemberDownIsUnavailable(t *testing.T) {
 	pin := member(t, func(http.ResponseWriter, *http.Request) {}).Certificate()
 	client := clusterClient(t, pin, 0, "https://"+loopback.FreeAddr(t), mutedURL(t), "https://"+loopback.FreeAddr(t))
 	dialer, err := guest.New(guest.KindProxy, guest.Options{Lookup: client.InitPID, SocketDir: t.TempDir()})

@@ -89,7 +89,7 @@ func TestFakeOwnWritesNeverMeetBusy(t *testing.T) {
 			}
 			inst, _, err := r.client.GetInstance(ctx, p.name)
 			if err == nil {
-				_, err = r.svc.Wake(ctx, inst, time.Now())
+				_, err = r.svc.Wake(ctx, routeFor(inst), time.Now())
 			}
 			if err != nil {
 				fail("wake "+p.name, err)
@@ -197,7 +197,7 @@ func TestFakeDialDuringGracefulStop(t *testing.T) {
 		t.Fatal(err)
 	}
 	dialAt := time.Now()
-	from, err := r.svc.Wake(wctx, inst, dialAt)
+	from, err := r.svc.Wake(wctx, routeFor(inst), dialAt)
 	took := time.Since(dialAt)
 	if err != nil {
 		t.Fatalf("a wake during a graceful stop failed after %v (busy: %v): %v\n%s", took, errors.Is(err, incus.ErrBusy), err, r.history(name))
@@ -257,7 +257,7 @@ func TestFakePowerDownInsideAWakesWindow(t *testing.T) {
 	wakeAt := time.Now()
 	wakeDone := make(chan error, 1)
 	go func() {
-		_, err := r.svc.Wake(ctx, inst, wakeAt)
+		_, err := r.svc.Wake(ctx, routeFor(inst), wakeAt)
 		wakeDone <- err
 	}()
 	select {
@@ -324,7 +324,7 @@ func TestFakeDialAfterAPowerDownWins(t *testing.T) {
 	dialAt := time.Now()
 	wctx, wcancel := context.WithTimeout(ctx, 3*freezeTakes)
 	defer wcancel()
-	from, err := r.svc.Wake(wctx, inst, dialAt)
+	from, err := r.svc.Wake(wctx, routeFor(inst), dialAt)
 	if err != nil {
 		t.Fatalf("a dial during a pause failed (busy: %v): %v\n%s", errors.Is(err, incus.ErrBusy), err, r.history(name))
 	}

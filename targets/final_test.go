@@ -43,8 +43,8 @@ func TestFinalAnswersAreConfirmedWithIncus(t *testing.T) {
 		t.Fatalf("target/get over a stale absence answered %+v, %v; Incus holds the target", o, err)
 	}
 	svc.cache.offer(name, svc.cache.mark(name), nil)
-	if _, o, err := svc.ResolveRoute(ctxT(t), ref.Owner, name); err != nil || o.Phase != controller.PhaseActive {
-		t.Fatalf("a data route over a stale absence answered %+v, %v (gone: %v)", o, err, errors.Is(err, ErrRouteGone))
+	if r, err := svc.ResolveRoute(ctxT(t), ref.Owner, name); err != nil || r.Observation.Phase != controller.PhaseActive {
+		t.Fatalf("a data route over a stale absence answered %+v, %v (gone: %v)", r.Observation, err, errors.Is(err, ErrRouteGone))
 	}
 	svc.cache.offer(name, svc.cache.mark(name), nil)
 	if o, err := svc.SetPower(ctxT(t), ref, controller.PowerRunning); err != nil || o.Phase != controller.PhaseActive {
@@ -63,8 +63,8 @@ func TestFinalAnswersAreConfirmedWithIncus(t *testing.T) {
 		if inst, hit := svc.cache.get(name); !hit || inst == nil {
 			t.Fatalf("the staged %s instance did not take", what)
 		}
-		if _, o, err := svc.ResolveRoute(ctxT(t), ref.Owner, name); err != nil || o.Phase != controller.PhaseActive {
-			t.Fatalf("a data route over a stale %s instance answered %+v, %v", what, o, err)
+		if r, err := svc.ResolveRoute(ctxT(t), ref.Owner, name); err != nil || r.Observation.Phase != controller.PhaseActive {
+			t.Fatalf("a data route over a stale %s instance answered %+v, %v", what, r.Observation, err)
 		}
 		svc.cache.offer(name, svc.cache.mark(name), &stale)
 		if o, err := svc.GetTarget(ctxT(t), ref); err != nil || o.Phase != controller.PhaseActive {
@@ -78,7 +78,7 @@ func TestFinalAnswersAreConfirmedWithIncus(t *testing.T) {
 	}
 	until(t, "closed", func() (controller.Observation, error) { return svc.GetTarget(ctxT(t), ref) },
 		func(_ controller.Observation, err error) bool { return kindOf(err) == "notFound" })
-	if _, _, err := svc.ResolveRoute(ctxT(t), ref.Owner, name); !errors.Is(err, ErrRouteGone) {
+	if _, err := svc.ResolveRoute(ctxT(t), ref.Owner, name); !errors.Is(err, ErrRouteGone) {
 		t.Fatalf("a data route of a closed target answered %v, want gone", err)
 	}
 }

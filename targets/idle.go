@@ -2,6 +2,7 @@ package targets
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -10,31 +11,71 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
-	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
 // The Service is the idle loop's inventory: it lists the targets, counts
-// their relays, and applies idle actions through the same paths as the
-// controller methods.
+// their relays, and carries the loop's decisions out through the same
+// paths as the controller methods. It speaks its own terms (IdleView,
+// powers, ErrStale, ErrRelayOpen); the provider puts them in the loop's.
+
+// IdleView is a target as the idle loop needs to see it.
+type IdleView struct {
+	// Name is the Incus instance name (the target id).
+	Name string
+	// Phase and Power are the controller plane's observation: Power is set
+	// exactly when Phase is active.
+	Phase controller.Phase
+	Power controller.Power
+	// Settled is false while Incus moves the target between power states
+	// or a power request for it is not yet carried out (State.Settled).
+	Settled bool
+	// PhaseSince is when the target entered a passing phase: its create
+	// for provisioning, its recorded close for closing; zero otherwise or
+	// when unknown.
+	PhaseSince time.Time
+	// Port is the guest daemon's port on the guest's loopback.
+	Port int
+	// Location is the cluster member holding the instance (empty when
+	// standalone); the dialer needs it to pick its way to the guest.
+	Location string
+	// Policy is the target's idle policy (the template's default or the one
+	// target/create named); nil when it has none.
+	Policy *idlepolicy.Policy
+	// PowerStates are the power states the target's template offers.
+	PowerStates []controller.Power
+	// IdleSince is the instant idleness began, recorded when the provider
+	// powered the target down; zero when none is recorded.
+	IdleSince time.Time
+}
+
+// The idle loop's answers: an idle power-down or close that meets either
+// does nothing.
 var (
-	_ idle.Inventory = (*Service)(nil)
-	_ idle.Watcher   = (*Service)(nil)
+	// ErrStale: the target changed since the loop looked at it (woken by
+	// a data route, powered by target/setPower, closed).
+	ErrStale = errors.New("targets: the target changed since the idle loop looked at it")
+	// ErrRelayOpen: the target relays a data connection, or a dial of its
+	// data route is in progress (or came while the power-down waited and
+	// replaced it): the provider never powers a target down under a relay.
+	// The idle loop takes it as "not idle"; an explicit power change
+	// closes the relays first.
+	ErrRelayOpen = errors.New("targets: not powering the target down: a data relay to the target is open")
 )
 
 // IdleTargets lists every target the provider owns in its project, with
 // what the idle loop needs: phase and power as Observe reports them, the
-// idle policy recorded at create, the template's power-down stages, the
+// idle policy recorded at create, the template's power states, the
 // daemon port and the recorded idle-since instant. It shares the
 // reconciler's listing (see instances), so the two loops decode the
 // project's inventory once per period between them, not twice.
-func (s *Service) IdleTargets(ctx context.Context) ([]idle.Target, error) {
+func (s *Service) IdleTargets(ctx context.Context) ([]IdleView, error) {
 	list, err := s.instances(ctx)
 	if err != nil {
 		return nil, err
 	}
-	out := make([]idle.Target, 0, len(list))
+	out := make([]IdleView, 0, len(list))
 	for i := range list {
 		if t, ok := s.idleTargetOf(&list[i]); ok {
 			out = append(out, t)
@@ -45,26 +86,26 @@ func (s *Service) IdleTargets(ctx context.Context) ([]idle.Target, error) {
 
 // idleTargetOf describes an instance for the idle loop; ok is false for an
 // instance that is not one of the provider's targets.
-func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
+func (s *Service) idleTargetOf(inst *incus.Instance) (IdleView, bool) {
 	if unreadable(inst) && looksLikeTargetID(inst.Name) {
 		// Its member does not answer: counted (unknown, on its member),
 		// never acted on.
-		return idle.Target{Name: inst.Name, Phase: controller.PhaseUnknown, Location: inst.Location}, true
+		return IdleView{Name: inst.Name, Phase: controller.PhaseUnknown, Location: inst.Location}, true
 	}
 	r := recordOf(inst.Config, fOwned|fState|fDaemonPort|fTemplate|fIdle|fIdleSince|fCreatedAt)
 	if _, ok := r.owner(inst.Name); !ok {
-		return idle.Target{}, false
+		return IdleView{}, false
 	}
 	st := stateOf(inst, &r)
-	t := idle.Target{
-		Name:      inst.Name,
-		Phase:     st.Phase,
-		Power:     st.Power,
-		Settled:   st.Settled(),
-		Port:      r.DaemonPort,
-		Location:  inst.Location,
-		Stages:    idle.StagesOf(s.templateStates(r.Template)),
-		IdleSince: r.IdleSince,
+	t := IdleView{
+		Name:        inst.Name,
+		Phase:       st.Phase,
+		Power:       st.Power,
+		Settled:     st.Settled(),
+		Port:        r.DaemonPort,
+		Location:    inst.Location,
+		PowerStates: s.templateStates(r.Template),
+		IdleSince:   r.IdleSince,
 	}
 	switch {
 	case r.IdleErr != nil:
@@ -93,17 +134,33 @@ func (s *Service) idleTargetOf(inst *incus.Instance) (idle.Target, bool) {
 // RelaysOpen counts the data relays open to the instance.
 func (s *Service) RelaysOpen(name string) int { return s.relays.Open(name) }
 
-// IdleAct applies an idle action to the target the loop last saw as t.
-// Under the target's lock it first checks that the target is still as t
-// says (the same phase and settled power, the same recorded idle-since for
-// a powered-down one, no power request pending) and has no relay open;
-// otherwise it answers idle.ErrStale or idle.ErrRelayOpen and does nothing.
-// A power-down is recorded as the target's wanted power (with idleSince)
-// and carried out by the reconciler like any other, yielding to a dial that
-// comes first; IdleAct waits for that step. A close takes the normal close
-// path (the closing marker, then the reconciler), after which target/get
-// answers closing and then notFound.
-func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.Action, idleSince time.Time) error {
+// IdlePowerDown moves the target the idle loop last saw as t to the power
+// to (paused, suspended or stopped), recording idleSince as the instant
+// its idleness began. Under the target's lock it first checks that the
+// target is still as t says (its name, settled power and, for a
+// powered-down one, recorded idle-since; no power request pending) and has
+// no relay open; otherwise it answers ErrStale or ErrRelayOpen and does
+// nothing. The power-down is recorded as the target's wanted power and
+// carried out by the reconciler like any other, yielding to a dial that
+// comes first; IdlePowerDown waits for that step.
+func (s *Service) IdlePowerDown(ctx context.Context, t IdleView, to controller.Power, idleSince time.Time) error {
+	if to == "" {
+		return fmt.Errorf("targets: an idle power-down of %s names no power", t.Name)
+	}
+	return s.idleAct(ctx, t, to, idleSince)
+}
+
+// IdleClose closes the target the idle loop last saw as t, after the same
+// checks as IdlePowerDown, through the normal close path (the closing
+// marker, then the reconciler), after which target/get answers closing and
+// then notFound.
+func (s *Service) IdleClose(ctx context.Context, t IdleView) error {
+	return s.idleAct(ctx, t, "", time.Time{})
+}
+
+// idleAct carries out IdlePowerDown to the power to, or IdleClose when to
+// is empty.
+func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, idleSince time.Time) error {
 	unlock, err := s.locks.lock(ctx, t.Name)
 	if err != nil {
 		return err
@@ -119,25 +176,25 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 		return err
 	}
 	if inst == nil {
-		return idle.ErrStale
+		return ErrStale
 	}
 	r := recordOf(inst.Config, fOwned|fState|fIdleSince|fRelays)
 	if _, ok := r.owner(inst.Name); !ok {
-		return idle.ErrStale
+		return ErrStale
 	}
 	st := stateOf(inst, &r)
 	if !st.Settled() || st.Power != t.Power {
-		return idle.ErrStale
+		return ErrStale
 	}
 	if st.Power != controller.PowerRunning && !r.idleSinceIs(t.IdleSince) {
-		return idle.ErrStale
+		return ErrStale
 	}
 	if s.relays.Open(t.Name) > 0 || foreignLeases(r.Relays, s.cfg.Replica, s.now()) > 0 {
 		// This replica or another relays to it: no idle action while any
 		// replica relays a data connection to the target.
 		return ErrRelayOpen
 	}
-	if action == idlepolicy.ActionClose {
+	if to == "" {
 		// Hold new dials off while the close is recorded, as a power-down
 		// does: a dial that wakes the target now would be cut by the delete.
 		release, ok := s.relays.Quiesce(t.Name)
@@ -153,15 +210,14 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 		s.work.kick(t.Name)
 		return nil
 	}
-	to := idle.PowerOf(action)
-	if to == "" || !slices.Contains(s.powerStates(inst), to) {
-		return fmt.Errorf("targets: idle action %s: the template does not offer %q", action, to)
+	if !slices.Contains(s.powerStates(inst), to) {
+		return fmt.Errorf("targets: idle power-down to %s: the template does not offer it", to)
 	}
 	_, _, err = s.want(ctx, t.Name, Intent{Power: to, At: s.now(), By: ByIdle},
 		change{keys: fIdleSince, to: record{IdleSince: idleSince}},
 		func(_ *incus.Instance, now State) error {
 			if now.Intent != st.Intent || now.Power != st.Power {
-				return idle.ErrStale
+				return ErrStale
 			}
 			return nil
 		})
@@ -180,7 +236,7 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 		return err
 	}
 	if after == nil {
-		return idle.ErrStale
+		return ErrStale
 	}
 	switch now := StateOf(after); {
 	case now.Power == to:
@@ -188,16 +244,16 @@ func (s *Service) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.
 	case now.Intent.Power != to:
 		return ErrRelayOpen // a use overtook the power-down
 	default:
-		return fmt.Errorf("targets: idle %s of %s is recorded; the reconciler retries it", action, t.Name)
+		return fmt.Errorf("targets: idle power-down of %s to %s is recorded; the reconciler retries it", t.Name, to)
 	}
 }
 
 // IdleTarget reads one target as IdleTargets lists it; ok is false when the
 // provider holds no target of that name.
-func (s *Service) IdleTarget(ctx context.Context, name string) (t idle.Target, ok bool, err error) {
+func (s *Service) IdleTarget(ctx context.Context, name string) (t IdleView, ok bool, err error) {
 	inst, err := s.read(ctx, name)
 	if err != nil || inst == nil {
-		return idle.Target{}, false, err
+		return IdleView{}, false, err
 	}
 	t, ok = s.idleTargetOf(inst)
 	return t, ok, nil

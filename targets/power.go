@@ -92,14 +92,18 @@ func (s *Service) stopHeld(ctx context.Context, name string, grace time.Duration
 // action (a running target with a power-down recorded) waits for the
 // record, which is then all it asks.
 //
-// inst is the target as the route read it (from the observation cache).
+// r is the target as the route read it (from the observation cache).
 // A newer request recorded on it supersedes the dial (ErrSuperseded: the
 // dial loses to a power change asked after it); one the cache has not
 // seen yet is found by the record, which then hands the target to the
 // reconciler to carry that request out. It answers the power the target
 // had. Should the action fail, the record is still made and the
 // reconciler carries it out.
-func (s *Service) Wake(ctx context.Context, inst *incus.Instance, at time.Time) (from controller.Power, err error) {
+func (s *Service) Wake(ctx context.Context, r Route, at time.Time) (from controller.Power, err error) {
+	inst := r.inst
+	if inst == nil {
+		return "", fmt.Errorf("wake %s: %w", r.Name, errNotResolved)
+	}
 	name := inst.Name
 	st := StateOf(inst)
 	if err := wakeRefused(inst, st, at); err != nil {
@@ -229,18 +233,21 @@ func (s *Service) recordWake(ctx context.Context, name string, at time.Time, cle
 }
 
 // PowerDownPending says whether a use made at at (a dial, an ingress
-// request) that finds inst running must still record its own request for
-// running (Wake): a power-down is recorded on inst and not yet carried
-// out, or one asked before at is kept in memory because Incus has not
-// taken it yet (see pendingTable), and would otherwise land after the use.
-func (s *Service) PowerDownPending(inst *incus.Instance, at time.Time) bool {
-	if st := StateOf(inst); st.PowerPending() {
-		// A wake that acted on the target and records its request for
-		// running now replaces the recorded one: the use need not.
-		w, waking := s.waking.get(inst.Name)
-		return !waking || st.Intent.At.After(w)
+// request) that finds the target r running must still record its own
+// request for running (Wake): a power-down is recorded on it and not yet
+// carried out, or one asked before at is kept in memory because Incus has
+// not taken it yet (see pendingTable), and would otherwise land after the
+// use. r is the target as the use read it (ResolveRoute).
+func (s *Service) PowerDownPending(r Route, at time.Time) bool {
+	if r.inst != nil {
+		if st := StateOf(r.inst); st.PowerPending() {
+			// A wake that acted on the target and records its request for
+			// running now replaces the recorded one: the use need not.
+			w, waking := s.waking.get(r.Name)
+			return !waking || st.Intent.At.After(w)
+		}
 	}
-	w, ok := s.pending.get(inst.Name)
+	w, ok := s.pending.get(r.Name)
 	return ok && w.intent.Power != controller.PowerRunning && !w.intent.At.After(at)
 }
 

@@ -3,13 +3,13 @@ package targets
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
 	"go.uber.org/zap/zaptest"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
-	"github.com/lightspeed-dev/incus-provider/idle"
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
@@ -325,7 +325,7 @@ func TestSetPowerOfAProvisioningTarget(t *testing.T) {
 	}
 }
 
-func idleTargetOfName(t *testing.T, svc *Service, name string) idle.Target {
+func idleTargetOfName(t *testing.T, svc *Service, name string) IdleView {
 	t.Helper()
 	tg, ok, err := svc.IdleTarget(ctxT(t), name)
 	if err != nil || !ok {
@@ -336,7 +336,7 @@ func idleTargetOfName(t *testing.T, svc *Service, name string) idle.Target {
 
 // The idle loop's actions on the real Incus: checked against what the loop
 // saw, never under a relay, recorded, and a close through the close path.
-func TestIdleActOnIncus(t *testing.T) {
+func TestIdleActionsOnIncus(t *testing.T) {
 	h := newHarness(t)
 	svc := h.startWith(Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second})
 	ctx := ctxT(t)
@@ -352,7 +352,7 @@ func TestIdleActOnIncus(t *testing.T) {
 
 	seen := idleTargetOfName(t, svc, name)
 	if seen.Phase != "active" || seen.Power != controller.PowerRunning || !seen.Settled || seen.Port != 19091 ||
-		seen.Stages != idlepolicy.StagePause|idlepolicy.StageStop || seen.Policy == nil || *seen.Policy.PauseAfterMs != 1000 || !seen.IdleSince.IsZero() {
+		!slices.Equal(seen.PowerStates, []controller.Power{controller.PowerRunning, controller.PowerPaused, controller.PowerStopped}) || seen.Policy == nil || *seen.Policy.PauseAfterMs != 1000 || !seen.IdleSince.IsZero() {
 		t.Fatalf("IdleTarget: %+v", seen)
 	}
 	listed, err := svc.IdleTargets(ctx)
@@ -363,8 +363,8 @@ func TestIdleActOnIncus(t *testing.T) {
 	// A dial is in progress: nothing happens.
 	tk, _ := svc.relays.Enter(name, time.Now())
 	since := time.UnixMilli(time.Now().Add(-1500 * time.Millisecond).UnixMilli())
-	if err := svc.IdleAct(ctx, seen, idlepolicy.ActionPause, since); !errors.Is(err, idle.ErrRelayOpen) {
-		t.Fatalf("IdleAct under a relay: want ErrRelayOpen, got %v", err)
+	if err := svc.IdlePowerDown(ctx, seen, controller.PowerPaused, since); !errors.Is(err, ErrRelayOpen) {
+		t.Fatalf("IdlePowerDown under a relay: want ErrRelayOpen, got %v", err)
 	}
 	if svc.relays.Open(name) != 1 || h.instance(name).Status != incus.InstanceRunning {
 		t.Fatal("the idle loop must neither close relays nor power down under one")
@@ -374,12 +374,12 @@ func TestIdleActOnIncus(t *testing.T) {
 	// What the loop saw is not what is there: nothing happens.
 	stale := seen
 	stale.Power = controller.PowerPaused
-	if err := svc.IdleAct(ctx, stale, idlepolicy.ActionStop, since); !errors.Is(err, idle.ErrStale) {
-		t.Fatalf("IdleAct on a stale view: want ErrStale, got %v", err)
+	if err := svc.IdlePowerDown(ctx, stale, controller.PowerStopped, since); !errors.Is(err, ErrStale) {
+		t.Fatalf("IdlePowerDown on a stale view: want ErrStale, got %v", err)
 	}
 
 	// Pause, recording the instant idleness began.
-	if err := svc.IdleAct(ctx, seen, idlepolicy.ActionPause, since); err != nil {
+	if err := svc.IdlePowerDown(ctx, seen, controller.PowerPaused, since); err != nil {
 		t.Fatal(err)
 	}
 	paused := idleTargetOfName(t, svc, name)
@@ -389,11 +389,11 @@ func TestIdleActOnIncus(t *testing.T) {
 	// The loop's stale view of the paused target (another idle-since).
 	other := paused
 	other.IdleSince = since.Add(time.Second)
-	if err := svc.IdleAct(ctx, other, idlepolicy.ActionStop, other.IdleSince); !errors.Is(err, idle.ErrStale) {
-		t.Fatalf("IdleAct with another idle-since: want ErrStale, got %v", err)
+	if err := svc.IdlePowerDown(ctx, other, controller.PowerStopped, other.IdleSince); !errors.Is(err, ErrStale) {
+		t.Fatalf("IdlePowerDown with another idle-since: want ErrStale, got %v", err)
 	}
 	// Escalate: stop keeps the recorded instant.
-	if err := svc.IdleAct(ctx, paused, idlepolicy.ActionStop, since); err != nil {
+	if err := svc.IdlePowerDown(ctx, paused, controller.PowerStopped, since); err != nil {
 		t.Fatal(err)
 	}
 	stopped := idleTargetOfName(t, svc, name)
@@ -401,7 +401,7 @@ func TestIdleActOnIncus(t *testing.T) {
 		t.Fatalf("after the stop: %+v", stopped)
 	}
 	// Close through the close path: closing, then gone.
-	if err := svc.IdleAct(ctx, stopped, idlepolicy.ActionClose, since); err != nil {
+	if err := svc.IdleClose(ctx, stopped); err != nil {
 		t.Fatal(err)
 	}
 	until(t, "closed", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) },
@@ -409,8 +409,8 @@ func TestIdleActOnIncus(t *testing.T) {
 	if obs, err := svc.CloseTarget(ctx, ref); err != nil || obs.Phase != controller.PhaseClosed {
 		t.Fatalf("close after an idle close: %+v %v", obs, err)
 	}
-	if err := svc.IdleAct(ctx, stopped, idlepolicy.ActionClose, since); !errors.Is(err, idle.ErrStale) {
-		t.Fatalf("IdleAct on a target that is gone: want ErrStale, got %v", err)
+	if err := svc.IdleClose(ctx, stopped); !errors.Is(err, ErrStale) {
+		t.Fatalf("IdleClose of a target that is gone: want ErrStale, got %v", err)
 	}
 }
 

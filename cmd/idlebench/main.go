@@ -1,7 +1,8 @@
 // Command idlebench measures the idle loop at scale: it stands up N fake
 // guest daemons (default 10,000, package idle/idletest) and a fake Incus
 // that lists N running targets, in a process of their own, then runs the
-// idle loop's own code (idle.Loop over targets.Service, with its default
+// idle loop's own code (idle.Loop over targets.Service, through
+// provider.IdleInventory as the provider wires them, with its default
 // configuration) with only the dialer pointed at the fake daemons, and
 // reports how long a full pass over every target takes, how much CPU this
 // process uses as a fraction of one core (getrusage: user + system) and its
@@ -46,6 +47,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/idle/idletest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/fakeincus"
+	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/relays"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
@@ -211,7 +213,7 @@ func run() error {
 
 	reg := prometheus.NewRegistry()
 	loop := idle.New(idle.Config{
-		Inventory:       svc,
+		Inventory:       provider.IdleInventory{Targets: svc},
 		Dialer:          dialer,
 		Metrics:         idle.NewMetrics(reg),
 		Log:             log,

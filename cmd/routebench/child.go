@@ -135,7 +135,7 @@ func runChild() error {
 	wakes := &wakeTraces{}
 	mux.Handle("/bench/wakes", cred.Require(wakes, nil))
 	prov, err := provider.New(ctx, provider.Config{Incus: client, Catalog: catalog, Dialer: dialer, Credential: cred,
-		Log: log, GracefulStop: 5 * time.Second, MaxInFlight: 64, RouteWakeTrace: wakes.record})
+		Log: log, GracefulStop: 5 * time.Second, MaxInFlight: 64, WakeTrace: wakes.record})
 	if err != nil {
 		return err
 	}

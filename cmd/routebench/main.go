@@ -28,7 +28,7 @@
 //	sudo bin/routebench [-wakes 20] [-rtt 2000] [-seconds 4s] [-idle-relays 1000] [-only wakes]
 //
 // Each wake's first dial is also divided by the provider's own clock
-// (routes.WakeTrace): the time inside Incus's unfreeze or start, the time
+// (wake.Trace): the time inside Incus's unfreeze or start, the time
 // waiting for the guest daemon, and the provider's own share, whose goal
 // is ≤ 2 ms p50 (issue 25). -only wakes measures the wakes alone.
 //

@@ -41,7 +41,7 @@ func (r *report) printWakeRows(tw io.Writer) {
 }
 
 // printWakeBreakdown divides each upgraded first dial of the wakes by the
-// provider's own trace (routes.WakeTrace.Breakdown).
+// provider's own trace (wake.Trace.Breakdown).
 func (r *report) printWakeBreakdown(w io.Writer) {
 	_, _ = fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
@@ -71,7 +71,7 @@ func (r *report) printWakeBreakdown(w io.Writer) {
 			verdict(ps.n > 0 && ps.n == wk.firstOK && ps.p50 <= 2*time.Millisecond))
 	}
 	_ = tw.Flush()
-	_, _ = fmt.Fprintln(w, "Each upgraded first dial divided by the provider's own clock (routes.WakeTrace): incus is the time inside")
+	_, _ = fmt.Fprintln(w, "Each upgraded first dial divided by the provider's own clock (wake.Trace): incus is the time inside")
 	_, _ = fmt.Fprintln(w, "Targets.Wake (the unfreeze or start and its operation) up to the daemon's answer; daemon is the wait for the")
 	_, _ = fmt.Fprintln(w, "daemon's first answer to the readiness probe once Incus is done, plus the relay's own dial and handshake;")
 	_, _ = fmt.Fprintln(w, "the provider's share is the rest of arrival → upgrade written. Each is its own order statistic: the p50s need")

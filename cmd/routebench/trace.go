@@ -14,7 +14,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/internal/clock"
-	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // dialRecord is one dial the provider made through its GuestDialer: the
@@ -114,7 +114,7 @@ func (b *bench) dialsSince(ctx context.Context, t0 time.Time, upgraded time.Dura
 }
 
 // wakeRecord is one wake as the provider's own clock saw it (a
-// routes.WakeTrace, flattened): the offsets are from the dial's arrival,
+// wake.Trace, flattened): the offsets are from the dial's arrival,
 // -1 for a time the trace does not have.
 type wakeRecord struct {
 	Instance  string `json:"instance"`
@@ -134,7 +134,7 @@ type wakeRecord struct {
 	GuestDialAt, GuestUpgradedAt, UpgradedAt                                int64
 }
 
-func newWakeRecord(tr routes.WakeTrace) wakeRecord {
+func newWakeRecord(tr wake.Trace) wakeRecord {
 	at := func(t time.Time) int64 {
 		if t.IsZero() {
 			return -1
@@ -161,9 +161,9 @@ type wakeTraces struct {
 	recs []wakeRecord
 }
 
-// record is the routes' WakeTrace hook: the flattening is done here, off
+// record is the wake's trace hook: the flattening is done here, off
 // the dial's way, since the hook runs once the relay has started.
-func (w *wakeTraces) record(tr routes.WakeTrace) {
+func (w *wakeTraces) record(tr wake.Trace) {
 	r := newWakeRecord(tr)
 	w.mu.Lock()
 	if len(w.recs) >= traceKeep {

@@ -7,7 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export GOFLAGS=${GOFLAGS:--mod=mod}
 STATE_DIR=${STATE_DIR:-/run/incus-provider-dev}
-step() { printf '\n== %s\n' "$*"; }
+began=$(date +%s)
+# Each step says when it began, in seconds since the run did.
+step() { printf '\n== %s (at %s s)\n' "$*" "$(( $(date +%s) - began ))"; }
 # shellcheck source=deploy/dev/lib.sh
 . deploy/dev/lib.sh
 
@@ -17,19 +19,26 @@ pid_before=$(cat "$STATE_DIR/incusd.pid" 2>/dev/null || true)
 started_incus=0
 started_cluster=0
 started_lxd=0
-provider_pid=""
-conform_project="lsconform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+suffix() { head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
+conform_project="lsconform-$(suffix)"
+cluster_project="lsc-conform-$(suffix)"
+lxd_project="lsx-conform-$(suffix)"
+declare -A lane_pid=()
 work=$(mktemp -d)
 cleanup() {
   status=$?
-  if [ -n "$provider_pid" ]; then kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; fi
+  # A lane still running (this run failed or was stopped) is stopped with
+  # everything it started: each is a process group of its own.
+  for l in "${!lane_pid[@]}"; do
+    if [ -n "${lane_pid[$l]}" ]; then kill -- "-${lane_pid[$l]}" 2>/dev/null || true; wait "${lane_pid[$l]}" 2>/dev/null || true; fi
+  done
   drop_incus_project "$conform_project"
-  if [ -n "${cluster_project:-}" ]; then
+  if [ -d /var/lib/incus-lsm1 ]; then
     export INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client"
     drop_incus_project "$cluster_project"
     unset INCUS_DIR INCUS_CONF
   fi
-  if [ -n "${lxd_project:-}" ]; then
+  if [ -S /var/lib/lxd/unix.socket ]; then
     for i in $(LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc list --project "$lxd_project" --format csv -c n 2>/dev/null); do
       LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc delete --force --project "$lxd_project" "$i" >/dev/null 2>&1 || true; done
     LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc project delete "$lxd_project" >/dev/null 2>&1 || true
@@ -86,83 +95,147 @@ if [ ! -f "$STATE_DIR/cluster/cluster.env" ]; then started_cluster=1; fi
 deploy/dev/incus-cluster-up.sh
 export INCUS_PROVIDER_REQUIRE_CLUSTER=1
 
-step "lint"
-deploy/dev/lint.sh
-
-step "unit and integration tests (real Incus)"
-mkdir -p bin
-go build -o bin/incus-provider ./cmd/incus-provider
-go build -o bin/lsconform ./cmd/lsconform
-# Compile every test binary in parallel first, then run the packages one
-# at a time: they share one incusd on two cores, and a daemon starved by
-# several packages' containers at once stalls for a minute at a time.
-go test -race -count=1 -run '^$' ./... >/dev/null
-INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m ./...
-
-step "conformance against a running provider"
-incus project create "$conform_project" -c features.images=false -c features.profiles=false >/dev/null
-head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
-PROVIDER_LISTEN=127.0.0.1:18480 PROVIDER_METRICS_LISTEN=127.0.0.1:19480 \
-  PROVIDER_INGRESS_LISTEN=127.0.0.1:18482 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18482' \
-  PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
-  INCUS_PROJECT="$conform_project" PROVIDER_GRACEFUL_STOP=5s \
-  bin/incus-provider >"$work/provider.out" 2>"$work/provider.log" &
-provider_pid=$!
-await_provider "$provider_pid" "$work/provider.out" "$work/provider.log"
-conform ws://127.0.0.1:18480/control "$work/credential" u-conformance "$work/provider.log"
-# The exposition after a conformance run: what Prometheus will scrape.
-curl -fsS --max-time 10 http://127.0.0.1:19480/metrics > "$work/metrics.txt"
-promtool check metrics < "$work/metrics.txt" || { echo "promtool check metrics found problems (above)" >&2; exit 1; }
-kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
-
-step "container image (Dockerfile, podman build --pull=never) against the host's Incus"
-deploy/dev/container-test.sh
-
-step "conformance against a provider on the cluster rig (all members' URLs, guests reached by member/exec)"
-cluster_project="lsc-conform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client" \
-  incus project create "$cluster_project" -c features.images=false -c features.profiles=false >/dev/null
-(
-  set -a; . "$STATE_DIR/cluster/cluster.env"; set +a
-  PROVIDER_LISTEN=127.0.0.1:18481 PROVIDER_METRICS_LISTEN=127.0.0.1:19481 \
-    PROVIDER_INGRESS_LISTEN=127.0.0.1:18483 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18483' \
-    PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
-    INCUS_PROJECT="$cluster_project" PROVIDER_INCUS_MEMBER=lsm1 PROVIDER_GRACEFUL_STOP=5s \
-    exec bin/incus-provider >"$work/cluster-provider.out" 2>"$work/cluster-provider.log"
-) &
-provider_pid=$!
-await_provider "$provider_pid" "$work/cluster-provider.out" "$work/cluster-provider.log"
-grep -q '"kind":"member","member":"lsm1","clustered":true' "$work/cluster-provider.log" || {
-  echo "the provider on the cluster did not choose the member dialer:" >&2; grep 'guest dialer' "$work/cluster-provider.log" >&2; exit 1; }
-conform ws://127.0.0.1:18481/control "$work/credential" u-conformance "$work/cluster-provider.log"
-kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
-
-step "LXD 5.0 (deploy/dev/lxd-up.sh): lifecycle, power and route tests, and conformance, with both dialers"
+step "LXD 5.0 (deploy/dev/lxd-up.sh), for its lane below"
 lxd_pid_before=$(cat "$STATE_DIR/lxd.pid" 2>/dev/null || true)
 deploy/dev/lxd-up.sh
 lxd_pid_after=$(cat "$STATE_DIR/lxd.pid" 2>/dev/null || true)
 if [ -n "$lxd_pid_after" ] && [ "$lxd_pid_after" != "$lxd_pid_before" ]; then started_lxd=1; fi
-# The tests that hold for any Incus-API server; the rest rely on Incus's own
-# behaviour (its fault injection, the cluster) and run on Incus above.
-lxd_tests='^(TestCacheFollowsEveryTransition|TestCacheStreamCutGoesToIncus|TestCacheManyOwners|TestRoutes|TestActiveMeansStartedAndClosesAtOnce|TestManyOwnersCreateAndObserveAtOnce|TestPowerDownRightAfterAWakingConnection|TestCreateBecomesActiveAndCloseRemovesIt|TestConcurrentCreatesLeaveOneInstance|TestOwnerFencing|TestSetPowerPauseResumeStopStart|TestSetPowerRefusals|TestSetPowerOfAProvisioningTarget|TestIdleActOnIncus|TestWarmHandoutBecomesActiveAndThePoolRefills|TestWarmCrashMidHandout)$'
-lxd_project="lsx-conform-$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc project create "$lxd_project" -c features.images=false -c features.profiles=false >/dev/null
-for dialer in netns proxy; do
-  # Ten power-down cycles per case, not fifty: the races are Incus's own
-  # fifty above; here the server is what differs.
-  INCUS_PROVIDER_TEST_SOCKET=/var/lib/lxd/unix.socket INCUS_PROVIDER_TEST_DIALER=$dialer INCUS_PROVIDER_REQUIRE_INCUS=1 \
-    PROVIDER_TEST_POWER_CYCLES=10 go test -race -count=1 -p 1 -timeout 10m -run "$lxd_tests" ./provider ./targets
-  mkdir -p -m 0700 "$work/lxd-guests"
-  PROVIDER_LISTEN=127.0.0.1:18487 PROVIDER_METRICS_LISTEN=127.0.0.1:19487 \
-    PROVIDER_INGRESS_LISTEN=127.0.0.1:18488 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18488' \
-    PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
-    INCUS_SOCKET=/var/lib/lxd/unix.socket INCUS_PROJECT="$lxd_project" PROVIDER_GRACEFUL_STOP=5s \
-    PROVIDER_GUEST_DIALER=$dialer PROVIDER_GUEST_SOCKET_DIR="$work/lxd-guests" \
-    bin/incus-provider >"$work/lxd-provider.out" 2>"$work/lxd-provider.log" &
-  provider_pid=$!
-  await_provider "$provider_pid" "$work/lxd-provider.out" "$work/lxd-provider.log"
-  conform ws://127.0.0.1:18487/control "$work/credential" u-conformance "$work/lxd-provider.log"
-  kill "$provider_pid" 2>/dev/null || true; wait "$provider_pid" 2>/dev/null || true; provider_pid=""
-  left=$(find "$work/lxd-guests" -name '*.sock' | wc -l)
-  [ "$left" = 0 ] || { echo "the $dialer dialer left $left proxy sockets behind after conformance closed every target" >&2; exit 1; }
+
+step "lint"
+deploy/dev/lint.sh
+
+step "build"
+mkdir -p bin
+go build -o bin/incus-provider ./cmd/incus-provider
+go build -o bin/lsconform ./cmd/lsconform
+# Every test binary compiled once, in parallel, before the lanes share the
+# cores with Incus.
+go test -race -count=1 -run '^$' ./... >/dev/null
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
+
+# The tests run in four lanes at once. Each lane owns what it changes: its
+# own Incus projects (every test makes a throwaway one), its own fixed
+# ports, and, for the cluster and LXD lanes, a daemon of its own. Within a
+# lane, packages run one at a time. A lane's output is kept in a file and
+# shown when the lane ends, whole, so lanes never interleave.
+
+# serve NAME ENV...: starts bin/incus-provider with the given settings (as
+# NAME=VALUE words) and waits for it to serve; its pid is in $served.
+serve() {
+  local name=$1; shift
+  env "$@" PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
+    PROVIDER_GRACEFUL_STOP=5s bin/incus-provider >"$work/$name.out" 2>"$work/$name.log" &
+  served=$! served_log="$work/$name.log"
+  await_provider "$served" "$work/$name.out" "$work/$name.log"
+}
+stop_served() {
+  kill "$served" 2>/dev/null || true; wait "$served" 2>/dev/null || true; served=""
+  no_busy_warnings "$served_log"
+}
+
+# Lane "provider": the provider package's single-host tests (the
+# cluster's, named TestCluster*, are the cluster lane's).
+lane_provider() {
+  INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -timeout 25m -skip '^TestCluster' ./provider
+}
+
+# Lane "packages": every other package, then conformance against a
+# running provider and the container image, all on the host's Incus.
+lane_packages() {
+  # shellcheck disable=SC2046 # one word per package
+  INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m -skip '^TestCluster' \
+    $(go list ./... | grep -v '/provider$')
+  incus project create "$conform_project" -c features.images=false -c features.profiles=false >/dev/null
+  serve provider PROVIDER_LISTEN=127.0.0.1:18480 PROVIDER_METRICS_LISTEN=127.0.0.1:19480 \
+    PROVIDER_INGRESS_LISTEN=127.0.0.1:18482 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18482' \
+    INCUS_PROJECT="$conform_project"
+  conform ws://127.0.0.1:18480/control "$work/credential" u-conformance "$work/provider.log"
+  # The exposition after a conformance run: what Prometheus will scrape.
+  curl -fsS --max-time 10 http://127.0.0.1:19480/metrics > "$work/metrics.txt"
+  promtool check metrics < "$work/metrics.txt" || { echo "promtool check metrics found problems (above)" >&2; return 1; }
+  stop_served
+  echo "== container image (Dockerfile, podman build --pull=never) against the host's Incus"
+  deploy/dev/container-test.sh
+}
+
+# Lane "cluster": the three-member cluster's tests, then conformance
+# against a provider on the cluster rig (all members' URLs, guests reached
+# by member/exec).
+lane_cluster() {
+  INCUS_PROVIDER_REQUIRE_INCUS=1 INCUS_PROVIDER_REQUIRE_CLUSTER=1 go test -race -count=1 -timeout 25m -run '^TestCluster' ./provider
+  INCUS_DIR=/var/lib/incus-lsm1 INCUS_CONF="$STATE_DIR/cluster/client" \
+    incus project create "$cluster_project" -c features.images=false -c features.profiles=false >/dev/null
+  # The rig's settings (every member's URL, its certificates) reach only
+  # this lane's provider: the lane is a process of its own.
+  set -a; . "$STATE_DIR/cluster/cluster.env"; set +a
+  serve cluster-provider PROVIDER_LISTEN=127.0.0.1:18481 PROVIDER_METRICS_LISTEN=127.0.0.1:19481 \
+    PROVIDER_INGRESS_LISTEN=127.0.0.1:18483 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18483' \
+    INCUS_PROJECT="$cluster_project" PROVIDER_INCUS_MEMBER=lsm1
+  grep -q '"kind":"member","member":"lsm1","clustered":true' "$work/cluster-provider.log" || {
+    echo "the provider on the cluster did not choose the member dialer:" >&2; grep 'guest dialer' "$work/cluster-provider.log" >&2; return 1; }
+  conform ws://127.0.0.1:18481/control "$work/credential" u-conformance "$work/cluster-provider.log"
+  stop_served
+}
+
+# Lane "lxd": on LXD 5.0, the tests that hold for any Incus-API server (the
+# rest rely on Incus's own behaviour: its fault injection, the cluster),
+# and conformance, with both dialers.
+lane_lxd() {
+  local tests='^(TestCacheFollowsEveryTransition|TestCacheStreamCutGoesToIncus|TestCacheManyOwners|TestRoutes|TestActiveMeansStartedAndClosesAtOnce|TestManyOwnersCreateAndObserveAtOnce|TestPowerDownRightAfterAWakingConnection|TestCreateBecomesActiveAndCloseRemovesIt|TestConcurrentCreatesLeaveOneInstance|TestOwnerFencing|TestSetPowerPauseResumeStopStart|TestSetPowerRefusals|TestSetPowerOfAProvisioningTarget|TestIdleActOnIncus|TestWarmHandoutBecomesActiveAndThePoolRefills|TestWarmCrashMidHandout)$'
+  # What the dialer decides: reaching the guest's daemon (routes, wakes,
+  # readiness, the idle probe). The rest is the same Incus calls whichever
+  # dialer, and runs once, with netns.
+  local dialed='^(TestRoutes|TestActiveMeansStartedAndClosesAtOnce|TestPowerDownRightAfterAWakingConnection|TestIdleActOnIncus|TestWarmHandoutBecomesActiveAndThePoolRefills)$'
+  LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc project create "$lxd_project" -c features.images=false -c features.profiles=false >/dev/null
+  for dialer in netns proxy; do
+    local run=$tests
+    if [ "$dialer" = proxy ]; then run=$dialed; fi
+    echo "== LXD, the $dialer dialer"
+    # Ten power-down cycles per case, not fifty: the races are Incus's own
+    # fifty in the provider lane; here the server is what differs.
+    INCUS_PROVIDER_TEST_SOCKET=/var/lib/lxd/unix.socket INCUS_PROVIDER_TEST_DIALER=$dialer INCUS_PROVIDER_REQUIRE_INCUS=1 \
+      PROVIDER_TEST_POWER_CYCLES=10 go test -race -count=1 -p 1 -timeout 15m -run "$run" ./provider ./targets
+    mkdir -p -m 0700 "$work/lxd-guests"
+    serve lxd-provider PROVIDER_LISTEN=127.0.0.1:18487 PROVIDER_METRICS_LISTEN=127.0.0.1:19487 \
+      PROVIDER_INGRESS_LISTEN=127.0.0.1:18488 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18488' \
+      INCUS_SOCKET=/var/lib/lxd/unix.socket INCUS_PROJECT="$lxd_project" \
+      PROVIDER_GUEST_DIALER=$dialer PROVIDER_GUEST_SOCKET_DIR="$work/lxd-guests"
+    conform ws://127.0.0.1:18487/control "$work/credential" u-conformance "$work/lxd-provider.log"
+    stop_served
+    local left
+    left=$(find "$work/lxd-guests" -name '*.sock' | wc -l)
+    [ "$left" = 0 ] || { echo "the $dialer dialer left $left proxy sockets behind after conformance closed every target" >&2; return 1; }
+  done
+}
+
+step "tests in four lanes at once: provider, packages, cluster, lxd"
+lanes=(provider packages cluster lxd)
+declare -A lane_began
+for l in "${lanes[@]}"; do
+  lane_began[$l]=$(date +%s)
+  # Job control gives each lane a process group of its own, so that a
+  # failed run stops everything a lane started (cleanup kills the group).
+  set -m
+  (
+    set -euo pipefail
+    served=""
+    trap '[ -z "$served" ] || { kill "$served" 2>/dev/null; wait "$served" 2>/dev/null; }' EXIT
+    "lane_$l"
+  ) >"$work/lane-$l.log" 2>&1 &
+  lane_pid[$l]=$!
+  set +m
 done
+failed=()
+summary=()
+for l in "${lanes[@]}"; do
+  status=0
+  wait "${lane_pid[$l]}" || status=$?
+  lane_pid[$l]=""
+  took=$(( $(date +%s) - lane_began[$l] ))
+  if [ "$status" = 0 ]; then summary+=("$l ${took}s ok"); else summary+=("$l ${took}s FAILED ($status)"); failed+=("$l"); fi
+  printf '\n== lane %s (%s s, exit %s)\n' "$l" "$took" "$status"
+  cat "$work/lane-$l.log"
+done
+printf '\n== lanes: %s\n' "$(IFS=,; echo "${summary[*]}" | sed 's/,/; /g')"
+if [ "${#failed[@]}" -gt 0 ]; then echo "failed lanes: ${failed[*]}" >&2; exit 1; fi
+printf '== make test: %s s\n' "$(( $(date +%s) - began ))"

@@ -7,7 +7,7 @@
 # machine's drift falls on both alike. Prints each run's figures, then per
 # build the mean of the runs' p50 and p95, the ratios new/old, the goals
 # (paused ≤ 0.6×, stopped ≤ 0.9×, every first dial upgraded) and the new
-# build's breakdown of each wake (routes.WakeTrace).
+# build's breakdown of each wake (wake.Trace).
 #
 # Needs root, Incus at /var/lib/incus/unix.socket and the development guest
 # image (built when missing). Exits non-zero only when it cannot measure.
@@ -110,7 +110,7 @@ done
 echo "(p50 and p95 are the means of the runs' own; the ratio is of the mean p50s; each pair's ratio is above)"
 
 echo
-echo "== the new build's wakes divided by the provider's own clock, per run (routes.WakeTrace)"
+echo "== the new build's wakes divided by the provider's own clock, per run (wake.Trace)"
 for ((i = 1; i <= rounds; i++)); do
 	sed -n '/^wake breakdown/,/^from stopped/p' "$work/new-$i.txt"
 done

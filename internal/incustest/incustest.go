@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -254,6 +255,12 @@ type ClusterRig struct {
 // INCUS_PROVIDER_REQUIRE_CLUSTER=1.
 func Cluster(t testing.TB) *ClusterRig {
 	t.Helper()
+	// make test runs the cluster's tests in a lane of their own, chosen by
+	// name (-run '^TestCluster'); a cluster test named otherwise would run
+	// in no lane, or in the single-host lane without its rig.
+	if !strings.HasPrefix(t.Name(), "TestCluster") {
+		t.Fatalf("incustest: %s uses the cluster rig, so its name must begin with TestCluster (deploy/dev/test.sh chooses the cluster lane by name)", t.Name())
+	}
 	path := os.Getenv(EnvClusterFile)
 	if path == "" {
 		path = DefaultClusterFile

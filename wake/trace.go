@@ -1,17 +1,18 @@
-package routes
+package wake
 
 import "time"
 
-// WakeTrace is how one flight (a wake and its readiness probe) and the
-// dial that started it spent their time, as the provider saw it: every
-// field is read from the provider's own clock, so that a benchmark can
-// tell what the provider costs from what Incus and the guest daemon cost,
-// which no figure taken from outside can.
+// Trace is how one flight (a wake and its readiness probe) and the
+// data-route dial that started it spent their time, as the provider saw
+// it: every field is read from the provider's own clock, so that a
+// benchmark can tell what the provider costs from what Incus and the guest
+// daemon cost, which no figure taken from outside can.
 //
-// Options.WakeTrace receives one per flight that ends with the daemon
-// answering. The relay's fields are the starting dial's; they stay zero
-// when that dial stopped waiting before the flight settled, or was not
-// upgraded (Upgraded is zero then, and Breakdown says so).
+// Options.Trace receives one per flight that ends with the daemon
+// answering. The relay's fields are the starting dial's, which the data
+// routes fill in; they stay zero when that dial stopped waiting before the
+// flight settled, or was not upgraded (Upgraded is zero then, and
+// Breakdown says so), and for a flight an ingress request started.
 //
 // Breakdown divides the starting dial's time, from Arrived to Upgraded, in
 // three:
@@ -29,7 +30,7 @@ import "time"
 //   - Provider: the rest, what the provider itself adds: taking the dial
 //     to the flight, starting the wake, starting the probe after a start,
 //     settling, opening the relay and writing the upgrade.
-type WakeTrace struct {
+type Trace struct {
 	Instance string
 	// From is the power the flight woke the target from (paused,
 	// stopped, running when it only probed a booting daemon).
@@ -68,18 +69,18 @@ type ProbeAttempt struct {
 	Answered bool
 }
 
-// WakeBreakdown is a WakeTrace divided as its comment defines.
-type WakeBreakdown struct {
+// Breakdown is a Trace divided as its comment defines.
+type Breakdown struct {
 	Total, Incus, Daemon, Provider time.Duration
 }
 
 // Breakdown divides the trace; false when the starting dial was not
 // upgraded, so that there is no whole to divide.
-func (t *WakeTrace) Breakdown() (WakeBreakdown, bool) {
+func (t *Trace) Breakdown() (Breakdown, bool) {
 	if t.Upgraded.IsZero() || t.Answered.IsZero() || t.GuestUpgraded.IsZero() {
-		return WakeBreakdown{}, false
+		return Breakdown{}, false
 	}
-	var b WakeBreakdown
+	var b Breakdown
 	b.Total = t.Upgraded.Sub(t.Arrived)
 	var incusDone time.Time
 	if !t.IncusStart.IsZero() {
@@ -102,7 +103,7 @@ func (t *WakeTrace) Breakdown() (WakeBreakdown, bool) {
 // failed last: Breakdown counts it as the daemon's, yet part of it is the
 // probe's backoff outlasting the daemon's boot, so it is the most the
 // provider's polling may have added.
-func (t *WakeTrace) PollGap() time.Duration {
+func (t *Trace) PollGap() time.Duration {
 	n := len(t.Probes)
 	if n < 2 {
 		return 0
@@ -111,7 +112,7 @@ func (t *WakeTrace) PollGap() time.Duration {
 }
 
 // wakeCall records a Targets.Wake call; end is zero while it still runs.
-func (t *WakeTrace) wakeCall(start, end time.Time) {
+func (t *Trace) wakeCall(start, end time.Time) {
 	if t.IncusStart.IsZero() {
 		t.IncusStart = start
 	}
@@ -120,7 +121,7 @@ func (t *WakeTrace) wakeCall(start, end time.Time) {
 }
 
 // probe records a probe attempt.
-func (t *WakeTrace) probe(start, end time.Time, answered bool) {
+func (t *Trace) probe(start, end time.Time, answered bool) {
 	t.Probes = append(t.Probes, ProbeAttempt{Start: start, End: end, Answered: answered})
 	if answered {
 		t.Answered = end

@@ -1,0 +1,291 @@
+package wake
+
+import (
+	"context"
+	"net"
+	"net/http/httptest"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/internal/devguest"
+	"github.com/lightspeed-dev/incus-provider/relays"
+	"github.com/lightspeed-dev/incus-provider/targets"
+)
+
+// The wake on its own, against a fake of the targets and a real
+// development daemon behind the dialer: what every use of a target shares.
+// The data routes' tests drive it through dials, holds and relays.
+
+const testInstance = "ls-00000000000000000001"
+
+var testOwner = controller.Owner{UniverseID: "u1", EnvironmentID: "env1"}
+
+type fakeTargets struct {
+	mu        sync.Mutex
+	state     targets.RouteState
+	phase     controller.Phase
+	gone      bool
+	wakeDelay time.Duration
+	wakes     atomic.Int32
+}
+
+func (f *fakeTargets) route() targets.Route {
+	o := controller.Observation{TargetID: testInstance, Owner: testOwner, Phase: f.phase}
+	if f.phase == controller.PhaseActive {
+		o.Power = map[targets.RouteState]controller.Power{targets.RoutePaused: controller.PowerPaused,
+			targets.RouteStopped: controller.PowerStopped}[f.state]
+		if o.Power == "" {
+			o.Power = controller.PowerRunning
+		}
+	}
+	return targets.Route{Name: testInstance, Owner: testOwner, State: f.state, Observation: o,
+		Daemon: guest.Target{Instance: testInstance, Port: guest.DefaultPort}}
+}
+
+func (f *fakeTargets) set(state targets.RouteState, phase controller.Phase) {
+	f.mu.Lock()
+	f.state, f.phase = state, phase
+	f.mu.Unlock()
+}
+
+func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, targetID string) (targets.Route, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.gone || owner != testOwner || targetID != testInstance {
+		return targets.Route{}, targets.ErrRouteGone
+	}
+	return f.route(), nil
+}
+
+func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (controller.Power, error) {
+	f.wakes.Add(1)
+	f.mu.Lock()
+	from, delay := f.route().Observation.Power, f.wakeDelay
+	f.mu.Unlock()
+	select {
+	case <-time.After(delay):
+	case <-ctx.Done():
+		return from, ctx.Err()
+	}
+	f.set(targets.RouteRunning, controller.PhaseActive)
+	return from, nil
+}
+
+func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool { return false }
+
+// daemonDialer reaches a development daemon whatever the target.
+type daemonDialer struct {
+	addr  string
+	dials atomic.Int32
+}
+
+func newDaemonDialer(t *testing.T) *daemonDialer {
+	t.Helper()
+	d, err := devguest.New(t.Context(), devguest.Config{Cwd: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(d)
+	t.Cleanup(srv.Close)
+	return &daemonDialer{addr: srv.Listener.Addr().String()}
+}
+
+func (d *daemonDialer) DialContext(ctx context.Context, _ guest.Target) (net.Conn, error) {
+	d.dials.Add(1)
+	var nd net.Dialer
+	return nd.DialContext(ctx, "tcp", d.addr)
+}
+func (*daemonDialer) Devices(guest.Target) map[string]map[string]string { return nil }
+func (*daemonDialer) Forget(string)                                     {}
+func (*daemonDialer) Name() string                                      { return "test" }
+
+type wakeRig struct {
+	targets *fakeTargets
+	dialer  *daemonDialer
+	reg     *relays.Registry
+	metrics *prometheus.Registry
+	w       *Waker
+}
+
+func newWakeRig(t *testing.T, state targets.RouteState) *wakeRig {
+	t.Helper()
+	r := &wakeRig{targets: &fakeTargets{}, dialer: newDaemonDialer(t), reg: relays.New(time.Second), metrics: prometheus.NewRegistry()}
+	r.targets.set(state, controller.PhaseActive)
+	w, err := New(t.Context(), Options{Targets: r.targets, Dialer: r.dialer, Relays: r.reg, Metrics: NewMetrics(r.metrics), Budget: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.w = w
+	return r
+}
+
+func (r *wakeRig) route(t *testing.T) targets.Route {
+	t.Helper()
+	rt, err := r.targets.ResolveRoute(t.Context(), testOwner, testInstance)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rt
+}
+
+// wakesCounted counts the wakes observed from with outcome.
+func (r *wakeRig) wakesCounted(t *testing.T, from, outcome string) uint64 {
+	t.Helper()
+	mfs, err := r.metrics.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n uint64
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["from"] == from && labels["outcome"] == outcome {
+				n += m.GetHistogram().GetSampleCount()
+			}
+		}
+	}
+	return n
+}
+
+// A dial and ingress requests that come together for a paused target
+// share one wake, and its proof of the daemon outlives it.
+func TestUsesOfATargetShareOneWake(t *testing.T) {
+	r := newWakeRig(t, targets.RoutePaused)
+	r.targets.wakeDelay = 50 * time.Millisecond
+	rt := r.route(t)
+	f, started := r.w.Join(rt, time.Now(), true)
+	if !started {
+		t.Fatal("the first use did not start the flight")
+	}
+	const n = 8
+	var wg sync.WaitGroup
+	results := make(chan *Refusal, n)
+	for range n {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+			defer cancel()
+			results <- r.w.WakeForUse(ctx, rt, time.Now())
+		})
+	}
+	if again, started := r.w.Join(rt, time.Now(), true); started || again != f {
+		t.Fatal("a use that came during the flight started another")
+	}
+	wg.Wait()
+	close(results)
+	for ref := range results {
+		if ref != nil {
+			t.Fatalf("a use was refused %+v, want the daemon answering", ref)
+		}
+	}
+	<-f.Settled()
+	if f.Result() != nil {
+		t.Fatalf("the flight settled on %+v", f.Result())
+	}
+	if got := r.targets.wakes.Load(); got != 1 {
+		t.Fatalf("%d wakes for %d uses, want 1", got, n+1)
+	}
+	if got := r.wakesCounted(t, "paused", outcomeReady); got != 1 {
+		t.Fatalf("wake histogram counted %d ready wakes from paused, want 1", got)
+	}
+	if !r.w.Ready(testInstance) {
+		t.Fatal("the daemon the flight proved is not ready")
+	}
+	// A power change forgets the proof. (The wake's own ticket holds the
+	// target until Incus is done, which may be after the daemon answered.)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		release, ok := r.reg.Quiesce(testInstance)
+		if ok {
+			release()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the flight never let the target be quiesced")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if r.w.Ready(testInstance) {
+		t.Fatal("the proof outlived a power change")
+	}
+}
+
+// A use whose hold runs out is told what the flight waits for; the flight
+// goes on, and a later use finds it done.
+func TestAFlightOutlivesAUseWhoseHoldRanOut(t *testing.T) {
+	r := newWakeRig(t, targets.RouteStopped)
+	r.targets.wakeDelay = 300 * time.Millisecond
+	rt := r.route(t)
+	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+	defer cancel()
+	if ref := r.w.WakeForUse(ctx, rt, time.Now()); ref == nil || ref.State != StateWaking || ref.RetryAfter != time.Second {
+		t.Fatalf("a use whose hold ran out during a start was told %+v, want waking in 1 s", ref)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !r.w.Ready(testInstance) {
+		if time.Now().After(deadline) {
+			t.Fatal("the flight did not go on to prove the daemon")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	ctx, cancel = context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	if ref := r.w.WakeForUse(ctx, r.route(t), time.Now()); ref != nil {
+		t.Fatalf("a later use was refused %+v", ref)
+	}
+	if got := r.targets.wakes.Load(); got != 1 {
+		t.Fatalf("%d wakes, want 1", got)
+	}
+}
+
+// A target that goes while its flight waits on a transition settles the
+// flight as gone, and what was known of it is forgotten.
+func TestAFlightOfATargetGoneMeanwhileIsGone(t *testing.T) {
+	r := newWakeRig(t, targets.RouteOther) // freezing, say: Incus finishes it on its own
+	r.w.Seen(testInstance, true)
+	rt := r.route(t)
+	f, _ := r.w.Join(rt, time.Now(), false)
+	time.Sleep(100 * time.Millisecond)
+	r.targets.mu.Lock()
+	r.targets.gone = true
+	r.targets.mu.Unlock()
+	select {
+	case <-f.Settled():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the flight did not settle")
+	}
+	if ref := f.Result(); ref == nil || ref.State != StateGone {
+		t.Fatalf("settled on %+v, want gone", ref)
+	}
+	if r.w.LastDown(testInstance) || r.targets.wakes.Load() != 0 {
+		t.Fatal("a gone target is still remembered, or was woken")
+	}
+}
+
+func TestTerminal(t *testing.T) {
+	for _, c := range []struct {
+		o    controller.Observation
+		want *Refusal
+	}{
+		{controller.Observation{Phase: controller.PhaseActive, Power: controller.PowerPaused}, nil},
+		{controller.Observation{Phase: controller.PhaseProvisioning}, nil},
+		{controller.Observation{Phase: controller.PhaseClosing}, &Refusal{State: StateGone}},
+		{controller.Observation{Phase: controller.PhaseClosed}, &Refusal{State: StateGone}},
+		{controller.Observation{Phase: controller.PhaseFailed, Message: "disk broken"}, &Refusal{State: StateFailed, Message: "disk broken"}},
+		{controller.Observation{Phase: controller.PhaseFailed}, &Refusal{State: StateFailed, Message: DefaultFailedMessage}},
+		{controller.Observation{Phase: controller.PhaseUnknown}, &Refusal{State: StateBooting, RetryAfter: 5 * time.Second}},
+	} {
+		got := Terminal(c.o)
+		if (got == nil) != (c.want == nil) || (got != nil && *got != *c.want) {
+			t.Errorf("%s: %+v, want %+v", c.o.Phase, got, c.want)
+		}
+	}
+}
