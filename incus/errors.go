@@ -147,9 +147,9 @@ func isLockRace(err error) bool {
 // Success (Failure or Cancelled).
 type OperationError struct {
 	ID         string
-	Status     string // "Failure" or "Cancelled"
-	StatusCode int    // 400 or 401
-	Err        string // the server's description of what went wrong
+	Status     string     // "Failure" or "Cancelled"
+	StatusCode StatusCode // StatusFailure or StatusCancelled
+	Err        string     // the server's description of what went wrong
 }
 
 func (e *OperationError) Error() string {

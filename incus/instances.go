@@ -17,7 +17,7 @@ type Instance struct {
 	Name         string                       `json:"name"`
 	Type         string                       `json:"type"` // "container" or "virtual-machine"
 	Status       InstanceStatus               `json:"status"`
-	StatusCode   int                          `json:"status_code"`
+	StatusCode   StatusCode                   `json:"status_code"`
 	Description  string                       `json:"description"`
 	Architecture string                       `json:"architecture"`
 	Config       map[string]string            `json:"config"`
@@ -60,7 +60,7 @@ func (i *Instance) Writable() InstancePut {
 // InstanceState is the runtime state of an instance.
 type InstanceState struct {
 	Status     InstanceStatus                  `json:"status"`
-	StatusCode int                             `json:"status_code"`
+	StatusCode StatusCode                      `json:"status_code"`
 	Pid        int64                           `json:"pid"`
 	Processes  int64                           `json:"processes"`
 	StartedAt  time.Time                       `json:"started_at"`

@@ -57,7 +57,7 @@ func state(t *testing.T, ctx context.Context, c *incus.Client, name string, req 
 	return time.Since(start), err
 }
 
-func mustStatus(t *testing.T, ctx context.Context, c *incus.Client, name string, want int) {
+func mustStatus(t *testing.T, ctx context.Context, c *incus.Client, name string, want incus.StatusCode) {
 	t.Helper()
 	st, err := c.GetInstanceState(ctx, name)
 	if err != nil {

@@ -15,21 +15,26 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/clock"
 )
 
+// StatusCode is the numeric status Incus gives an operation, an instance
+// and a response (status_code). Its own type, so that it is compared with
+// the constants below and never mistaken for an HTTP status or a count.
+type StatusCode int
+
 // Status codes Incus uses for operations and instances.
 const (
-	StatusStarted   = 101
-	StatusStopped   = 102
-	StatusRunning   = 103
-	StatusPending   = 105
-	StatusStarting  = 106
-	StatusStopping  = 107
-	StatusFreezing  = 109
-	StatusFrozen    = 110
-	StatusError     = 112
-	StatusReady     = 113
-	StatusSuccess   = 200
-	StatusFailure   = 400
-	StatusCancelled = 401
+	StatusStarted   StatusCode = 101
+	StatusStopped   StatusCode = 102
+	StatusRunning   StatusCode = 103
+	StatusPending   StatusCode = 105
+	StatusStarting  StatusCode = 106
+	StatusStopping  StatusCode = 107
+	StatusFreezing  StatusCode = 109
+	StatusFrozen    StatusCode = 110
+	StatusError     StatusCode = 112
+	StatusReady     StatusCode = 113
+	StatusSuccess   StatusCode = 200
+	StatusFailure   StatusCode = 400
+	StatusCancelled StatusCode = 401
 )
 
 // Operation is a background task on the server. It is final once StatusCode
@@ -39,7 +44,7 @@ type Operation struct {
 	Class       string              `json:"class"` // task, websocket, token
 	Description string              `json:"description"`
 	Status      string              `json:"status"`
-	StatusCode  int                 `json:"status_code"`
+	StatusCode  StatusCode          `json:"status_code"`
 	Err         string              `json:"err"`
 	Resources   map[string][]string `json:"resources"`
 	Metadata    map[string]any      `json:"metadata"`

@@ -56,7 +56,7 @@ type request struct {
 type envelope struct {
 	Type       string      `json:"type"` // sync, async or error
 	Status     string      `json:"status"`
-	StatusCode int         `json:"status_code"`
+	StatusCode StatusCode  `json:"status_code"`
 	Operation  string      `json:"operation"`
 	ErrorCode  int         `json:"error_code"`
 	Error      string      `json:"error"`

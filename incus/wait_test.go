@@ -108,10 +108,10 @@ func TestWaitFailureIsOperationError(t *testing.T) {
 			if !errors.As(err, &oe) {
 				t.Fatalf("want *OperationError, got %T %v", err, err)
 			}
-			if oe.ID != "op-1" || oe.Status != tc.status || oe.StatusCode != tc.code || oe.Err != tc.msg {
+			if oe.ID != "op-1" || oe.Status != tc.status || oe.StatusCode != StatusCode(tc.code) || oe.Err != tc.msg {
 				t.Errorf("got %+v", oe)
 			}
-			if op == nil || op.StatusCode != tc.code {
+			if op == nil || op.StatusCode != StatusCode(tc.code) {
 				t.Errorf("returned op %+v", op)
 			}
 			if IsRetryable(err) || errors.Is(err, context.DeadlineExceeded) {

@@ -834,11 +834,16 @@ func (s *Service) CacheConfirmed() bool {
 
 // describe is what sameInstance compares, for a log line.
 func describe(i *incus.Instance) string {
-	keys := slices.Sorted(maps.Keys(i.Config))
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s/%d stateful=%v location=%s", i.Status, i.StatusCode, i.Stateful, i.Location)
-	for _, k := range keys {
-		fmt.Fprintf(&b, " %s=%q", k, i.Config[k])
+	// Every key, sorted: the keys' meaning is record.go's, not this dump's.
+	pairs := make([][2]string, 0, len(i.Config))
+	for k, v := range i.Config {
+		pairs = append(pairs, [2]string{k, v})
+	}
+	slices.SortFunc(pairs, func(x, y [2]string) int { return strings.Compare(x[0], y[0]) })
+	for _, kv := range pairs {
+		fmt.Fprintf(&b, " %s=%q", kv[0], kv[1])
 	}
 	return b.String()
 }

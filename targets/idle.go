@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -14,7 +13,6 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/incus"
-	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
 
 // The Service is the idle loop's inventory: it lists the targets, counts
@@ -94,43 +92,40 @@ func (s *Service) idleTargetOf(inst *incus.Instance) (IdleView, bool) {
 		// never acted on.
 		return IdleView{Name: inst.Name, Phase: controller.PhaseUnknown, Location: inst.Location}, true
 	}
-	if _, ok := ownerOf(inst); !ok {
+	r := recordOf(inst.Config, fOwned|fState|fDaemonPort|fTemplate|fIdle|fIdleSince|fCreatedAt)
+	if _, ok := r.owner(inst.Name); !ok {
 		return IdleView{}, false
 	}
-	st := StateOf(inst)
+	st := stateOf(inst, &r)
 	t := IdleView{
 		Name:        inst.Name,
 		Phase:       st.Phase,
 		Power:       st.Power,
 		Settled:     st.Settled(),
-		Port:        DaemonPort(inst),
+		Port:        r.DaemonPort,
 		Location:    inst.Location,
-		PowerStates: s.powerStates(inst),
+		PowerStates: s.templateStates(r.Template),
+		IdleSince:   r.IdleSince,
 	}
-	if raw := inst.Config[keyIdle]; raw != "" {
-		p, err := policyOf(raw)
-		if err != nil {
-			// Only this provider writes the key, so this is a defect or a
-			// hand edit: the target gets no idle policy rather than a guess.
-			s.log.Warn("the recorded idle policy does not decode; the target gets none",
-				zap.String("instance", inst.Name), zap.Error(err))
-		} else {
-			t.Policy = p
-		}
-	}
-	if since, ok := parseMs(inst.Config[KeyIdleSince]); ok {
-		t.IdleSince = since
+	switch {
+	case r.IdleErr != nil:
+		// Only this provider writes the key, so this is a defect or a
+		// hand edit: the target gets no idle policy rather than a guess.
+		s.log.Warn("the recorded idle policy does not decode; the target gets none",
+			zap.String("instance", inst.Name), zap.Error(r.IdleErr))
+	case r.Idle != nil:
+		t.Policy = r.Idle
 	}
 	switch t.Phase {
 	case controller.PhaseProvisioning:
 		t.PhaseSince = inst.CreatedAt
-		if at, ok := parseMs(inst.Config[keyCreatedAt]); ok {
+		if !r.CreatedAt.IsZero() {
 			// A warm instance handed out was created long before its owner.
-			t.PhaseSince = at
+			t.PhaseSince = r.CreatedAt
 		}
 	case controller.PhaseClosing:
-		if since, ok := parseMs(inst.Config[keyClosing]); ok {
-			t.PhaseSince = since
+		if !r.Closing.IsZero() {
+			t.PhaseSince = r.Closing
 		}
 	}
 	return t, true
@@ -183,17 +178,18 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 	if inst == nil {
 		return ErrStale
 	}
-	if _, ok := ownerOf(inst); !ok {
+	r := recordOf(inst.Config, fOwned|fState|fIdleSince|fRelays)
+	if _, ok := r.owner(inst.Name); !ok {
 		return ErrStale
 	}
-	st := StateOf(inst)
+	st := stateOf(inst, &r)
 	if !st.Settled() || st.Power != t.Power {
 		return ErrStale
 	}
-	if st.Power != controller.PowerRunning && inst.Config[KeyIdleSince] != idleSinceText(t.IdleSince) {
+	if st.Power != controller.PowerRunning && !r.idleSinceIs(t.IdleSince) {
 		return ErrStale
 	}
-	if s.relays.Open(t.Name) > 0 || foreignLeases(inst.Config, s.cfg.Replica, s.now()) > 0 {
+	if s.relays.Open(t.Name) > 0 || foreignLeases(r.Relays, s.cfg.Replica, s.now()) > 0 {
 		// This replica or another relays to it: no idle action while any
 		// replica relays a data connection to the target.
 		return ErrRelayOpen
@@ -206,8 +202,8 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 			return ErrRelayOpen
 		}
 		defer release()
-		if inst.Config[keyClosing] == "" {
-			if err := s.patch(ctx, t.Name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+		if !r.has(fClosing) {
+			if err := s.patch(ctx, t.Name, change{keys: fClosing, to: record{Closing: s.now()}}.config()); err != nil {
 				return err
 			}
 		}
@@ -218,7 +214,7 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 		return fmt.Errorf("targets: idle power-down to %s: the template does not offer it", to)
 	}
 	_, _, err = s.want(ctx, t.Name, Intent{Power: to, At: s.now(), By: ByIdle},
-		map[string]string{KeyIdleSince: msString(idleSince)},
+		change{keys: fIdleSince, to: record{IdleSince: idleSince}},
 		func(_ *incus.Instance, now State) error {
 			if now.Intent != st.Intent || now.Power != st.Power {
 				return ErrStale
@@ -250,40 +246,6 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 	default:
 		return fmt.Errorf("targets: idle power-down of %s to %s is recorded; the reconciler retries it", t.Name, to)
 	}
-}
-
-func idleSinceText(t time.Time) string {
-	if t.IsZero() {
-		return ""
-	}
-	return msString(t)
-}
-
-// Recorded policies are few distinct strings (a template default, or what a
-// create named), so decoding each once spares the listing of thousands of
-// targets thousands of strict decodes. The cache is bounded; past the bound
-// a policy is decoded every time.
-var (
-	policyCache     sync.Map // raw JSON → *idlepolicy.Policy
-	policyCacheSize atomic.Int64
-)
-
-const policyCacheMax = 4096
-
-func policyOf(raw string) (*idlepolicy.Policy, error) {
-	if p, ok := policyCache.Load(raw); ok {
-		return p.(*idlepolicy.Policy), nil
-	}
-	var p idlepolicy.Policy
-	if err := wire.Decode([]byte(raw), &p); err != nil {
-		return nil, err
-	}
-	if policyCacheSize.Load() < policyCacheMax {
-		if _, loaded := policyCache.LoadOrStore(raw, &p); !loaded {
-			policyCacheSize.Add(1)
-		}
-	}
-	return &p, nil
 }
 
 // IdleTarget reads one target as IdleTargets lists it; ok is false when the

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"strconv"
 	"sync"
 	"time"
 
@@ -16,18 +15,13 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
-// Public ingress state, on the instance like every other intent. The label
-// is drawn once, at the first ensure, and kept for the target's life (a
-// remove keeps it), so a target's endpoint never changes. It is not secret
-// from the guest, which may well want to know its own public URL.
-const (
-	keyIngressLabel  = "user.lightspeed.ingress_label"
-	keyIngressRouted = "user.lightspeed.ingress_routed"
-	// keyIngressPort is the guest port the edge reaches, taken from the
-	// template at the ensure, so a route does not change under a target
-	// when the templates file does.
-	keyIngressPort = "user.lightspeed.ingress_port"
-)
+// Public ingress state is on the instance like every other intent (the
+// record's Ingress fields). The label is drawn once, at the first ensure,
+// and kept for the target's life (a remove keeps it), so a target's
+// endpoint never changes. It is not secret from the guest, which may well
+// want to know its own public URL. The port is the guest port the edge
+// reaches, taken from the template at the ensure, so a route does not
+// change under a target when the templates file does.
 
 // IngressRoute is where the edge sends a routed label's requests.
 type IngressRoute struct {
@@ -39,16 +33,19 @@ type IngressRoute struct {
 // ingressOf reads a routed target's route off its instance; ok is false
 // unless it is routed, ours, and not closing.
 func ingressOf(inst *incus.Instance) (label string, r IngressRoute, ok bool) {
-	if inst.Config[keyIngressRouted] != "true" || inst.Config[keyClosing] != "" {
+	// Most instances are not routed: that is read first, alone.
+	if !recordOf(inst.Config, fIngressRouted).IngressRouted {
 		return "", IngressRoute{}, false
 	}
-	label = inst.Config[keyIngressLabel]
-	port, err := strconv.Atoi(inst.Config[keyIngressPort])
-	owner, ours := ownerOf(inst)
-	if !ours || !ingressurl.Valid(label) || err != nil || port <= 0 || port > 65535 {
+	rec := recordOf(inst.Config, fClosing|fIngressLabel|fIngressPort|fOwned)
+	if rec.has(fClosing) {
 		return "", IngressRoute{}, false
 	}
-	return label, IngressRoute{Instance: inst.Name, Owner: owner, Port: port}, true
+	owner, ours := rec.owner(inst.Name)
+	if !ours || !ingressurl.Valid(rec.IngressLabel) || rec.IngressPort == 0 {
+		return "", IngressRoute{}, false
+	}
+	return rec.IngressLabel, IngressRoute{Instance: inst.Name, Owner: owner, Port: rec.IngressPort}, true
 }
 
 // ingressIndex is the edge's map of labels to routes, kept in memory so
@@ -200,42 +197,43 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 		return controller.Observation{}, err
 	}
 	defer unlock()
-	cur, err := s.patchIf(ctx, name, func(cur *incus.Instance) (map[string]string, error) {
+	cur, err := s.patchIf(ctx, name, func(cur *incus.Instance) (change, error) {
 		if unreadable(cur) {
-			return nil, jsonrpc.Unavailable(retryAfter, "Incus cannot read this target now (its cluster member does not answer); retry shortly.")
+			return change{}, jsonrpc.Unavailable(retryAfter, "Incus cannot read this target now (its cluster member does not answer); retry shortly.")
 		}
 		if err := checkOwned(cur, ref.Owner); err != nil {
-			return nil, err
+			return change{}, err
 		}
 		if StateOf(cur).Phase == controller.PhaseClosing {
 			if route {
-				return nil, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target is being closed; a closing target serves no public ingress.")
+				return change{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target is being closed; a closing target serves no public ingress.")
 			}
-			return nil, nil
+			return change{}, nil
 		}
+		rec := recordOf(cur.Config, fTemplate|fIngressLabel|fIngressRouted|fIngressPort)
 		if !route {
-			if cur.Config[keyIngressRouted] == "" {
-				return nil, nil
+			if !rec.has(fIngressRouted) {
+				return change{}, nil
 			}
-			return map[string]string{keyIngressRouted: ""}, nil
+			return change{keys: fIngressRouted}, nil // to not routed: removed
 		}
-		tmpl, ok := s.catalog.Load().Get(cur.Config[keyTemplate])
+		tmpl, ok := s.catalog.Load().Get(rec.Template)
 		if !ok || !tmpl.Wire.PublicIngress {
-			return nil, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ingressUnsupported",
-				"The target's template %q does not serve public ingress; template/list says which do (publicIngress).", cur.Config[keyTemplate])
+			return change{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ingressUnsupported",
+				"The target's template %q does not serve public ingress; template/list says which do (publicIngress).", rec.Template)
 		}
-		set := map[string]string{}
-		if !ingressurl.Valid(cur.Config[keyIngressLabel]) {
-			set[keyIngressLabel] = ingressurl.NewLabel()
+		var set change
+		if !ingressurl.Valid(rec.IngressLabel) {
+			set.keys |= fIngressLabel
+			set.to.IngressLabel = ingressurl.NewLabel()
 		}
-		if cur.Config[keyIngressRouted] != "true" {
-			set[keyIngressRouted] = "true"
+		if !rec.IngressRouted {
+			set.keys |= fIngressRouted
+			set.to.IngressRouted = true
 		}
-		if port := strconv.Itoa(tmpl.IngressPort); cur.Config[keyIngressPort] != port {
-			set[keyIngressPort] = port
-		}
-		if len(set) == 0 {
-			return nil, nil
+		if rec.IngressPort != tmpl.IngressPort {
+			set.keys |= fIngressPort
+			set.to.IngressPort = tmpl.IngressPort
 		}
 		return set, nil
 	})
@@ -257,11 +255,11 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 	return s.observe(cur, ref.Owner), nil
 }
 
-// patchIf writes the keys decide answers (none: nothing to write) to the
+// patchIf writes the change decide answers (empty: nothing to write) to the
 // instance as read, conditional on its ETag, reading again when another
 // writer came first. It answers the instance as written. The reads and the
 // write hold the instance's gate (owner.go).
-func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.Instance) (map[string]string, error)) (*incus.Instance, error) {
+func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.Instance) (change, error)) (*incus.Instance, error) {
 	var inst *incus.Instance
 	err := s.owned(ctx, name, func(ctx context.Context) error {
 		var err error
@@ -271,7 +269,7 @@ func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.I
 	return inst, err
 }
 
-func (s *Service) patchIfHeld(ctx context.Context, name string, decide func(*incus.Instance) (map[string]string, error)) (*incus.Instance, error) {
+func (s *Service) patchIfHeld(ctx context.Context, name string, decide func(*incus.Instance) (change, error)) (*incus.Instance, error) {
 	for attempt := 0; ; attempt++ {
 		inst, etag, err := s.incus.GetInstance(ctx, name)
 		if errors.Is(err, incus.ErrNotFound) {
@@ -280,22 +278,17 @@ func (s *Service) patchIfHeld(ctx context.Context, name string, decide func(*inc
 		if err != nil {
 			return nil, err
 		}
-		set, err := decide(inst)
-		if err != nil || set == nil {
+		c, err := decide(inst)
+		if err != nil || c.empty() {
 			return inst, err
 		}
+		set := c.config()
 		err = s.incus.PatchInstanceConfigIf(ctx, name, set, etag)
 		s.listingChanged()
 		if err == nil {
 			written := *inst
 			written.Config = maps.Clone(inst.Config)
-			for k, v := range set {
-				if v == "" {
-					delete(written.Config, k)
-				} else {
-					written.Config[k] = v
-				}
-			}
+			applyPatch(written.Config, set)
 			return &written, nil
 		}
 		// Another writer came first (or Incus rewrote volatile keys), or an

@@ -18,12 +18,7 @@ import (
 // so that it outlives the request, a failed attempt and the provider
 // process. The reconciler drives every target to its recorded power and
 // retries until it gets there, the target leaves active, or a newer request
-// replaces the record.
-const (
-	keyPower   = "user.lightspeed.power"
-	keyPowerAt = "user.lightspeed.power_at_ms"
-	keyPowerBy = "user.lightspeed.power_by"
-)
+// replaces the record. Its keys are in record.go.
 
 // Requester is who asked for a power: it decides what a power-down may do
 // to the target's open data connections.
@@ -51,20 +46,7 @@ type Intent struct {
 	By    Requester
 }
 
-func intentOf(inst *incus.Instance) Intent {
-	p := controller.Power(inst.Config[keyPower])
-	switch p {
-	case controller.PowerRunning, controller.PowerPaused, controller.PowerSuspended, controller.PowerStopped:
-	default:
-		return Intent{}
-	}
-	at, _ := parseMs(inst.Config[keyPowerAt])
-	return Intent{Power: p, At: at, By: Requester(inst.Config[keyPowerBy])}
-}
-
-func (in Intent) config() map[string]string {
-	return map[string]string{keyPower: string(in.Power), keyPowerAt: msString(in.At), keyPowerBy: string(in.By)}
-}
+func intentOf(inst *incus.Instance) Intent { return recordOf(inst.Config, fIntent).Intent }
 
 // ErrSuperseded: a newer power request than the one being recorded is on
 // the instance already; the older one is dropped.
@@ -73,13 +55,14 @@ var ErrSuperseded = errors.New("targets: a newer power request is recorded")
 // errGone: the instance disappeared while its intent was recorded.
 var errGone = errors.New("targets: the instance is gone")
 
-// want records in as the instance's wanted power, with the extra keys,
-// unless a newer request is recorded (ErrSuperseded). check, when not nil,
-// is applied to the instance as read just before the write and may refuse.
+// want records in as the instance's wanted power, with extra written in
+// the same PATCH, unless a newer request is recorded (ErrSuperseded).
+// check, when not nil, is applied to the instance as read just before the
+// write and may refuse.
 // The write is conditional on the instance's ETag, so a request recorded
 // by another process in between is never overwritten unseen. It answers
 // the instance as read, and whether it wrote.
-func (s *Service) want(ctx context.Context, name string, in Intent, extra map[string]string, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
+func (s *Service) want(ctx context.Context, name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
 	return s.wantPatient(ctx, time.Time{}, name, in, extra, check)
 }
 
@@ -88,7 +71,7 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra map[st
 // one), but once patience has passed it stops waiting out an operation
 // that holds the instance or the ETag churn of one that moves it, and says
 // ErrBusy: nothing was recorded, and the caller may keep the request.
-func (s *Service) wantPatient(ctx context.Context, patience time.Time, name string, in Intent, extra map[string]string, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
+func (s *Service) wantPatient(ctx context.Context, patience time.Time, name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
 	// The read and the write hold the instance's gate (owner.go). Incus
 	// checks a PATCH's ETag before it applies the write, not with it, so
 	// two writes read at one ETag can both pass, and the one applied last
@@ -112,7 +95,7 @@ func (s *Service) wantPatient(ctx context.Context, patience time.Time, name stri
 }
 
 // wantHeld is wantPatient's read and write, under the instance's gate.
-func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string, in Intent, extra map[string]string, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
+func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
 	wait := func(d time.Duration) bool {
 		if !patience.IsZero() {
 			d = min(d, time.Until(patience))
@@ -145,17 +128,16 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 			}
 			return inst, false, ErrSuperseded
 		}
-		if _, kept := s.pending.get(name); st.Intent.Power == in.Power && st.Intent.By == in.By && len(extra) == 0 && !kept {
+		if _, kept := s.pending.get(name); st.Intent.Power == in.Power && st.Intent.By == in.By && extra.empty() && !kept {
 			// Already recorded. Not so while an older request is kept in
 			// memory: its flush may be writing it now, and only a write of
 			// this newer one (ETag-guarded) is sure to outrank it.
 			return inst, false, nil
 		}
-		set := in.config()
-		for k, v := range extra {
-			set[k] = v
-		}
-		err = s.incus.PatchInstanceConfigIf(ctx, name, set, etag)
+		set := extra
+		set.keys |= fIntent
+		set.to.Intent = in
+		err = s.incus.PatchInstanceConfigIf(ctx, name, set.config(), etag)
 		s.listingChanged()
 		if err == nil {
 			s.wrote(name, in)
@@ -242,7 +224,7 @@ type pendingTable struct{ byName[pendingWrite] }
 
 type pendingWrite struct {
 	intent Intent
-	extra  map[string]string
+	extra  change
 }
 
 // put keeps w unless a newer request is kept already.

@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"regexp"
-	"strings"
 	"sync"
 	"time"
 
@@ -18,8 +17,8 @@ import (
 
 // Replicas coordinate their data connections through Incus alone. Each
 // replica that relays a connection to a target keeps a lease on the
-// instance, user.lightspeed.relays.<replica> = the lease's expiry in Unix
-// milliseconds, renewed while it relays and removed when it stops. A
+// instance, a key of its own that holds the lease's expiry (record.Relays),
+// renewed while it relays and removed when it stops. A
 // power-down by any replica waits (explicit) or yields (idle) while another
 // replica's lease is live, and a replica that relays to a target whose
 // recorded power is an explicit power-down closes its relays first, with
@@ -27,7 +26,6 @@ import (
 // ends its lease. A replica that dies leaves a
 // lease that expires by itself.
 const (
-	keyRelayPrefix = "user.lightspeed.relays."
 	// leaseTTL is how long a lease stands unrenewed: how long a dead
 	// replica's relays hold off power-downs at most.
 	leaseTTL = 30 * time.Second
@@ -52,19 +50,22 @@ func RandomReplica() string {
 	return "r" + hex.EncodeToString(b)
 }
 
-// foreignLeases counts the live leases other replicas hold on inst.
-func foreignLeases(config map[string]string, self string, now time.Time) int {
+// foreignLeases counts the live leases other replicas hold, of an
+// instance's leases (record.Relays).
+func foreignLeases(leases map[string]time.Time, self string, now time.Time) int {
 	n := 0
-	for k, v := range config {
-		id, ok := strings.CutPrefix(k, keyRelayPrefix)
-		if !ok || id == self {
-			continue
-		}
-		if exp, ok := parseMs(v); ok && exp.After(now) {
+	for id, until := range leases {
+		if id != self && until.After(now) {
 			n++
 		}
 	}
 	return n
+}
+
+// leaseChange writes this replica's lease on an instance: until when it
+// stands, or none to remove it.
+func (s *Service) leaseChange(until time.Time) change {
+	return change{keys: fRelays, to: record{Relays: map[string]time.Time{s.cfg.Replica: until}}}
 }
 
 // leaseTable is what this replica last wrote of its own leases.
@@ -147,7 +148,7 @@ func (s *Service) leaseOne(ctx context.Context, name string) {
 		return
 	}
 	next := now.Add(leaseTTL)
-	if err := s.patch(ctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: msString(next)}); err != nil {
+	if err := s.patch(ctx, name, s.leaseChange(next).config()); err != nil {
 		s.log.Debug("writing a relay lease failed; retrying", zap.String("instance", name), zap.Error(err))
 		return
 	}
@@ -177,7 +178,7 @@ func (s *Service) dropLeases(ctx context.Context, held map[string]bool) {
 			return
 		}
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		err := s.patch(rctx, name, map[string]string{keyRelayPrefix + s.cfg.Replica: ""})
+		err := s.patch(rctx, name, s.leaseChange(time.Time{}).config())
 		cancel()
 		if err != nil && !errors.Is(err, incus.ErrNotFound) {
 			s.log.Debug("removing a relay lease failed; retrying", zap.String("instance", name), zap.Error(err))
@@ -194,8 +195,7 @@ func (s *Service) dropLeases(ctx context.Context, held map[string]bool) {
 // left when it was killed. Other replicas ignore it once expired; this
 // keeps it from lingering on the instance.
 func (s *Service) forgetStaleLease(ctx context.Context, inst *incus.Instance) {
-	key := keyRelayPrefix + s.cfg.Replica
-	if inst.Config[key] == "" || s.relays.Open(inst.Name) > 0 {
+	if !s.leaseKey.heldIn(inst.Config) || s.relays.Open(inst.Name) > 0 {
 		return
 	}
 	s.leases.mu.Lock()
@@ -206,7 +206,7 @@ func (s *Service) forgetStaleLease(ctx context.Context, inst *incus.Instance) {
 	}
 	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	if err := s.patch(rctx, inst.Name, map[string]string{key: ""}); err != nil && !errors.Is(err, incus.ErrNotFound) {
+	if err := s.patch(rctx, inst.Name, s.leaseChange(time.Time{}).config()); err != nil && !errors.Is(err, incus.ErrNotFound) {
 		s.log.Debug("removing an earlier run's relay lease failed; retrying on the next pass", zap.String("instance", inst.Name), zap.Error(err))
 	}
 }

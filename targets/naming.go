@@ -1,8 +1,8 @@
 // Package targets maps the controller plane's targets onto Incus instances:
 // one instance per owner, named deterministically from the owner, carrying
-// its ownership and intent in user.lightspeed.* metadata, so the provider
-// keeps no database. It implements controller.Backend and runs the
-// reconciler that drives every instance to where its metadata says it
+// its ownership and intent in config keys on the instance (record.go), so
+// the provider keeps no database. It implements controller.Backend and runs
+// the reconciler that drives every instance to where its metadata says it
 // should be (booted, at its recorded power, or deleted once closing), which
 // is how a restarted provider finishes what it started. StateOf is the one
 // reading of an instance that decisions use; observations are written from
@@ -15,8 +15,6 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"regexp"
-	"strconv"
-	"time"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
@@ -52,42 +50,18 @@ func Name(o controller.Owner) string {
 // else is answered notFound without asking Incus about someone else's instance.
 func looksLikeTargetID(id string) bool { return namePattern.MatchString(id) }
 
-// Metadata keys. Everything here is readable by the guest through
-// /dev/incus, so nothing secret is ever stored in them.
-const (
-	keySchema      = "user.lightspeed.schema"
-	keyUniverse    = "user.lightspeed.universe"
-	keyEnvironment = "user.lightspeed.environment"
-	keyTemplate    = "user.lightspeed.template"
-	keyImage       = "user.lightspeed.image"
-	keyDisplayName = "user.lightspeed.display_name"
-	keyIdle        = "user.lightspeed.idle"
-	keyDaemonPort  = "user.lightspeed.daemon_port"
-	keyCreatedAt   = "user.lightspeed.created_at_ms"
-	// keyBooted is set once the instance first ran; before it, a stopped
-	// instance is still being provisioned (and the reconciler starts it).
-	keyBooted = "user.lightspeed.booted_at_ms"
-	// keyClosing records a close: the reconciler stops and deletes the
-	// instance, and resumes that after a restart.
-	keyClosing = "user.lightspeed.closing_since_ms"
-	// keyFailure records why the provider gave up on an instance.
-	keyFailure = "user.lightspeed.failure"
-	// KeyIdleSince is the instant idleness began for a target the provider
-	// powered down, so its idle clock runs on while it cannot answer.
-	KeyIdleSince = "user.lightspeed.idle_since_ms"
-)
-
-const schemaVersion = "1"
-
 // ownerOf reads an instance's owner. ok is false for an instance that is not
 // one of ours: missing metadata, or a name that its metadata does not derive
 // (a renamed copy or clone is never taken for a target).
 func ownerOf(inst *incus.Instance) (controller.Owner, bool) {
-	if inst.Config[keySchema] == "" {
-		return controller.Owner{}, false
-	}
-	o := controller.Owner{UniverseID: inst.Config[keyUniverse], EnvironmentID: inst.Config[keyEnvironment]}
-	if o.UniverseID == "" || o.EnvironmentID == "" || Name(o) != inst.Name {
+	r := recordOf(inst.Config, fOwned)
+	return r.owner(inst.Name)
+}
+
+// owner is ownerOf on a record decoded with fOwned, of the instance name.
+func (r *record) owner(name string) (controller.Owner, bool) {
+	o := r.Owner
+	if r.Schema == "" || o.UniverseID == "" || o.EnvironmentID == "" || Name(o) != name {
 		return controller.Owner{}, false
 	}
 	return o, true
@@ -100,24 +74,8 @@ func ownerOf(inst *incus.Instance) (controller.Owner, bool) {
 // for observing it (unknown), never for changing it: every write reads the
 // instance afresh, and fails while the member is down.
 func unreadable(inst *incus.Instance) bool {
-	return inst.Status == incus.InstanceError && inst.Config[keySchema] == ""
+	return inst.Status == incus.InstanceError && recordOf(inst.Config, fSchema).Schema == ""
 }
 
 // DaemonPort is the guest daemon's port recorded on the instance.
-func DaemonPort(inst *incus.Instance) int {
-	p, err := strconv.Atoi(inst.Config[keyDaemonPort])
-	if err != nil || p <= 0 || p > 65535 {
-		return 0
-	}
-	return p
-}
-
-func msString(t time.Time) string { return strconv.FormatInt(t.UnixMilli(), 10) }
-
-func parseMs(s string) (time.Time, bool) {
-	n, err := strconv.ParseInt(s, 10, 64)
-	if err != nil || n <= 0 {
-		return time.Time{}, false
-	}
-	return time.UnixMilli(n), true
-}
+func DaemonPort(inst *incus.Instance) int { return recordOf(inst.Config, fDaemonPort).DaemonPort }

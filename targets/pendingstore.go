@@ -2,15 +2,12 @@ package targets
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"maps"
-	"strings"
 	"time"
 
 	"go.uber.org/zap"
 
-	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
@@ -21,7 +18,7 @@ import (
 // lost an answered request (the kill matrix found it: a setPower running
 // answered during a stop, and the target ended stopped). So the request is
 // written where Incus does accept writes then, the project's config, under
-// keyPendingPrefix and the instance's name, and kept there until it is on
+// a key of the instance's (see record.go), and kept there until it is on
 // the instance (or outranked, or the instance gone). Every reconcile pass
 // reads the project once and takes every stored request back into memory,
 // so a process started after the kill, or another replica, finishes it.
@@ -30,28 +27,6 @@ import (
 // PUT does), so each write is a read and an ETag-conditional PUT, made one
 // at a time in this process. The keys are few and short-lived: only
 // requests waiting on an operation are there.
-const keyPendingPrefix = "user.lightspeed.pending_power."
-
-// storedPending is a pending request as the project's config keeps it.
-type storedPending struct {
-	Power controller.Power  `json:"power"`
-	By    Requester         `json:"by"`
-	AtMs  int64             `json:"atMs"`
-	Extra map[string]string `json:"extra,omitempty"`
-}
-
-func encodePending(w pendingWrite) string {
-	raw, _ := json.Marshal(storedPending{Power: w.intent.Power, By: w.intent.By, AtMs: w.intent.At.UnixMilli(), Extra: w.extra})
-	return string(raw)
-}
-
-func decodePending(v string) (pendingWrite, bool) {
-	var sp storedPending
-	if err := json.Unmarshal([]byte(v), &sp); err != nil || sp.Power == "" || sp.AtMs <= 0 {
-		return pendingWrite{}, false
-	}
-	return pendingWrite{intent: Intent{Power: sp.Power, By: sp.By, At: time.UnixMilli(sp.AtMs)}, extra: sp.Extra}, true
-}
 
 // sameIntent compares intents as the store keeps them: to the millisecond.
 func sameIntent(a, b Intent) bool {
@@ -68,28 +43,26 @@ func (s *Service) projectName() string {
 // storePending writes w to the project unless a newer request for name is
 // stored already.
 func (s *Service) storePending(ctx context.Context, name string, w pendingWrite) error {
-	key := keyPendingPrefix + name
 	return s.editProject(ctx, func(cfg map[string]string) bool {
-		if cur, ok := decodePending(cfg[key]); ok && !w.intent.At.After(cur.intent.At) {
+		if cur, _, ok := pendingIn(cfg, name); ok && !w.intent.At.After(cur.intent.At) {
 			return false
 		}
-		cfg[key] = encodePending(w)
+		putPending(cfg, name, w)
 		return true
 	})
 }
 
 // clearPending removes name's stored request if it is still w.
 func (s *Service) clearPending(ctx context.Context, name string, w pendingWrite) {
-	key := keyPendingPrefix + name
 	err := s.editProject(ctx, func(cfg map[string]string) bool {
-		cur, ok := cfg[key]
-		if !ok {
+		got, present, ok := pendingIn(cfg, name)
+		if !present {
 			return false
 		}
-		if got, ok := decodePending(cur); ok && !sameIntent(got.intent, w.intent) {
+		if ok && !sameIntent(got.intent, w.intent) {
 			return false // a newer one is stored: it is flushed in its turn
 		}
-		delete(cfg, key)
+		dropPending(cfg, name)
 		return true
 	})
 	if err != nil && ctx.Err() == nil {
@@ -134,17 +107,12 @@ func (s *Service) restorePending(ctx context.Context) {
 		}
 		return
 	}
-	for k, v := range p.Config {
-		name, ok := strings.CutPrefix(k, keyPendingPrefix)
-		if !ok {
-			continue
-		}
-		w, ok := decodePending(v)
-		if !ok {
-			s.log.Warn("a stored power request does not decode; dropping it", zap.String("instance", name), zap.String("value", v))
-			s.clearPending(ctx, name, pendingWrite{})
-			continue
-		}
+	kept, bad := pendingAll(p.Config)
+	for name, v := range bad {
+		s.log.Warn("a stored power request does not decode; dropping it", zap.String("instance", name), zap.String("value", v))
+		s.clearPending(ctx, name, pendingWrite{})
+	}
+	for name, w := range kept {
 		if cur, ok := s.pending.get(name); ok && !w.intent.At.After(cur.intent.At) {
 			continue
 		}

@@ -131,7 +131,7 @@ func (s *Service) Wake(ctx context.Context, r Route, at time.Time) (from control
 			return st.Power, err
 		}
 	}
-	clearIdle := inst.Config[KeyIdleSince] != ""
+	clearIdle := recordOf(inst.Config, fIdleSince).has(fIdleSince)
 	// From the action until the record, the target runs under an older
 	// power-down's record: other uses are told it is being replaced.
 	s.waking.putUnless(name, at, nil)
@@ -217,9 +217,9 @@ func (s *Service) toRunning(ctx context.Context, inst *incus.Instance) (acted bo
 // after this one (as SetPower does). A newer request found recorded
 // (ErrSuperseded) is handed to the reconciler, which carries it out.
 func (s *Service) recordWake(ctx context.Context, name string, at time.Time, clearIdle bool) error {
-	var extra map[string]string
+	var extra change
 	if clearIdle {
-		extra = map[string]string{KeyIdleSince: ""}
+		extra.keys = fIdleSince // to none: removed
 	}
 	_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: at, By: ByUse}, extra,
 		func(cur *incus.Instance, st State) error { return wakeRefused(cur, st, time.Time{}) })
@@ -274,8 +274,8 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 	if _, err := s.toRunning(ctx, inst); err != nil {
 		return err
 	}
-	if inst.Config[KeyIdleSince] != "" {
-		if perr := s.patch(ctx, inst.Name, map[string]string{KeyIdleSince: ""}); perr != nil {
+	if recordOf(inst.Config, fIdleSince).has(fIdleSince) {
+		if perr := s.patch(ctx, inst.Name, change{keys: fIdleSince}.config()); perr != nil {
 			s.logRetry("clearing idle-since failed", perr, zap.String("instance", inst.Name))
 		}
 	}
@@ -304,9 +304,9 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	if err != nil {
 		return controller.Observation{}, err
 	}
-	extra := map[string]string{}
+	var extra change
 	if power != controller.PowerRunning {
-		extra[KeyIdleSince] = msString(s.now())
+		extra = change{keys: fIdleSince, to: record{IdleSince: s.now()}}
 	}
 	in := Intent{Power: power, At: s.now(), By: BySetPower}
 	// Most of the answer bound may go to waiting out an Incus operation
@@ -468,7 +468,7 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 		r, ok := s.relays.Quiesce(name)
 		if !ok {
 			// A dial came after the idle loop decided: the use wins.
-			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, nil, nil)
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, change{}, nil)
 			if err != nil && !errors.Is(err, ErrSuperseded) {
 				return err
 			}
@@ -487,7 +487,7 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 			// relay of it is closed.
 			r()
 			s.progress.clear(name)
-			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: use, By: ByUse}, nil, nil)
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: use, By: ByUse}, change{}, nil)
 			if err != nil && !errors.Is(err, ErrSuperseded) {
 				return err
 			}
@@ -539,12 +539,12 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 	if now.Intent != st.Intent || now.Phase != controller.PhaseActive || !now.Resting {
 		return nil // the next step reads the newer state
 	}
-	if n := foreignLeases(cur.Config, s.cfg.Replica, s.now()); n > 0 {
+	if n := foreignLeases(recordOf(cur.Config, fRelays).Relays, s.cfg.Replica, s.now()); n > 0 {
 		// Another replica relays to the target. The idle loop's power-down
 		// yields to that use; an explicit one waits while that replica,
 		// which reads the request within leaseWatch, closes its relays.
 		if st.Intent.By == ByIdle {
-			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, nil, nil)
+			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, change{}, nil)
 			if err != nil && !errors.Is(err, ErrSuperseded) {
 				return err
 			}
@@ -578,7 +578,12 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 // powerStates are the states the target's template offers. A target whose
 // template left the catalog keeps the states every instance can reach.
 func (s *Service) powerStates(inst *incus.Instance) []controller.Power {
-	if t, ok := s.catalog.Load().Get(inst.Config[keyTemplate]); ok {
+	return s.templateStates(recordOf(inst.Config, fTemplate).Template)
+}
+
+// templateStates is powerStates of a target made from the template id.
+func (s *Service) templateStates(id string) []controller.Power {
+	if t, ok := s.catalog.Load().Get(id); ok {
 		return t.Wire.PowerStates
 	}
 	return []controller.Power{controller.PowerRunning, controller.PowerPaused, controller.PowerStopped}

@@ -71,7 +71,7 @@ func (s *Service) pass(ctx context.Context) error {
 // landedAfterClosed says inst stands under a name this process answered
 // closed, with no close recorded on it: it arrived after that answer.
 func (s *Service) landedAfterClosed(inst *incus.Instance) bool {
-	return inst.Config[keyClosing] == "" && s.closed.has(inst.Name, s.now())
+	return !recordOf(inst.Config, fClosing).has(fClosing) && s.closed.has(inst.Name, s.now())
 }
 
 func needsWork(inst *incus.Instance) bool {
@@ -138,7 +138,7 @@ func (s *Service) convergeStep(ctx context.Context, name string) time.Duration {
 		// See closed.go: no one will close it but us.
 		s.log.Warn("an instance appeared under a name this process answered closed; closing it",
 			zap.String("instance", name))
-		if err := s.patch(ctx, name, map[string]string{keyClosing: msString(s.now())}); err != nil {
+		if err := s.patch(ctx, name, change{keys: fClosing, to: record{Closing: s.now()}}.config()); err != nil {
 			if ctx.Err() == nil {
 				s.logRetry("recording the close failed; retrying", err, zap.String("instance", name))
 			}
@@ -221,7 +221,7 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Durati
 		s.logRetry("starting a new instance failed", err, zap.String("instance", name), zap.Int("attempt", n))
 		if n >= s.cfg.StartAttempts {
 			msg := "The instance could not be started after several attempts; the provider's log has the details."
-			if perr := s.patch(ctx, name, map[string]string{keyFailure: msg}); perr != nil {
+			if perr := s.patch(ctx, name, change{keys: fFailure, to: record{Failure: msg}}.config()); perr != nil {
 				s.logRetry("recording the failure failed", perr, zap.String("instance", name))
 				return 2 * time.Second
 			}
@@ -240,7 +240,7 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Durati
 
 // markBooted records the first boot; false when Incus did not take it.
 func (s *Service) markBooted(ctx context.Context, name string) bool {
-	if err := s.patch(ctx, name, map[string]string{keyBooted: msString(s.now())}); err != nil {
+	if err := s.patch(ctx, name, change{keys: fBooted, to: record{Booted: s.now()}}.config()); err != nil {
 		s.logRetry("marking the instance booted failed; the reconciler retries", err, zap.String("instance", name))
 		return false
 	}
@@ -281,8 +281,8 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 		_ = s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, 30*time.Second)
 	}
 	if inst.Status != incus.InstanceStopped {
-		since, ok := parseMs(inst.Config[keyClosing])
-		if !ok {
+		since := recordOf(inst.Config, fClosing).Closing
+		if since.IsZero() {
 			since = s.now()
 		}
 		// What is left of the grace since the close was recorded, so a

@@ -2,7 +2,6 @@ package targets
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -136,8 +135,10 @@ type Service struct {
 	closed closedTable
 	// changes tells the idle loop which targets this process changed (see idle.go).
 	changes changeFeed
-	// leases are this replica's relay leases on instances (see leases.go).
-	leases leaseTable
+	// leases are this replica's relay leases on instances (see leases.go),
+	// and leaseKey names this replica's.
+	leases   leaseTable
+	leaseKey leaseKey
 	// ingress maps the edge's labels to routed targets (see ingress.go).
 	ingress ingressIndex
 	// warm is this process's view of the warm pools (see warm.go).
@@ -170,6 +171,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s := &Service{incus: client, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
 		startFailures: map[string]int{}, lockedSince: map[string]time.Time{}}
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
+	s.leaseKey = leaseKeyOf(cfg.Replica)
 	s.ingress.init()
 	s.warm.init()
 	s.work = newWorker(s.converge)
@@ -643,7 +645,7 @@ func (s *Service) finishCreate(ctx context.Context, name string, op *incus.Opera
 			config[k] = v
 		}
 	}
-	config[keyFailure] = "Incus could not create the instance; the provider's log has the details."
+	maps.Copy(config, change{keys: fFailure, to: record{Failure: "Incus could not create the instance; the provider's log has the details."}}.config())
 	rec, cerr := s.incus.CreateInstance(ctx, incus.InstancesPost{Name: name, Type: req.Type,
 		Source: incus.InstanceSource{Type: "none"}, Config: config, Profiles: req.Profiles, Target: req.Target})
 	if cerr == nil {
@@ -720,7 +722,7 @@ func (s *Service) answerHandout(ctx context.Context, name string, p controller.C
 		return controller.Observation{}, err
 	}
 	if unfinishedHandout(inst) {
-		tmpl, ok := s.catalog.Load().Get(inst.Config[keyWarm])
+		tmpl, ok := s.catalog.Load().Get(recordOf(inst.Config, fWarm).Warm)
 		if !ok {
 			tmpl, ok = s.catalog.Load().Get(p.TemplateID)
 		}
@@ -749,13 +751,11 @@ func (s *Service) answerHandout(ctx context.Context, name string, p controller.C
 
 func (s *Service) instanceRequest(name string, p controller.CreateParams, t *templates.Template) (incus.InstancesPost, error) {
 	req := templateRequest(name, t)
-	owner, err := s.ownerConfig(p, t)
+	owner, err := s.ownerChange(p, t)
 	if err != nil {
 		return incus.InstancesPost{}, err
 	}
-	for k, v := range owner {
-		req.Config[k] = v
-	}
+	maps.Copy(req.Config, owner.config())
 	for k, d := range s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort}) {
 		req.Devices[k] = d
 	}
@@ -763,35 +763,36 @@ func (s *Service) instanceRequest(name string, p controller.CreateParams, t *tem
 	return req, nil
 }
 
-// ownerConfig is the owner's metadata and first intent for a new target.
-func (s *Service) ownerConfig(p controller.CreateParams, t *templates.Template) (map[string]string, error) {
-	config := map[string]string{
-		keyPower:       string(controller.PowerRunning),
-		keyPowerAt:     msString(s.now()),
-		keyPowerBy:     string(ByCreate),
-		keySchema:      schemaVersion,
-		keyUniverse:    p.Owner.UniverseID,
-		keyEnvironment: p.Owner.EnvironmentID,
-		keyTemplate:    t.Wire.TemplateID,
-		keyImage:       t.Fingerprint,
-		keyDaemonPort:  strconv.Itoa(t.DaemonPort),
-		keyCreatedAt:   msString(s.now()),
+// ownerChange writes the owner's metadata and first intent for a new
+// target: into a create, or onto a warm instance a hand-out claims.
+func (s *Service) ownerChange(p controller.CreateParams, t *templates.Template) (change, error) {
+	c := change{
+		keys: fIntent | fOwned | fTemplate | fImage | fDaemonPort | fCreatedAt,
+		to: record{
+			Intent:     Intent{Power: controller.PowerRunning, At: s.now(), By: ByCreate},
+			Schema:     schemaVersion,
+			Owner:      p.Owner,
+			Template:   t.Wire.TemplateID,
+			Image:      t.Fingerprint,
+			DaemonPort: t.DaemonPort,
+			CreatedAt:  s.now(),
+		},
 	}
 	if p.DisplayName != "" {
-		config[keyDisplayName] = p.DisplayName
+		c.keys |= fDisplayName
+		c.to.DisplayName = p.DisplayName
 	}
 	policy := p.Idle
 	if policy == nil {
 		policy = t.Wire.Idle
 	}
 	if policy != nil {
-		raw, err := json.Marshal(policy)
-		if err != nil {
-			return nil, fmt.Errorf("encode idle policy: %w", err)
+		if err := c.to.setIdle(policy); err != nil {
+			return change{}, err
 		}
-		config[keyIdle] = string(raw)
+		c.keys |= fIdle
 	}
-	return config, nil
+	return c, nil
 }
 
 // templateRequest is the template's part of an instance create: what every
@@ -890,17 +891,20 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	// Public ingress goes first: the edge answers the host 404 from now on,
 	// whatever the stop and delete take.
 	s.ingress.drop(name)
-	if inst.Config[keyClosing] == "" || unfinishedHandout(inst) {
-		set := map[string]string{keyClosing: msString(s.now())}
+	rec := recordOf(inst.Config, fClosing|fIngressRouted)
+	if !rec.has(fClosing) || unfinishedHandout(inst) {
+		c := change{keys: fClosing, to: record{Closing: s.now()}}
 		if unfinishedHandout(inst) {
 			// The owner's name holds a hand-out that stopped before the
 			// owner's metadata: it gets what makes it the owner's target,
 			// so the reconciler deletes it like one.
-			set[keySchema], set[keyUniverse], set[keyEnvironment] = schemaVersion, ref.Owner.UniverseID, ref.Owner.EnvironmentID
+			c.keys |= fOwned
+			c.to.Schema, c.to.Owner = schemaVersion, ref.Owner
 		}
-		if inst.Config[keyIngressRouted] != "" {
-			set[keyIngressRouted] = ""
+		if rec.has(fIngressRouted) {
+			c.keys |= fIngressRouted // to not routed: removed
 		}
+		set := c.config()
 		err := s.patch(ctx, name, set)
 		if errors.Is(err, incus.ErrBusy) {
 			// An operation holds the instance and the server refuses
@@ -931,8 +935,8 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		s.log.Warn("observing a recorded close failed; answering closing", zap.String("instance", name), zap.Error(err))
 		recorded := *inst
 		recorded.Config = maps.Clone(inst.Config)
-		if recorded.Config[keyClosing] == "" {
-			recorded.Config[keyClosing] = msString(s.now())
+		if !rec.has(fClosing) {
+			change{keys: fClosing, to: record{Closing: s.now()}}.applyTo(recorded.Config)
 		}
 		return s.observe(&recorded, ref.Owner), nil
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"maps"
 	"time"
 
 	"go.uber.org/zap"
@@ -61,7 +62,7 @@ func (s *Service) createStaged(ctx context.Context, name string, p controller.Cr
 	}
 	wn := stagingName(tmpl.Wire.TemplateID)
 	req.Name, req.Start = wn, false
-	req.Config[keyWarmClaim], req.Config[keyWarmClaimAt] = name, msString(s.now())
+	maps.Copy(req.Config, change{keys: fWarmClaim | fWarmClaimAt, to: record{WarmClaim: name, WarmClaimAt: s.now()}}.config())
 	// This process renames it itself, and its survey must not.
 	release := s.warm.hold(wn)
 	op, err := s.incus.CreateInstance(ctx, req)
@@ -123,7 +124,7 @@ func (s *Service) finishStaged(ctx context.Context, name, wn string, op *incus.O
 			zap.String("staging", wn), zap.Error(err))
 		dctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		s.deleteWarm(dctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == name })
+		s.deleteWarm(dctx, wn, func(w *incus.Instance) bool { return claimOf(w) == name })
 		return
 	}
 	if s.warmHook != nil && s.warmHook("staged") {

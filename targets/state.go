@@ -51,14 +51,20 @@ func (st State) PowerPending() bool {
 // StateOf reads an instance. It is the one place where Incus's statuses
 // become the protocol's phases and powers.
 func StateOf(inst *incus.Instance) State {
-	_, booted := parseMs(inst.Config[keyBooted])
-	st := State{Status: inst.Status, Resting: inst.Status.Final(), Booted: booted, Intent: intentOf(inst)}
+	r := recordOf(inst.Config, fState)
+	return stateOf(inst, &r)
+}
+
+// stateOf is StateOf on the instance's record, decoded with fState.
+func stateOf(inst *incus.Instance, r *record) State {
+	booted := !r.Booted.IsZero()
+	st := State{Status: inst.Status, Resting: inst.Status.Final(), Booted: booted, Intent: r.Intent}
 	switch {
-	case inst.Config[keyClosing] != "":
+	case r.has(fClosing):
 		st.Phase = controller.PhaseClosing
 		return st
-	case inst.Config[keyFailure] != "":
-		st.Phase, st.Failure = controller.PhaseFailed, inst.Config[keyFailure]
+	case r.Failure != "":
+		st.Phase, st.Failure = controller.PhaseFailed, r.Failure
 		return st
 	}
 	active := func(p controller.Power) State {

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"maps"
 	"math/rand/v2"
 	"sort"
 	"strconv"
@@ -75,22 +76,12 @@ import (
 // Refill: each slot is a name, so the pool is filled by creating missing
 // slots, and replicas racing for a slot are settled by Incus's name lock:
 // the pool never holds more than N, whatever the number of replicas.
-const (
-	warmPrefix = "warm-"
-	// keyWarm is the template a warm instance was built for.
-	keyWarm = "user.lightspeed.warm"
-	// keyWarmRecipe is the digest of what the instance was built from: a
-	// template whose image or resources changed no longer hands it out.
-	keyWarmRecipe = "user.lightspeed.warm_recipe"
-	// keyWarmReady is set once Incus finished creating the instance.
-	keyWarmReady = "user.lightspeed.warm_ready_ms"
-	// keyWarmClaim names the owner's instance a hand-out renames it to.
-	keyWarmClaim   = "user.lightspeed.warm_claim"
-	keyWarmClaimAt = "user.lightspeed.warm_claim_ms"
-)
-
-// poolKeys mark an instance of the pool; a claim takes them off.
-var poolKeys = []string{keyWarm, keyWarmRecipe, keyWarmReady}
+// warmPrefix starts every pool name. A warm instance's record carries the
+// template it was built for (Warm), the digest of what it was built from
+// (WarmRecipe: a template whose image or resources changed no longer hands
+// it out), when Incus finished creating it (WarmReady), and, once claimed,
+// the owner's name a hand-out renames it to (WarmClaim, at WarmClaimAt).
+const warmPrefix = "warm-"
 
 // warmCreates bounds the pool's creates in flight across all templates:
 // on a dir pool a create is mostly disk writes, which the owners' own
@@ -143,12 +134,18 @@ func (s *Service) handoutPendingNow(ctx context.Context, name string) (bool, err
 // finished. It belongs to the owner whose name it has; it is never anyone
 // else's target, and never an orphan.
 func unfinishedHandout(inst *incus.Instance) bool {
-	if !looksLikeTargetID(inst.Name) || inst.Config[keyWarm] == "" && inst.Config[keyWarmClaim] == "" {
+	if !looksLikeTargetID(inst.Name) {
+		return false
+	}
+	if r := recordOf(inst.Config, fWarm|fWarmClaim); r.Warm == "" && r.WarmClaim == "" {
 		return false
 	}
 	_, ok := ownerOf(inst)
 	return !ok
 }
+
+// claimOf is the owner's name a warm instance is claimed for ("": none).
+func claimOf(w *incus.Instance) string { return recordOf(w.Config, fWarmClaim).WarmClaim }
 
 // recipeOf digests what a template's instances are built from, apart from
 // the owner and the name.
@@ -324,7 +321,7 @@ func (s *Service) handout(ctx context.Context, name string, p controller.CreateP
 	if t.Warm == 0 {
 		return warmMiss
 	}
-	owner, err := s.ownerConfig(p, t)
+	owner, err := s.ownerChange(p, t)
 	if err != nil {
 		return warmMiss
 	}
@@ -347,7 +344,7 @@ func (s *Service) handout(ctx context.Context, name string, p controller.CreateP
 
 // handoutOne tries one warm instance: claim, then rename (see the top of
 // this file).
-func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[string]string, recipe string, t *templates.Template) handoutResult {
+func (s *Service) handoutOne(ctx context.Context, name, wn string, owner change, recipe string, t *templates.Template) handoutResult {
 	w, etag, err := s.incus.GetInstance(ctx, wn)
 	if errors.Is(err, incus.ErrNotFound) {
 		s.warm.forget(wn)
@@ -356,17 +353,12 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner map[str
 	if err != nil || !handable(w, t.Wire.TemplateID, recipe) {
 		return warmMiss
 	}
-	claim := make(map[string]string, len(owner)+len(poolKeys)+2)
-	for k, v := range owner {
-		claim[k] = v
-	}
-	for _, k := range poolKeys {
-		claim[k] = ""
-	}
-	claim[keyWarmClaim], claim[keyWarmClaimAt] = name, msString(s.now())
+	claim := owner
+	claim.keys |= fPool | fWarmClaim | fWarmClaimAt // the pool's keys to none: removed
+	claim.to.WarmClaim, claim.to.WarmClaimAt = name, s.now()
 	devices := s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort})
 	err = s.owned(ctx, wn, func(ctx context.Context) error {
-		return s.incus.PatchInstanceIf(ctx, wn, claim, devices, etag)
+		return s.incus.PatchInstanceIf(ctx, wn, claim.config(), devices, etag)
 	})
 	s.listingChanged()
 	s.warm.forget(wn) // claimed, refused or unknown: not handable any more as far as this process knows
@@ -512,7 +504,7 @@ func (s *Service) resumeClaim(ctx context.Context, wn, name string) (settled boo
 	case err != nil:
 		return false
 	case inst != nil:
-		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == name })
+		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return claimOf(w) == name })
 		return true
 	}
 	r, err := s.resumeHandout(ctx, name)
@@ -538,13 +530,14 @@ func (s *Service) claimsFor(ctx context.Context, name string, fresh bool) ([]inc
 	if !s.poolsOffered() {
 		return nil, nil
 	}
-	claimedFor := func(w *incus.Instance) bool { return isWarmName(w.Name) && w.Config[keyWarmClaim] == name }
+	claimedFor := func(w *incus.Instance) bool { return isWarmName(w.Name) && claimOf(w) == name }
 	if s.cache != nil && !fresh {
 		if out, ok := s.cache.find(claimedFor); ok {
 			return out, nil
 		}
 	}
-	listed, err := s.incus.ListInstancesWithConfig(ctx, keyWarmClaim, name)
+	key, value := claimFilter(name)
+	listed, err := s.incus.ListInstancesWithConfig(ctx, key, value)
 	if err != nil {
 		return nil, err
 	}
@@ -577,25 +570,26 @@ func (s *Service) poolsOffered() bool {
 
 // handable says a warm instance may be handed out for the template.
 func handable(w *incus.Instance, templateID, recipe string) bool {
-	return isWarmName(w.Name) && w.Config[keyWarm] == templateID && w.Config[keyWarmRecipe] == recipe &&
-		w.Config[keyWarmReady] != "" && w.Config[keyWarmClaim] == "" && w.Status == incus.InstanceStopped
+	if !isWarmName(w.Name) || w.Status != incus.InstanceStopped {
+		return false
+	}
+	r := recordOf(w.Config, fWarm|fWarmRecipe|fWarmReady|fWarmClaim)
+	return r.Warm == templateID && r.WarmRecipe == recipe && r.has(fWarmReady) && r.WarmClaim == ""
 }
 
 // finishHandout gives an unfinished hand-out (at the owner's name without
 // the owner's metadata) the owner's metadata and devices, and takes the
 // pool's keys off. Idempotent.
 func (s *Service) finishHandout(ctx context.Context, inst *incus.Instance, p controller.CreateParams, t *templates.Template) error {
-	set, err := s.ownerConfig(p, t)
+	set, err := s.ownerChange(p, t)
 	if err != nil {
 		return err
 	}
-	for _, k := range poolKeys {
-		set[k] = ""
-	}
-	set[keyWarmClaim] = inst.Name
+	set.keys |= fPool | fWarmClaim // the pool's keys to none: removed
+	set.to.WarmClaim = inst.Name
 	devices := s.dialer.Devices(guest.Target{Instance: inst.Name, Port: t.DaemonPort})
 	err = s.owned(ctx, inst.Name, func(ctx context.Context) error {
-		return s.incus.PatchInstanceIf(ctx, inst.Name, set, devices, "")
+		return s.incus.PatchInstanceIf(ctx, inst.Name, set.config(), devices, "")
 	})
 	s.listingChanged()
 	return err
@@ -607,7 +601,7 @@ func (s *Service) discardWarm(wn, claimedFor string) {
 	s.work.spawn(func(ctx context.Context) {
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return w.Config[keyWarmClaim] == claimedFor })
+		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return claimOf(w) == claimedFor })
 	})
 }
 
@@ -617,7 +611,7 @@ func (s *Service) deleteWarm(ctx context.Context, wn string, check func(*incus.I
 	if err != nil || !isWarmName(w.Name) || !check(w) || w.Status != incus.InstanceStopped {
 		return
 	}
-	if claim := w.Config[keyWarmClaim]; claim != "" {
+	if claim := claimOf(w); claim != "" {
 		s.log.Info("deleting a claimed warm instance", zap.String("warm", wn), zap.String("claim", claim))
 	}
 	err = s.owned(ctx, wn, func(ctx context.Context) error {
@@ -711,8 +705,9 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		if t != nil && recipes[t.Wire.TemplateID] == "" {
 			recipes[t.Wire.TemplateID] = recipeOf(templateRequest("", t))
 		}
+		r := recordOf(w.Config, fPool|fWarmClaim|fWarmClaimAt)
 		switch {
-		case w.Config[keyWarmClaim] != "":
+		case r.WarmClaim != "":
 			// Never deleted here, however old: a claimant that is alive
 			// but slow (a staged create on a loaded daemon renames seconds
 			// after its claim) may be renaming it, and Incus 6.0.4 keeps a
@@ -722,9 +717,9 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			// creates all lost). A resume renames it onto the owner's
 			// name, or deletes it once another instance holds that name,
 			// where no rename can land.
-			if !looksLikeTargetID(w.Config[keyWarmClaim]) {
+			if !looksLikeTargetID(r.WarmClaim) {
 				drop = append(drop, w) // no owner's name: no rename can be on its way
-			} else if at, ok := parseMs(w.Config[keyWarmClaimAt]); !ok || s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
+			} else if at := r.WarmClaimAt; at.IsZero() || s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
 				// Past its claimant's own method budget: a live claimant
 				// has sent its rename by now, or never will.
 				if r, backing := s.warm.resumeAfter[w.Name]; !backing || !s.now().Before(r.next) {
@@ -737,12 +732,12 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			// while the resume waits for its operation to end).
 			known[w.Name] = false
 			continue
-		case t == nil || w.Config[keyWarm] != t.Wire.TemplateID || w.Config[keyWarmRecipe] != recipes[t.Wire.TemplateID]:
+		case t == nil || r.Warm != t.Wire.TemplateID || r.WarmRecipe != recipes[t.Wire.TemplateID]:
 			drop = append(drop, w)
-		case w.Config[keyWarmReady] == "":
+		case !r.has(fWarmReady):
 			ready = append(ready, w)
 		}
-		known[w.Name] = w.Config[keyWarmReady] != "" && w.Config[keyWarmClaim] == ""
+		known[w.Name] = r.has(fWarmReady) && r.WarmClaim == ""
 	}
 	s.warm.known = known
 	s.warm.surveyed, s.warm.seen = true, len(known) > 0
@@ -753,8 +748,8 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	}
 	s.warm.mu.Unlock()
 	for _, w := range drop {
-		claim := w.Config[keyWarmClaim] // as listed: one written since keeps it
-		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return now.Config[keyWarmClaim] == claim })
+		claim := claimOf(&w) // as listed: one written since keeps it
+		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return claimOf(now) == claim })
 	}
 	for _, w := range ready {
 		// Listed without its ready mark and created by no one here: a
@@ -762,7 +757,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		if op, err := s.operationOn(ctx, w.Name); err != nil || op != nil {
 			continue
 		}
-		if err := s.patch(ctx, w.Name, map[string]string{keyWarmReady: msString(s.now())}); err == nil {
+		if err := s.patch(ctx, w.Name, change{keys: fWarmReady, to: record{WarmReady: s.now()}}.config()); err == nil {
 			s.warm.mu.Lock()
 			s.warm.known[w.Name] = true
 			s.warm.mu.Unlock()
@@ -773,7 +768,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	// rename, and the survey (the pool's ready marks, the refill) must
 	// not wait for them.
 	for _, w := range resume {
-		wn, name := w.Name, w.Config[keyWarmClaim]
+		wn, name := w.Name, claimOf(&w)
 		s.warm.mu.Lock()
 		s.warm.resuming[wn] = true
 		s.warm.mu.Unlock()
@@ -853,8 +848,7 @@ func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Temp
 		s.warm.kick()
 	}()
 	req := templateRequest(name, t)
-	req.Config[keyWarm] = id
-	req.Config[keyWarmRecipe] = recipeOf(templateRequest("", t))
+	maps.Copy(req.Config, change{keys: fWarm | fWarmRecipe, to: record{Warm: id, WarmRecipe: recipeOf(templateRequest("", t))}}.config())
 	req.Start = false
 	op, err := s.incus.CreateInstance(ctx, req)
 	if err == nil {
@@ -872,7 +866,7 @@ func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Temp
 		return
 	}
 	for attempt := 0; ; attempt++ {
-		err = s.patch(ctx, name, map[string]string{keyWarmReady: msString(s.now())})
+		err = s.patch(ctx, name, change{keys: fWarmReady, to: record{WarmReady: s.now()}}.config())
 		if err == nil || attempt >= 5 || !clock.Sleep(ctx, 200*time.Millisecond) {
 			break
 		}

@@ -487,12 +487,7 @@ func TestWarmInstancesNeverCarryAnOwnersData(t *testing.T) {
 }
 
 func poolKeysOn(inst *incus.Instance) bool {
-	for _, k := range poolKeys {
-		if inst.Config[k] != "" {
-			return true
-		}
-	}
-	return false
+	return recordOf(inst.Config, fPool).has(fPool)
 }
 
 func oneOf(s string, among ...string) bool {

@@ -94,7 +94,7 @@ func (s *Service) rewriteOvertaken(ctx context.Context, inst *incus.Instance) bo
 	s.log.Warn("an older power request was applied over a newer one this process recorded; recording the newer one again",
 		zap.String("instance", name), zap.String("recorded", string(recorded.Power)), zap.Time("recorded_at", recorded.At),
 		zap.String("newer", string(w.intent.Power)), zap.Time("newer_at", w.intent.At))
-	_, wrote, err := s.want(ctx, name, w.intent, nil, nil)
+	_, wrote, err := s.want(ctx, name, w.intent, change{}, nil)
 	switch {
 	case errors.Is(err, ErrSuperseded):
 		s.written.drop(name, w) // newer still than this one: not ours to mend

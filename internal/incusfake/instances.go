@@ -38,7 +38,7 @@ func (i *instance) etag() string {
 	return hex.EncodeToString(sum[:])
 }
 
-func statusCode(st incus.InstanceStatus) int {
+func statusCode(st incus.InstanceStatus) incus.StatusCode {
 	switch st {
 	case incus.InstanceRunning, incus.InstanceReady:
 		return incus.StatusRunning
