@@ -285,7 +285,9 @@ func TestFakePowerDownInsideAWakesWindow(t *testing.T) {
 		return restsAt(r.instance(name), incus.InstanceFrozen, controller.PowerPaused)
 	})
 	v := r.instance(name)
-	if got := intentOf(&incus.Instance{Config: v.Config}); got.By != BySetPower || !got.At.After(wakeAt) {
+	// The record keeps milliseconds: a setPower in the wake's own
+	// millisecond records that millisecond.
+	if got := intentOf(&incus.Instance{Config: v.Config}); got.By != BySetPower || got.At.Before(wakeAt.Truncate(time.Millisecond)) {
 		t.Errorf("recorded intent %+v, want setPower's, asked after the wake at %v\n%s", got, wakeAt, r.history(name))
 	}
 	if v.Config[KeyIdleSince] == "" {
