@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -174,6 +175,7 @@ func TestConcurrentCreatesLeaveOneInstance(t *testing.T) {
 	var wg sync.WaitGroup
 	ids := make([]string, n)
 	errs := make([]error, n)
+	var unavailable atomic.Int32
 	for i := range n {
 		svc := a
 		if i%2 == 1 {
@@ -182,11 +184,22 @@ func TestConcurrentCreatesLeaveOneInstance(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			obs, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1"})
-			ids[i], errs[i] = obs.TargetID, err
+			// As the runtime does: unavailable (another request for the
+			// target still waiting on a loaded Incus) is asked again,
+			// bounded; every create must end with the one target's id.
+			for attempt := 0; ; attempt++ {
+				obs, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1"})
+				ids[i], errs[i] = obs.TargetID, err
+				if err == nil || kindOf(err) != jsonrpc.KindUnavailable || attempt == 30 {
+					return
+				}
+				unavailable.Add(1)
+				time.Sleep(500 * time.Millisecond)
+			}
 		}()
 	}
 	wg.Wait()
+	t.Logf("%d concurrent creates through two services; %d answers were unavailable and asked again", n, unavailable.Load())
 	for i := range n {
 		if errs[i] != nil {
 			t.Errorf("create %d: %v", i, errs[i])
