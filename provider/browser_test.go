@@ -22,7 +22,6 @@ const chromium = "/usr/bin/chromium"
 // screenshot goes to $INCUS_PROVIDER_ARTIFACTS (or the test's temporary
 // directory), and its path is logged.
 func TestIngressInABrowser(t *testing.T) {
-	t.Parallel()
 	if _, err := os.Stat(chromium); err != nil {
 		if os.Getenv(incustest.EnvRequire) == "1" {
 			t.Fatalf("%s is missing (apt-get install chromium; deploy/dev/test.sh does): %v", chromium, err)

@@ -17,7 +17,6 @@ import (
 // dialing, close until closed). Every answer is bounded and typed, the life
 // completes once the fault has passed, and nothing is left in Incus.
 func TestFaultMatrix(t *testing.T) {
-	t.Parallel()
 	calls := []struct{ method, path string }{
 		{"POST", "/1.0/instances"},
 		{"GET", "/1.0/instances/*"},

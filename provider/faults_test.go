@@ -59,7 +59,6 @@ func timed(t *testing.T, what string, call func() (controller.Observation, error
 // every data-route dial answers within its bound; once Incus answers again
 // everything converges, and every accepted request is carried out.
 func TestEveryAnswerIsBoundedWhileIncusHangs(t *testing.T) {
-	t.Parallel()
 	r, proxy := faultRig(t)
 	a := r.create("env-hang-a", "t1")
 	b := r.create("env-hang-b", "t1")
@@ -107,7 +106,6 @@ func TestEveryAnswerIsBoundedWhileIncusHangs(t *testing.T) {
 // that records it: an error means nothing changed; an observation means the
 // move happens once Incus answers again.
 func TestPowerAnswersMeanWhatTheySay(t *testing.T) {
-	t.Parallel()
 	r, proxy := faultRig(t)
 	route := r.create("env-meaning", "t1")
 	faults := []incusfault.Rule{
@@ -144,7 +142,6 @@ func TestPowerAnswersMeanWhatTheySay(t *testing.T) {
 // The idle loop's power-down is an intent like any other: Incus refusing
 // the freeze delays it, and the reconciler carries it out.
 func TestIdlePauseSurvivesIncusRefusals(t *testing.T) {
-	t.Parallel()
 	r, proxy := faultRig(t)
 	id := proxy.Add(incusfault.Rule{Method: "PUT", Path: "/1.0/instances/*/state", Fault: incusfault.Fail,
 		Status: 503, Message: "injected", Times: 2})
@@ -169,7 +166,6 @@ func TestIdlePauseSurvivesIncusRefusals(t *testing.T) {
 // the next process, the create landing after). The instance that lands
 // under a name answered closed is closed by the provider.
 func TestACreateThatLandsAfterClosedIsClosed(t *testing.T) {
-	t.Parallel()
 	r, proxy := faultRig(t)
 	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-late-create"}
 	name := targets.Name(owner)
@@ -214,7 +210,6 @@ func TestACreateThatLandsAfterClosedIsClosed(t *testing.T) {
 // An explicit create after a closed answer is the owner's to keep: the
 // provider closes only what lands unasked.
 func TestACreateAfterClosedIsKept(t *testing.T) {
-	t.Parallel()
 	r := newRig(t, rigOptions{})
 	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-create-after-closed"}
 	if closed, err := r.closeTarget(owner); err != nil || closed.Phase != controller.PhaseClosed {
@@ -267,7 +262,6 @@ func createHidden(t *testing.T, r *rig, proxy *incusfault.Proxy, owner controlle
 // answer bound (the close must record and answer closing), in the other it
 // never does (the close must be refused).
 func TestACloseDuringACreateIsNotForgotten(t *testing.T) {
-	t.Parallel()
 	for _, c := range []struct {
 		env    string
 		reveal time.Duration // when the record shows; 0: not while the close waits
@@ -321,7 +315,6 @@ func TestACloseDuringACreateIsNotForgotten(t *testing.T) {
 // close case above: the instance's GET answers 404 while the create's wait
 // is held. Once the record shows, the same get observes the target.
 func TestAGetDuringACreateIsProvisioning(t *testing.T) {
-	t.Parallel()
 	r, proxy := faultRig(t)
 	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-get-early"}
 	name := targets.Name(owner)
@@ -360,7 +353,6 @@ func TestAGetDuringACreateIsProvisioning(t *testing.T) {
 // unavailable, then carried out). The fault holds the close's write so
 // that the instance's reads can be failed after the close resolved it.
 func TestACloseRecordedIsNeverRefused(t *testing.T) {
-	t.Parallel()
 	r, proxy := faultRig(t)
 	r.create("env-close-read-fails", "t1")
 	owner := controller.Owner{UniverseID: "u-provider", EnvironmentID: "env-close-read-fails"}

@@ -101,7 +101,6 @@ func wantRPC(t *testing.T, err error, kind jsonrpc.Kind, reason string) {
 }
 
 func TestIngress(t *testing.T) {
-	t.Parallel()
 	r := newRig(t, rigOptions{})
 	web := r.create("ingress-web", "web")
 	plain := r.create("ingress-plain", "t1")
@@ -454,7 +453,6 @@ func (r *rig) edgeWebSocket(t *testing.T, endpoint string) *websocket.Conn {
 }
 
 func TestIngressManyOwnersAtOnce(t *testing.T) {
-	t.Parallel()
 	r := newRig(t, rigOptions{})
 	const n = 12
 	rts := make([]routes.Route, n)

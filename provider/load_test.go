@@ -18,7 +18,6 @@ import (
 // own pace): an id handed out is never notFound. Then every owner closes
 // and nothing is left in Incus.
 func TestManyOwnersCreateAndObserveAtOnce(t *testing.T) {
-	t.Parallel()
 	const owners = 40
 	r := newRig(t, rigOptions{})
 	var wg sync.WaitGroup
@@ -99,7 +98,6 @@ func TestManyOwnersCreateAndObserveAtOnce(t *testing.T) {
 // not empty" and "storage pool not found" on later calls. Afterwards
 // nothing may be left: no instance, and no storage directory of any owner.
 func TestClosesRightAfterCreatesLeaveNothing(t *testing.T) {
-	t.Parallel()
 	const owners = 24
 	r := newRig(t, rigOptions{})
 	var wg sync.WaitGroup

@@ -36,7 +36,6 @@ func cyclesPerVariant(t *testing.T) int {
 // each other's wakes on the same Incus: the setPower comes before the
 // close, or 0, 1, 5 or 20 ms after it.
 func TestPowerDownRightAfterAWakingConnection(t *testing.T) {
-	t.Parallel()
 	seed := testSeed(t)
 	t.Logf("seed %d", seed)
 	for _, p := range []controller.Power{controller.PowerPaused, controller.PowerStopped} {
@@ -159,7 +158,6 @@ func incusAgrees(r *rig, name string, want incus.InstanceStatus) error {
 // provider stopping between its answer and the move, delays it but never
 // loses it.
 func TestPowerSurvivesIncusFaultsAndRestart(t *testing.T) {
-	t.Parallel()
 	proxy := incustest.FaultProxy(t)
 	viaProxy := func(project string) *incus.Client {
 		c, err := incus.New(incus.Config{Socket: proxy.Socket(), Project: project, CallTimeout: 5 * time.Second})

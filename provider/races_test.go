@@ -31,7 +31,6 @@ import (
 // and afterwards Incus shows every target running, one instance per owner
 // and nothing else. How many dials were refused first is logged.
 func TestFiftyDialsOnTwentyPausedTargets(t *testing.T) {
-	t.Parallel()
 	const targets, dials = 20, 50
 	seed := testSeed(t)
 	t.Logf("seed %d (PROVIDER_TEST_SEED replays it)", seed)
@@ -113,7 +112,6 @@ func TestFiftyDialsOnTwentyPausedTargets(t *testing.T) {
 // target ends up running with running recorded, and stays so. The moment
 // of the dial is drawn from the seed, across the power-down's window.
 func TestADialDuringAPowerDownOutranksIt(t *testing.T) {
-	t.Parallel()
 	seed := testSeed(t)
 	t.Logf("seed %d (PROVIDER_TEST_SEED replays it)", seed)
 	for pi, p := range []controller.Power{controller.PowerPaused, controller.PowerStopped} {

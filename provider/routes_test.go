@@ -19,7 +19,6 @@ import (
 )
 
 func TestRoutes(t *testing.T) {
-	t.Parallel()
 	r := newRig(t, rigOptions{})
 	a := r.create("env-a", "t1")
 	b := r.create("env-b", "t1")

@@ -24,7 +24,6 @@ import (
 // many owners at once, with whichever server and dialer the suite runs on
 // (INCUS_PROVIDER_TEST_SOCKET, INCUS_PROVIDER_TEST_DIALER).
 func TestActiveMeansStartedAndClosesAtOnce(t *testing.T) {
-	t.Parallel()
 	r := newRig(t, rigOptions{})
 	const owners = 12
 	var mu sync.Mutex

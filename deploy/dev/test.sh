@@ -113,16 +113,16 @@ go build -o bin/lsconform ./cmd/lsconform
 go test -race -count=1 -run '^$' ./... >/dev/null
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 
-# The tests run in two lanes at once. The host lane has the host's Incus:
-# every package one at a time (the provider's independent tests two at a
-# time), then conformance and the container image. The rigs lane has the
-# daemons of its own: the three-member cluster's tests and conformance,
-# then LXD's. Each lane owns what it changes (its Incus projects, every
-# test making a throwaway one, and its fixed ports). More lanes than two
-# on this 2-core machine were measured: four at once kept the load at 15
-# to 18, and wakes from stopped outgrew the 5 s hold. A lane's output is
-# kept in a file and shown whole when the lane ends, so lanes never
-# interleave.
+# The tests run in two lanes. The host lane has the host's Incus: every
+# package one at a time (a few of the provider's tests' cases two at a time),
+# then conformance and the container image. The rigs lane has daemons of
+# its own: the three-member cluster's tests and conformance, then LXD's.
+# Each lane owns what it changes (its Incus projects, every test making a
+# throwaway one, and its fixed ports), so the two can run at once
+# (TEST_LANES_AT_ONCE=1, below). Four lanes at once were measured on this
+# 2-core machine: the load stayed at 15 to 18 and wakes from stopped
+# outgrew the 5 s hold. A lane's output is kept in a file and shown whole
+# when the lane ends, so lanes never interleave.
 
 # serve NAME ENV...: starts bin/incus-provider with the given settings (as
 # NAME=VALUE words) and waits for it to serve; its pid is in $served.
@@ -216,10 +216,19 @@ rigs_lxd() {
   done
 }
 
-step "tests in two lanes at once: host, rigs"
+# TEST_LANES_AT_ONCE=1 runs the two lanes at once (about 22 minutes in
+# all, where one after the other takes about 33), but the suite does not
+# yet pass that way on this 2-core machine: under the other lane's load
+# some tests still take a slow answer for a failure (README, Tests). Until
+# it does, the lanes run one after the other by default.
+at_once=${TEST_LANES_AT_ONCE:-0}
 lanes=(host rigs)
+if [ "$at_once" = 1 ]; then step "tests in two lanes at once: host, rigs"; else step "tests in two lanes, one after the other: host, rigs"; fi
 declare -A lane_began
-for l in "${lanes[@]}"; do
+failed=()
+summary=()
+launch() {
+  local l=$1
   lane_began[$l]=$(date +%s)
   # Job control gives each lane a process group of its own, so that a
   # failed run stops everything a lane started (cleanup kills the group).
@@ -227,23 +236,28 @@ for l in "${lanes[@]}"; do
   (
     set -euo pipefail
     served=""
-    trap '[ -z "$served" ] || { kill "$served" 2>/dev/null; wait "$served" 2>/dev/null; }' EXIT
+    # The lane's own end, for its time: its finish may be read later.
+    trap '[ -z "$served" ] || { kill "$served" 2>/dev/null; wait "$served" 2>/dev/null; }; date +%s > "$work/lane-$l.end"' EXIT
     "lane_$l"
   ) >"$work/lane-$l.log" 2>&1 &
   lane_pid[$l]=$!
   set +m
-done
-failed=()
-summary=()
-for l in "${lanes[@]}"; do
-  status=0
+}
+finish() {
+  local l=$1 status=0 took
   wait "${lane_pid[$l]}" || status=$?
   lane_pid[$l]=""
-  took=$(( $(date +%s) - lane_began[$l] ))
+  took=$(( $(cat "$work/lane-$l.end" 2>/dev/null || date +%s) - lane_began[$l] ))
   if [ "$status" = 0 ]; then summary+=("$l ${took}s ok"); else summary+=("$l ${took}s FAILED ($status)"); failed+=("$l"); fi
   printf '\n== lane %s (%s s, exit %s)\n' "$l" "$took" "$status"
   cat "$work/lane-$l.log"
-done
+}
+if [ "$at_once" = 1 ]; then
+  for l in "${lanes[@]}"; do launch "$l"; done
+  for l in "${lanes[@]}"; do finish "$l"; done
+else
+  for l in "${lanes[@]}"; do launch "$l"; finish "$l"; done
+fi
 printf '\n== lanes: %s\n' "$(IFS=,; echo "${summary[*]}" | sed 's/,/; /g')"
 if [ "${#failed[@]}" -gt 0 ]; then echo "failed lanes: ${failed[*]}" >&2; exit 1; fi
 printf '== make test: %s s\n' "$(( $(date +%s) - began ))"
