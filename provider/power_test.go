@@ -74,28 +74,23 @@ func describeDelay(d time.Duration) string {
 
 // wakeCloseAndPowerDown is one cycle: the target is at p.
 func wakeCloseAndPowerDown(r *rig, route routes.Route, p controller.Power, delay time.Duration, rng *rand.Rand) error {
-	d := r.dial(route)
-	for redials := 0; d.Conn == nil; redials++ {
-		// A 503 is retried after its Retry-After, as the runtime does (a
-		// starved machine can take longer than the 5 s hold to start a
-		// guest); anything else, or too many, fails the cycle.
-		if redials == 5 || d.Refusal == nil || d.Refusal.Status != 503 {
-			return fmt.Errorf("the waking dial was refused: %+v after %s (%d redials)", d.Refusal, d.Elapsed, redials)
-		}
-		time.Sleep(d.Refusal.RetryAfter)
-		d = r.dial(route)
+	// A starved machine can take longer than the 5 s hold to start a
+	// guest: a 503 is retried after its Retry-After, as the runtime does.
+	conn, _, err := r.dialAsTheRuntime(route)
+	if err != nil {
+		return fmt.Errorf("the waking dial: %w", err)
 	}
-	initialize(r.t, d.Conn)
+	defer conn.Close()
+	initialize(r.t, conn)
 	if delay < 0 {
 		// Asked while the connection is open: it is closed with going-away
 		// first (awaitGoingAway), and the power-down follows.
 		if _, err := r.setPower(route.Owner, p); err != nil {
 			return fmt.Errorf("setPower: %w", err)
 		}
-		awaitGoingAway(r.t, d.Conn)
-		d.Conn.Close()
+		awaitGoingAway(r.t, conn)
 	} else {
-		d.Conn.Close()
+		conn.Close()
 		time.Sleep(delay)
 		if _, err := r.setPower(route.Owner, p); err != nil {
 			return fmt.Errorf("setPower: %w", err)

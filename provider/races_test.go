@@ -1,7 +1,6 @@
 package provider_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -10,8 +9,6 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/gorilla/websocket"
 
 	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
@@ -63,30 +60,16 @@ func TestFiftyDialsOnTwentyPausedTargets(t *testing.T) {
 		route := all[to[i]]
 		wg.Go(func() {
 			<-start
-			var d conformance.RouteDial
-			for redials := 0; ; redials++ {
-				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-				var err error
-				d, err = conformance.DialRoute(ctx, r.url(route), credential)
-				cancel()
-				if err != nil {
-					errs <- fmt.Errorf("dial %d to %s: %w", i, route.TargetID, err)
-					return
-				}
-				if d.Conn != nil {
-					break
-				}
-				if redials == 0 {
-					refusedFirst.Add(1)
-				}
-				if redials == 5 || d.Refusal == nil || d.Refusal.Status != 503 {
-					errs <- fmt.Errorf("dial %d to %s refused: %+v after %s (%d redials)", i, route.TargetID, d.Refusal, d.Elapsed, redials)
-					return
-				}
-				time.Sleep(d.Refusal.RetryAfter)
+			conn, redials, err := r.dialAsTheRuntime(route)
+			if redials > 0 {
+				refusedFirst.Add(1)
 			}
-			defer d.Conn.Close()
-			if err := conformance.InitializeData(d.Conn, "storm", 10*time.Second); err != nil {
+			if err != nil {
+				errs <- fmt.Errorf("dial %d to %s: %w", i, route.TargetID, err)
+				return
+			}
+			defer conn.Close()
+			if err := conformance.InitializeData(conn, "storm", 10*time.Second); err != nil {
 				errs <- fmt.Errorf("dial %d to %s: initialize through the relay: %w", i, route.TargetID, err)
 			}
 		})
@@ -129,7 +112,10 @@ func TestADialDuringAPowerDownOutranksIt(t *testing.T) {
 					t.Fatalf("cycle %d: setPower %s: %v", c+1, p, err)
 				}
 				time.Sleep(after)
-				conn := dialRetrying(t, r, route)
+				conn, _, err := r.dialAsTheRuntime(route)
+				if err != nil {
+					t.Fatalf("cycle %d: the dial %s after setPower %s: %v", c+1, after, p, err)
+				}
 				initialize(t, conn)
 				o := r.until(route.Owner, "running after the dial", 30*time.Second, func(o controller.Observation) bool {
 					return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
@@ -200,22 +186,6 @@ func createAndPause(r *rig, env string) routes.Route {
 	}
 	r.t.Errorf("%s: never paused: last %+v %v", env, o, err)
 	return routes.Route{}
-}
-
-// dialRetrying dials until upgraded, honouring a 503's Retry-After as the
-// runtime does, a bounded number of times; any other refusal fails.
-func dialRetrying(t *testing.T, r *rig, route routes.Route) *websocket.Conn {
-	t.Helper()
-	for redials := 0; ; redials++ {
-		d := r.dial(route)
-		if d.Conn != nil {
-			return d.Conn
-		}
-		if redials == 5 || d.Refusal == nil || d.Refusal.Status != 503 {
-			t.Fatalf("the dial was refused: %+v after %s (%d redials)", d.Refusal, d.Elapsed, redials)
-		}
-		time.Sleep(d.Refusal.RetryAfter)
-	}
 }
 
 // checkOneRunningInstanceEach: Incus holds exactly the given targets'

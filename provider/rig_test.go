@@ -2,6 +2,7 @@ package provider_test
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -309,6 +310,25 @@ func (r *rig) dial(route routes.Route) conformance.RouteDial {
 		r.t.Cleanup(func() { d.Conn.Close() })
 	}
 	return d
+}
+
+// dialAsTheRuntime dials route until it is upgraded, honouring a 503's
+// Retry-After as the runtime does, at most five times; any other refusal
+// is an error. redials is how many refusals came first.
+func (r *rig) dialAsTheRuntime(route routes.Route) (conn *websocket.Conn, redials int, err error) {
+	for redials = 0; ; redials++ {
+		d, err := conformance.DialRoute(context.Background(), r.url(route), credential)
+		if err != nil {
+			return nil, redials, err
+		}
+		if d.Conn != nil {
+			return d.Conn, redials, nil
+		}
+		if redials == 5 || d.Refusal == nil || d.Refusal.Status != 503 {
+			return nil, redials, fmt.Errorf("refused: %+v after %s (%d redials)", d.Refusal, d.Elapsed, redials)
+		}
+		time.Sleep(d.Refusal.RetryAfter)
+	}
 }
 
 func (r *rig) mustUpgrade(route routes.Route) *websocket.Conn {
