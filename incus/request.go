@@ -376,10 +376,22 @@ func (c *Client) tryEndpoint(callCtx context.Context, r request, body []byte, ep
 		return failed(err, false)
 	}
 	defer hresp.Body.Close()
+	// cutShort: an answer that does not parse, read after this attempt's
+	// time ran out, is the server's reaction to the cut and says nothing
+	// of the call. Go's transport hands back a response that raced its
+	// own cancellation, and a server whose handler gives up when the
+	// connection closes answers an empty 200 in that race (met under
+	// load: a hung member's "answer" to a write whose outcome is unknown).
+	cutShort := func(aerr error) bool {
+		return errors.Is(aerr, ErrMalformedResponse) && actx.Err() != nil
+	}
 	if r.metadata != nil && hresp.StatusCode == http.StatusOK {
 		resp, aerr, rerr := c.parseStream(r, hresp)
 		if rerr != nil {
 			return failed(fmt.Errorf("read response: %w", rerr), true)
+		}
+		if cutShort(aerr) {
+			return failed(fmt.Errorf("read response: %w", context.Cause(actx)), true)
 		}
 		if resp != nil {
 			resp.via = ep
@@ -391,6 +403,9 @@ func (c *Client) tryEndpoint(callCtx context.Context, r request, body []byte, ep
 		return failed(fmt.Errorf("read response: %w", err), true)
 	}
 	resp, aerr := c.parse(r, hresp, raw)
+	if cutShort(aerr) {
+		return failed(fmt.Errorf("read response: %w", context.Cause(actx)), true)
+	}
 	if resp != nil {
 		resp.via = ep
 	}

@@ -236,6 +236,47 @@ func TestFakeDialDuringGracefulStop(t *testing.T) {
 	}
 }
 
+// A setPower asked while a close's graceful stop holds the instance's gate
+// finds the gate held to the end of its patience. It must not keep the
+// request and answer the close's observation as if the move were under
+// way (the kill matrix met that: "running" accepted on a closing target,
+// never to be reached): the target is not active, and the answer says so.
+func TestFakeSetPowerDuringACloseIsRefused(t *testing.T) {
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Stop = 4 * time.Second
+	r := newFakeRig(t, fcfg, Config{GracefulStop: 10 * time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-close-power")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	obs, err := r.svc.CloseTarget(ctx, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if obs.Phase != controller.PhaseClosing {
+		t.Fatalf("close answered %s, want closing", obs.Phase)
+	}
+	r.awaitFake("the close's graceful stop under way", 5*time.Second, func() bool {
+		return r.instance(name).HeldBy == "stop"
+	})
+	for _, p := range []controller.Power{controller.PowerRunning, controller.PowerStopped} {
+		got, err := r.svc.SetPower(ctx, ref, p)
+		var rpcErr *jsonrpc.Error
+		if !errors.As(err, &rpcErr) || rpcErr.Kind != jsonrpc.KindFailedPrecondition || rpcErr.Reason != "targetNotActive" {
+			t.Fatalf("setPower %s during a close answered %+v, %v; want failedPrecondition targetNotActive\n%s", p, got, err, r.history(name))
+		}
+	}
+	r.awaitFake("the closed target gone", 20*time.Second, func() bool {
+		_, _, err := r.client.GetInstance(ctx, name)
+		return errors.Is(err, incus.ErrNotFound)
+	})
+	r.mu.Lock()
+	delete(r.owners, name) // closed: the inventory holds nothing for it
+	r.mu.Unlock()
+}
+
 // A setPower paused asked while a dial's wake is under way (its unfreeze
 // held at Incus's door, the gate with it) is the later request and wins:
 // setPower cannot record it while the wake holds the gate, so it keeps it

@@ -312,14 +312,20 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	// Most of the answer bound may go to waiting out an Incus operation
 	// that holds the instance; the rest is for observing.
 	patience := time.Now().Add(answerWait(ctx, s.cfg.AnswerWithin*2/3))
+	acceptable := func(inst *incus.Instance, st State) error {
+		if err := checkOwned(inst, ref.Owner); err != nil {
+			return err
+		}
+		if st.Phase != controller.PhaseActive {
+			return jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "targetNotActive",
+				"The target is %s, not active; power can change only once it is active.", st.Phase)
+		}
+		return nil
+	}
 	_, wrote, err := s.wantPatient(ctx, patience, name, in, extra,
 		func(inst *incus.Instance, st State) error {
-			if err := checkOwned(inst, ref.Owner); err != nil {
+			if err := acceptable(inst, st); err != nil {
 				return err
-			}
-			if st.Phase != controller.PhaseActive {
-				return jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "targetNotActive",
-					"The target is %s, not active; power can change only once it is active.", st.Phase)
 			}
 			if w, ok := s.pending.get(name); ok && w.intent.At.After(st.Intent.At) {
 				st.Intent = w.intent
@@ -341,6 +347,19 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		// request is kept, recorded as soon as Incus takes it, and the
 		// answer says the move is under way. A retryable error from
 		// this method always means nothing was recorded.
+		//
+		// Kept only for a target that is still active: the gate may have
+		// been held by a close this request never saw (the kill matrix
+		// met one answered "closing" and kept, never to be reached), so
+		// the target is read again, outside the gate, and checked.
+		if cur, rerr := s.lookup(ctx, name); rerr == nil && cur != nil {
+			inst = cur
+		} else if rerr == nil {
+			return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+		}
+		if cerr := acceptable(inst, StateOf(inst)); cerr != nil {
+			return controller.Observation{}, cerr
+		}
 		w := pendingWrite{intent: in, extra: extra}
 		s.pending.put(name, w)
 		if serr := s.storePending(ctx, name, w); serr != nil {
