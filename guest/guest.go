@@ -101,6 +101,33 @@ func Removed(d Dialer, instance string) {
 	}
 }
 
+// ErrDeviceDown: the dialer's way to the daemon is an Incus device on the
+// host, and nothing listens there. For an instance that runs, the device is
+// dead (RestartedDevice says how to restart it); for one that does not, it
+// is what stopped means.
+var ErrDeviceDown = errors.New("guest: the daemon's device on the host does not listen")
+
+// deviceRestarter is implemented by dialers whose way to the daemon is an
+// Incus device the server can leave dead while the instance runs.
+type deviceRestarter interface {
+	restartedDevice(devices map[string]map[string]string) (string, map[string]string, bool)
+}
+
+// RestartedDevice says which of the instance's devices d reaches the daemon
+// through, and the config to write to make the server restart it (the same
+// device to the guest). ok is false for a dialer with no such device.
+func RestartedDevice(d Dialer, devices map[string]map[string]string) (name string, config map[string]string, ok bool) {
+	switch v := d.(type) {
+	case deviceRestarter:
+		return v.restartedDevice(devices)
+	case *memberDialer:
+		return RestartedDevice(v.local, devices)
+	case *forwardDialer:
+		return RestartedDevice(v.fallback, devices)
+	}
+	return "", nil, false
+}
+
 // PIDLookup returns the instance's init PID as the host sees it (from GET
 // /1.0/instances/NAME/state, field .pid; 0 or -1 when stopped). It is
 // supplied by the caller, who owns the Incus client and the project.

@@ -140,8 +140,35 @@ func TestProxyDevices(t *testing.T) {
 func TestProxyDialNothingListening(t *testing.T) {
 	d := NewProxy(t.TempDir())
 	_, err := d.DialContext(context.Background(), Target{Instance: "absent", Port: DefaultPort})
-	if err == nil || !strings.Contains(err.Error(), ProxyDeviceName) {
+	if err == nil || !strings.Contains(err.Error(), ProxyDeviceName) || !errors.Is(err, ErrDeviceDown) {
 		t.Fatalf("dial without a socket: %v", err)
+	}
+}
+
+// The restarted proxy device means the same to the guest (security.uid 0
+// is the default) and differs to the server, back and forth; a dialer with
+// no device, or an instance without it, has nothing to restart.
+func TestProxyRestartedDevice(t *testing.T) {
+	d := NewProxy(t.TempDir())
+	devs := d.Devices(Target{Instance: "c1", Port: DefaultPort})
+	devs["root"] = map[string]string{"type": "disk", "path": "/"}
+	name, once, ok := RestartedDevice(d, devs)
+	if !ok || name != ProxyDeviceName || once["security.uid"] != "0" || len(once) != len(devs[name])+1 {
+		t.Fatalf("first restart: %q %v %v", name, once, ok)
+	}
+	if _, set := devs[name]["security.uid"]; set {
+		t.Fatal("the instance's own map was changed")
+	}
+	devs[name] = once
+	_, twice, _ := RestartedDevice(d, devs)
+	if _, set := twice["security.uid"]; set || len(twice) != len(once)-1 {
+		t.Fatalf("second restart: %v", twice)
+	}
+	if _, _, ok := RestartedDevice(NewNetns(nil), devs); ok {
+		t.Fatal("netns reaches daemons through no device")
+	}
+	if _, _, ok := RestartedDevice(d, map[string]map[string]string{"root": devs["root"]}); ok {
+		t.Fatal("an instance without the device has one to restart")
 	}
 }
 

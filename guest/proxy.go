@@ -96,6 +96,30 @@ func (p *proxyDialer) Devices(t Target) map[string]map[string]string {
 	}
 }
 
+// restartedDevice is the proxy device's config with security.uid toggled
+// between unset and "0", its default: the same device to the guest, a
+// changed one to the server, which stops and starts it. LXD 5.0 can leave a
+// running container's proxy dead after a graceful stop that failed raced a
+// start (make test's LXD lane met it under load: the old forkproxy still
+// alive for the container's previous init, nothing listening on the
+// socket, for as long as the container ran). Incus takes the key too.
+func (p *proxyDialer) restartedDevice(devices map[string]map[string]string) (string, map[string]string, bool) {
+	config, ok := devices[ProxyDeviceName]
+	if !ok {
+		return "", nil, false
+	}
+	out := make(map[string]string, len(config)+1)
+	for k, v := range config {
+		out[k] = v
+	}
+	if _, set := out["security.uid"]; set {
+		delete(out, "security.uid")
+	} else {
+		out["security.uid"] = "0"
+	}
+	return ProxyDeviceName, out, true
+}
+
 // Forget is a no-op: the proxy dialer keeps no per-instance state. A socket
 // file left behind by a stopped instance is replaced by Incus at the next
 // start and is harmless until then (dialing it is refused).
@@ -130,7 +154,7 @@ func (p *proxyDialer) DialContext(ctx context.Context, t Target) (net.Conn, erro
 	c, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
-			return nil, fmt.Errorf("guest: proxy dial %s: nothing listens on %s (instance stopped, or created without the %q device): %w", t, path, ProxyDeviceName, err)
+			return nil, fmt.Errorf("guest: proxy dial %s: nothing listens on %s (instance stopped, or created without the %q device): %w: %w", t, path, ProxyDeviceName, ErrDeviceDown, err)
 		}
 		return nil, fmt.Errorf("guest: proxy dial %s: %w", t, err)
 	}

@@ -38,7 +38,8 @@ func (f *fakeTargets) IngressLookup(label string) (targets.IngressRoute, bool) {
 	return r, ok
 }
 
-func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool { return false }
+func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool    { return false }
+func (f *fakeTargets) RestartDaemonDevice(context.Context, string) error { return nil }
 
 func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, id string) (targets.Route, error) {
 	f.resolves.Add(1)

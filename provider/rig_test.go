@@ -100,6 +100,9 @@ type rigOptions struct {
 	// templates and image replace testTemplates and the dev guest image
 	// on a single host (the production-shaped image's test).
 	templates, image string
+	// dialer, when set, is the guest dialer's kind on a single host,
+	// whatever INCUS_PROVIDER_TEST_DIALER says.
+	dialer string
 }
 
 func (o rigOptions) memberOr(def string) string {
@@ -134,6 +137,9 @@ func newRig(t *testing.T, o rigOptions) *rig {
 	pc := client
 	if o.providerIncus != nil {
 		pc = o.providerIncus(client.Project())
+	}
+	if dialer == nil && o.dialer != "" {
+		dialer = testrig.GuestDialerOf(t, client, o.dialer)
 	}
 	if dialer == nil {
 		dialer = testrig.GuestDialer(t, client)

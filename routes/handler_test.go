@@ -103,7 +103,8 @@ func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, ta
 		Daemon: guest.Target{Instance: testInstance, Port: 1}}, nil
 }
 
-func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool { return f.keptDown.Load() }
+func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool    { return f.keptDown.Load() }
+func (f *fakeTargets) RestartDaemonDevice(context.Context, string) error { return nil }
 
 func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (controller.Power, error) {
 	f.wakes.Add(1)

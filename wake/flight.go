@@ -17,8 +17,12 @@ type Flight struct {
 	requested time.Time
 	// superseded: a power change asked after the use replaced its wake.
 	superseded bool
-	settled    chan struct{} // closed once result is set
-	result     *Refusal      // nil: the daemon answered
+	// deviceRestarted: the flight's probe found the daemon's device dead
+	// on a running instance and had it restarted, which it does once.
+	// Only the flight's probe, one at a time, reads and writes it.
+	deviceRestarted bool
+	settled         chan struct{} // closed once result is set
+	result          *Refusal      // nil: the daemon answered
 
 	// trace is the flight's wake trace, nil without Options.Trace:
 	// fly writes it until the flight settles, then one reporter has it.

@@ -58,9 +58,13 @@ func (w *Waker) wakeFailed(msg, instance string, err error) {
 // keep the target booting, so the runtime is told to come back. An answer
 // that is not a compatible success ends the probe like a success.
 //
-// A trace, when given, gets every attempt; the caller owns it meanwhile.
-func (w *Waker) probeUntil(ctx context.Context, r targets.Route, tr *Trace) probeAnswer {
+// The flight's trace, when it has one, gets every attempt; the caller owns
+// it meanwhile. A device that stays dead on a running instance is
+// restarted once per flight (restartDeadDevice).
+func (w *Waker) probeUntil(ctx context.Context, f *Flight, r targets.Route) probeAnswer {
+	tr := f.trace
 	delay := 5 * time.Millisecond
+	var deviceDownSince time.Time
 	for {
 		var start time.Time
 		if tr != nil {
@@ -83,6 +87,14 @@ func (w *Waker) probeUntil(ctx context.Context, r targets.Route, tr *Trace) prob
 			return probeIncompatible
 		}
 		w.ready.silent(r.Name, time.Now())
+		if !errors.Is(err, guest.ErrDeviceDown) {
+			deviceDownSince = time.Time{}
+		} else if deviceDownSince.IsZero() {
+			deviceDownSince = time.Now()
+		} else if time.Since(deviceDownSince) >= deviceDeadAfter && !f.deviceRestarted {
+			f.deviceRestarted = true
+			w.restartDeadDevice(ctx, r.Name, err)
+		}
 		if !clock.Sleep(ctx, delay) {
 			if w.ctx.Err() == nil {
 				w.log.Debug("the daemon has not answered the readiness probe", zap.String("instance", r.Name), zap.Error(err))
@@ -92,6 +104,29 @@ func (w *Waker) probeUntil(ctx context.Context, r targets.Route, tr *Trace) prob
 		delay = min(delay*2, 100*time.Millisecond)
 	}
 }
+
+// deviceDeadAfter is how long a device on the host may refuse the probe
+// before it is taken for dead. Incus starts an instance's devices before it
+// reports the instance running, so on a running one the device listens at
+// once; the wait only rides out a read of the instance older than a stop.
+const deviceDeadAfter = time.Second
+
+// restartDeadDevice has the daemon's device restarted, within the flight's
+// budget and at most deviceRestartWait. An instance that turns out not to
+// run is left alone by targets; a failure is logged, and the probe goes on
+// either way.
+func (w *Waker) restartDeadDevice(ctx context.Context, name string, probeErr error) {
+	rctx, cancel := context.WithTimeout(ctx, deviceRestartWait)
+	defer cancel()
+	if err := w.opts.Targets.RestartDaemonDevice(rctx, name); err != nil && ctx.Err() == nil {
+		w.log.Warn("the daemon's device does not listen and restarting it failed",
+			zap.String("instance", name), zap.NamedError("probe", probeErr), zap.Error(err))
+	}
+}
+
+// deviceRestartWait bounds a device restart: one read and one write of
+// the instance, after whatever holds its gate.
+const deviceRestartWait = 5 * time.Second
 
 // noteIncompatible logs a daemon's incompatible answer once per instance
 // and answer: every wake of the target probes it again, and an operator

@@ -30,6 +30,10 @@ type Targets interface {
 	// kept until Incus takes it, is not carried out yet: a use made at
 	// at replaces it through Wake.
 	PowerDownPending(r targets.Route, at time.Time) bool
+	// RestartDaemonDevice has the device the dialer reaches the daemon
+	// through stopped and started, on an instance that runs (see
+	// targets.Service.RestartDaemonDevice).
+	RestartDaemonDevice(ctx context.Context, name string) error
 }
 
 var _ Targets = (*targets.Service)(nil)
@@ -282,7 +286,7 @@ func (w *Waker) fly(f *Flight, r targets.Route) {
 
 		case running(r):
 			f.stage(StateBooting, w.bootingRetry(r.Name))
-			if a := w.probeUntil(ctx, r, tr); a != probeSilent {
+			if a := w.probeUntil(ctx, f, r); a != probeSilent {
 				outcome = a.outcome()
 				w.ready.mark(r.Name)
 				settle(nil)
@@ -412,7 +416,7 @@ func (w *Waker) wakeAndProbe(ctx context.Context, f *Flight, r targets.Route) pr
 				return
 			}
 		}
-		probed <- w.probeUntil(pctx, r, tr)
+		probed <- w.probeUntil(pctx, f, r)
 	}()
 	done := wakeDone
 	for {

@@ -2,6 +2,7 @@ package wake
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/http/httptest"
 	"sync"
@@ -33,6 +34,8 @@ type fakeTargets struct {
 	gone      bool
 	wakeDelay time.Duration
 	wakes     atomic.Int32
+	restarts  atomic.Int32
+	onRestart func() // set before the rig's first use
 }
 
 func (f *fakeTargets) route() targets.Route {
@@ -78,11 +81,19 @@ func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (c
 }
 
 func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool { return false }
+func (f *fakeTargets) RestartDaemonDevice(context.Context, string) error {
+	f.restarts.Add(1)
+	if f.onRestart != nil {
+		f.onRestart()
+	}
+	return nil
+}
 
 // daemonDialer reaches a development daemon whatever the target.
 type daemonDialer struct {
 	addr  string
 	dials atomic.Int32
+	dead  atomic.Bool // the device to the daemon does not listen
 }
 
 func newDaemonDialer(t *testing.T) *daemonDialer {
@@ -98,6 +109,9 @@ func newDaemonDialer(t *testing.T) *daemonDialer {
 
 func (d *daemonDialer) DialContext(ctx context.Context, _ guest.Target) (net.Conn, error) {
 	d.dials.Add(1)
+	if d.dead.Load() {
+		return nil, fmt.Errorf("test dial: %w", guest.ErrDeviceDown)
+	}
 	var nd net.Dialer
 	return nd.DialContext(ctx, "tcp", d.addr)
 }
@@ -267,6 +281,41 @@ func TestAFlightOfATargetGoneMeanwhileIsGone(t *testing.T) {
 	}
 	if r.w.LastDown(testInstance) || r.targets.wakes.Load() != 0 {
 		t.Fatal("a gone target is still remembered, or was woken")
+	}
+}
+
+// A running target whose device to the daemon does not listen (LXD 5.0's
+// proxy after a failed graceful stop raced by a start) has the device
+// restarted once the probe has found it dead for deviceDeadAfter, and the
+// use goes through; nothing restarts it twice in one flight.
+func TestADeadDeviceIsRestartedOnce(t *testing.T) {
+	r := newWakeRig(t, targets.RouteRunning)
+	r.dialer.dead.Store(true)
+	r.targets.onRestart = func() { r.dialer.dead.Store(false) }
+	ctx, cancel := context.WithTimeout(t.Context(), 4*time.Second)
+	defer cancel()
+	start := time.Now()
+	if ref := r.w.WakeForUse(ctx, r.route(t), time.Now()); ref != nil {
+		t.Fatalf("refused %+v after %s, want the daemon answering once its device was restarted", ref, time.Since(start))
+	}
+	if took := time.Since(start); took < deviceDeadAfter {
+		t.Errorf("answered after %s: the device was restarted before it had been dead for %s", took, deviceDeadAfter)
+	}
+	if got := r.targets.restarts.Load(); got != 1 {
+		t.Fatalf("%d restarts, want 1", got)
+	}
+
+	// Dead again, and a restart that does not help: still one per flight.
+	r.w.Unready(testInstance)
+	r.dialer.dead.Store(true)
+	r.targets.onRestart = nil
+	ctx, cancel = context.WithTimeout(t.Context(), 3*time.Second)
+	defer cancel()
+	if ref := r.w.WakeForUse(ctx, r.route(t), time.Now()); ref == nil || ref.State != StateBooting {
+		t.Fatalf("a device that stays dead answered %+v, want booting", ref)
+	}
+	if got := r.targets.restarts.Load(); got != 2 {
+		t.Fatalf("%d restarts in all, want one per flight (2)", got)
 	}
 }
 

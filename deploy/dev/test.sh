@@ -193,7 +193,7 @@ rigs_lxd() {
   # What the dialer decides: reaching the guest's daemon (routes, wakes,
   # readiness, the idle probe). The rest is the same Incus calls whichever
   # dialer, and runs once, with netns.
-  local dialed='^(TestRoutes|TestActiveMeansStartedAndClosesAtOnce|TestPowerDownRightAfterAWakingConnection|TestIdleActOnIncus|TestWarmHandoutBecomesActiveAndThePoolRefills)$'
+  local dialed='^(TestRoutes|TestActiveMeansStartedAndClosesAtOnce|TestPowerDownRightAfterAWakingConnection|TestADeadDaemonDeviceIsRestarted|TestIdleActOnIncus|TestWarmHandoutBecomesActiveAndThePoolRefills)$'
   LXD_DIR=/var/lib/lxd LXD_CONF="$STATE_DIR/lxd-client" lxc project create "$lxd_project" -c features.images=false -c features.profiles=false >/dev/null
   for dialer in netns proxy; do
     local run=$tests

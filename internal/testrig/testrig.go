@@ -46,7 +46,13 @@ const EnvDialer = "INCUS_PROVIDER_TEST_DIALER"
 // instance's init PID through client.
 func GuestDialer(t testing.TB, client *incus.Client) guest.Dialer {
 	t.Helper()
-	kind := os.Getenv(EnvDialer)
+	return GuestDialerOf(t, client, os.Getenv(EnvDialer))
+}
+
+// GuestDialerOf is GuestDialer of the kind named (empty: netns), for a test
+// about one dialer's own behaviour.
+func GuestDialerOf(t testing.TB, client *incus.Client, kind string) guest.Dialer {
+	t.Helper()
 	switch kind {
 	case "":
 		kind = guest.KindNetns
