@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -15,6 +16,15 @@ import (
 // instance's that could be restarted (netns, exec), or the instance does
 // not have it.
 var ErrNoDevice = errors.New("targets: no restartable device to the daemon")
+
+// ErrDeviceStarting: the instance started less than deviceSettle ago, and
+// the server may not have started its devices yet (LXD starts a proxy
+// device after the container); a restart now could cut the one it starts.
+var ErrDeviceStarting = errors.New("targets: the instance started moments ago; its devices may still be starting")
+
+// deviceSettle is how long after a start a device that does not listen is
+// taken for dead rather than still starting.
+const deviceSettle = 3 * time.Second
 
 // RestartDaemonDevice makes Incus stop and start the device the dialer
 // reaches the daemon through, on an instance that runs: a wake whose probe
@@ -32,6 +42,9 @@ func (s *Service) RestartDaemonDevice(ctx context.Context, name string) error {
 			}
 			if inst.Status != incus.InstanceRunning {
 				return nil
+			}
+			if since := time.Since(inst.LastUsedAt); !inst.LastUsedAt.IsZero() && since < deviceSettle {
+				return fmt.Errorf("instance %s started %s ago: %w", name, since.Round(time.Millisecond), ErrDeviceStarting)
 			}
 			dev, config, ok := guest.RestartedDevice(s.dialer, inst.Devices)
 			if !ok {

@@ -92,8 +92,10 @@ func (w *Waker) probeUntil(ctx context.Context, f *Flight, r targets.Route) prob
 		} else if deviceDownSince.IsZero() {
 			deviceDownSince = time.Now()
 		} else if time.Since(deviceDownSince) >= deviceDeadAfter && !f.deviceRestarted {
-			f.deviceRestarted = true
-			w.restartDeadDevice(ctx, r.Name, err)
+			f.deviceRestarted = w.restartDeadDevice(ctx, r.Name, err)
+			if !f.deviceRestarted {
+				deviceDownSince = time.Now() // started moments ago: look again later
+			}
 		}
 		if !clock.Sleep(ctx, delay) {
 			if w.ctx.Err() == nil {
@@ -106,22 +108,29 @@ func (w *Waker) probeUntil(ctx context.Context, f *Flight, r targets.Route) prob
 }
 
 // deviceDeadAfter is how long a device on the host may refuse the probe
-// before it is taken for dead. Incus starts an instance's devices before it
-// reports the instance running, so on a running one the device listens at
-// once; the wait only rides out a read of the instance older than a stop.
-const deviceDeadAfter = time.Second
+// before it is taken for dead: long enough to ride out a read of the
+// instance older than a stop. targets refuses the restart for an instance
+// started moments ago, whose device may still be starting.
+const deviceDeadAfter = 2 * time.Second
 
 // restartDeadDevice has the daemon's device restarted, within the flight's
-// budget and at most deviceRestartWait. An instance that turns out not to
-// run is left alone by targets; a failure is logged, and the probe goes on
-// either way.
-func (w *Waker) restartDeadDevice(ctx context.Context, name string, probeErr error) {
+// budget and at most deviceRestartWait, and says whether the flight's one
+// restart is spent: not while the instance has only just started
+// (targets.ErrDeviceStarting). An instance that turns out not to run is
+// left alone by targets; a failure is logged, and the probe goes on either
+// way.
+func (w *Waker) restartDeadDevice(ctx context.Context, name string, probeErr error) bool {
 	rctx, cancel := context.WithTimeout(ctx, deviceRestartWait)
 	defer cancel()
-	if err := w.opts.Targets.RestartDaemonDevice(rctx, name); err != nil && ctx.Err() == nil {
+	err := w.opts.Targets.RestartDaemonDevice(rctx, name)
+	if errors.Is(err, targets.ErrDeviceStarting) {
+		return false
+	}
+	if err != nil && ctx.Err() == nil {
 		w.log.Warn("the daemon's device does not listen and restarting it failed",
 			zap.String("instance", name), zap.NamedError("probe", probeErr), zap.Error(err))
 	}
+	return true
 }
 
 // deviceRestartWait bounds a device restart: one read and one write of

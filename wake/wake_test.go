@@ -292,7 +292,7 @@ func TestADeadDeviceIsRestartedOnce(t *testing.T) {
 	r := newWakeRig(t, targets.RouteRunning)
 	r.dialer.dead.Store(true)
 	r.targets.onRestart = func() { r.dialer.dead.Store(false) }
-	ctx, cancel := context.WithTimeout(t.Context(), 4*time.Second)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*deviceDeadAfter+time.Second)
 	defer cancel()
 	start := time.Now()
 	if ref := r.w.WakeForUse(ctx, r.route(t), time.Now()); ref != nil {
@@ -309,7 +309,7 @@ func TestADeadDeviceIsRestartedOnce(t *testing.T) {
 	r.w.Unready(testInstance)
 	r.dialer.dead.Store(true)
 	r.targets.onRestart = nil
-	ctx, cancel = context.WithTimeout(t.Context(), 3*time.Second)
+	ctx, cancel = context.WithTimeout(t.Context(), 2*deviceDeadAfter+time.Second)
 	defer cancel()
 	if ref := r.w.WakeForUse(ctx, r.route(t), time.Now()); ref == nil || ref.State != StateBooting {
 		t.Fatalf("a device that stays dead answered %+v, want booting", ref)
