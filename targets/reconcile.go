@@ -443,18 +443,27 @@ func (k *keyedMutex) lockWaited(ctx context.Context, key string) (unlock func(),
 	}, waited, nil
 }
 
-// worker runs one converge per name at a time; a kick during a run asks for
-// one more run after it, and a run may ask for another after a delay (a
-// retry). It owns every goroutine and timer it starts.
+// worker runs one converge per name at a time, on at most max goroutines,
+// in the manner of client-go's workqueue: a kick of a name that is not
+// running queues it behind the names already waiting (first kicked, first
+// run), a kick during a run asks for one more run after it, and a run may
+// ask for another after a delay (a retry). A name run again while others
+// wait goes to the back of the queue, so that one busy name cannot starve
+// the rest. The bound keeps a reconcile pass over thousands of instances,
+// or a night's idle power-downs, from sending Incus one request per
+// instance at once. It owns every goroutine and timer it starts.
 type worker struct {
 	fn     func(ctx context.Context, name string) time.Duration
+	max    int
 	ctx    context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	mu     sync.Mutex
-	jobs   map[string]*job
-	timers map[string]*retryTimer
+	mu      sync.Mutex
+	jobs    map[string]*job // running or queued
+	queue   []string        // queued names, in kick order
+	running int             // goroutines running converges
+	timers  map[string]*retryTimer
 }
 
 // retryTimer is a pending kick and when it fires.
@@ -464,15 +473,27 @@ type retryTimer struct {
 }
 
 type job struct {
+	queued bool // waiting for a free goroutine; its run has not started
 	again  bool
 	lookAt time.Time     // a look asked for (soon) while it ran; zero: none
 	done   chan struct{} // closed when the run that covers the latest kick ends
 	next   chan struct{}
 }
 
+// convergeWorkers bounds the converges under way at once. A converge is a
+// few Incus calls, or one state change and its wait (a graceful stop: up
+// to GracefulStop); wakes and the controller's methods act under the
+// instance's gate themselves and never wait for a free worker, except a
+// method's bounded wait for the step it kicked.
+const convergeWorkers = 32
+
 func newWorker(fn func(ctx context.Context, name string) time.Duration) *worker {
+	return newWorkerOf(convergeWorkers, fn)
+}
+
+func newWorkerOf(max int, fn func(ctx context.Context, name string) time.Duration) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &worker{fn: fn, ctx: ctx, cancel: cancel, jobs: map[string]*job{}, timers: map[string]*retryTimer{}}
+	return &worker{fn: fn, max: max, ctx: ctx, cancel: cancel, jobs: map[string]*job{}, timers: map[string]*retryTimer{}}
 }
 
 // kick schedules a converge of name and returns a channel closed once a run
@@ -488,7 +509,10 @@ func (w *worker) kickLocked(name string) <-chan struct{} {
 		r.t.Stop() // this run covers the retry
 		delete(w.timers, name)
 	}
-	if j, running := w.jobs[name]; running {
+	if j, ok := w.jobs[name]; ok {
+		if j.queued {
+			return j.done // its run starts after this kick
+		}
 		j.again = true
 		if j.next == nil {
 			j.next = make(chan struct{})
@@ -502,18 +526,37 @@ func (w *worker) kickLocked(name string) <-chan struct{} {
 	}
 	j := &job{done: make(chan struct{})}
 	w.jobs[name] = j
-	w.wg.Add(1)
-	go w.run(name, j)
+	if w.running < w.max {
+		w.running++
+		w.wg.Add(1)
+		go w.run(name, j)
+	} else {
+		j.queued = true
+		w.queue = append(w.queue, name)
+	}
 	return j.done
 }
 
+// run is one of the worker's goroutines: it converges name, then the
+// names queued meanwhile, until none waits.
 func (w *worker) run(name string, j *job) {
 	defer w.wg.Done()
 	for {
 		again := w.fn(w.ctx, name)
 		w.mu.Lock()
 		close(j.done)
-		if !j.again || w.ctx.Err() != nil {
+		if j.again && w.ctx.Err() == nil {
+			j.again, j.done, j.next = false, j.next, nil
+			if !j.lookAt.After(time.Now()) {
+				j.lookAt = time.Time{} // the run starting next is that look
+			}
+			if len(w.queue) == 0 {
+				w.mu.Unlock()
+				continue
+			}
+			j.queued = true
+			w.queue = append(w.queue, name)
+		} else {
 			if j.next != nil {
 				close(j.next)
 			}
@@ -528,15 +571,29 @@ func (w *worker) run(name string, j *job) {
 			if again > 0 && w.ctx.Err() == nil {
 				w.retryLocked(name, again)
 			}
+		}
+		if name, j = w.nextLocked(); j == nil {
+			w.running--
 			w.mu.Unlock()
 			return
 		}
-		j.again, j.done, j.next = false, j.next, nil
-		if !j.lookAt.After(time.Now()) {
-			j.lookAt = time.Time{} // the run starting now is that look
-		}
 		w.mu.Unlock()
 	}
+}
+
+// nextLocked takes the first queued name off the queue; nil once none
+// waits, or the worker is stopping.
+func (w *worker) nextLocked() (string, *job) {
+	for len(w.queue) > 0 && w.ctx.Err() == nil {
+		name := w.queue[0]
+		w.queue[0] = ""
+		w.queue = w.queue[1:]
+		if j := w.jobs[name]; j != nil && j.queued {
+			j.queued = false
+			return name, j
+		}
+	}
+	return "", nil
 }
 
 // soon kicks name after d, unless a kick or a retry is already due by
@@ -601,6 +658,14 @@ func (w *worker) stop() {
 		r.t.Stop()
 		delete(w.timers, name)
 	}
+	// Queued names will not run: whoever waits for them hears so now.
+	for _, name := range w.queue {
+		if j := w.jobs[name]; j != nil && j.queued {
+			close(j.done)
+			delete(w.jobs, name)
+		}
+	}
+	w.queue = nil
 	w.mu.Unlock()
 	w.wg.Wait()
 }

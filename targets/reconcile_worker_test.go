@@ -106,3 +106,122 @@ func TestSoonDuringARunLooksOnceWhenAsked(t *testing.T) {
 		t.Fatalf("%d runs; want the first and the one look", n)
 	}
 }
+
+// At most max converges run at once; every name kicked runs, and each
+// kick's channel closes once a run after it ended.
+func TestWorkerRunsAtMostMaxAtOnce(t *testing.T) {
+	const bound, names = 3, 12
+	var mu sync.Mutex
+	running, most := 0, 0
+	ran := map[string]int{}
+	release := make(chan struct{})
+	w := newWorkerOf(bound, func(ctx context.Context, name string) time.Duration {
+		mu.Lock()
+		running++
+		most = max(most, running)
+		ran[name]++
+		mu.Unlock()
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		mu.Lock()
+		running--
+		mu.Unlock()
+		return 0
+	})
+	defer w.stop()
+	var dones []<-chan struct{}
+	for i := range names {
+		dones = append(dones, w.kick("n"+string(rune('a'+i))))
+	}
+	// A kick of a queued name is covered by its one run to come.
+	if again := w.kick("n" + string(rune('a'+names-1))); again != dones[names-1] {
+		t.Fatal("a kick of a queued name asked for a second run")
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		mu.Lock()
+		n := running
+		mu.Unlock()
+		if n == bound {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d converges under way with %d names kicked, want %d", n, names, bound)
+		}
+	}
+	close(release)
+	for i, d := range dones {
+		select {
+		case <-d:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("the kick of name %d was never covered by a run", i)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if most > bound {
+		t.Errorf("%d converges ran at once, want at most %d", most, bound)
+	}
+	for name, n := range ran {
+		if n != 1 {
+			t.Errorf("%s ran %d times for its kicks, want once", name, n)
+		}
+	}
+	if len(ran) != names {
+		t.Errorf("%d names ran, want %d", len(ran), names)
+	}
+}
+
+// A name kicked again during each of its runs goes to the back of the
+// queue while others wait: one busy name does not starve the rest.
+func TestWorkerABusyNameDoesNotStarveTheQueue(t *testing.T) {
+	var mu sync.Mutex
+	var order []string
+	var w *worker
+	w = newWorkerOf(1, func(_ context.Context, name string) time.Duration {
+		mu.Lock()
+		order = append(order, name)
+		n := len(order)
+		mu.Unlock()
+		if name == "busy" && n < 50 {
+			w.kick("busy")
+		}
+		return 0
+	})
+	defer w.stop()
+	w.mu.Lock() // both kicks land before any run ends
+	w.kickLocked("busy")
+	other := w.kickLocked("other")
+	w.mu.Unlock()
+	select {
+	case <-other:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the other name never ran")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(order) < 2 || order[1] != "other" {
+		t.Fatalf("runs %v: the queued name should run right after the busy one's first run", order[:min(len(order), 5)])
+	}
+}
+
+// Stopping the worker answers the kicks of names still queued.
+func TestWorkerStopAnswersQueuedKicks(t *testing.T) {
+	block := make(chan struct{})
+	w := newWorkerOf(1, func(ctx context.Context, _ string) time.Duration {
+		select {
+		case <-block:
+		case <-ctx.Done():
+		}
+		return 0
+	})
+	w.kick("running")
+	queued := w.kick("queued")
+	w.stop()
+	select {
+	case <-queued:
+	default:
+		t.Fatal("a queued kick was left unanswered by stop")
+	}
+}
