@@ -10,6 +10,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/clock"
 )
 
 // ErrNoDevice: the dialer reaches daemons through no device of the
@@ -59,9 +60,13 @@ func (s *Service) RestartDaemonDevice(ctx context.Context, name string) error {
 					zap.String("instance", name), zap.String("device", dev))
 				return nil
 			}
-			// Incus rewrites volatile keys as an instance moves: read again.
+			// Incus rewrites volatile keys as an instance moves: read again
+			// shortly, as every ETag-guarded write here does.
 			if !errors.Is(err, incus.ErrPreconditionFailed) || attempt >= 3 {
 				return fmt.Errorf("restart the daemon's device of %s: %w", name, err)
+			}
+			if !clock.Sleep(ctx, 10*time.Millisecond<<attempt) {
+				return fmt.Errorf("restart the daemon's device of %s: %w", name, ctx.Err())
 			}
 		}
 	})
