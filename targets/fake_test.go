@@ -272,9 +272,7 @@ func TestFakeSetPowerDuringACloseIsRefused(t *testing.T) {
 		_, _, err := r.client.GetInstance(ctx, name)
 		return errors.Is(err, incus.ErrNotFound)
 	})
-	r.mu.Lock()
-	delete(r.owners, name) // closed: the inventory holds nothing for it
-	r.mu.Unlock()
+	r.closed(name)
 }
 
 // A setPower paused asked while a dial's wake is under way (its unfreeze

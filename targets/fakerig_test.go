@@ -190,6 +190,15 @@ func (r *fakeRig) expect(o controller.Owner) string {
 	return name
 }
 
+// closed records that the test closed name's target: the inventory at
+// the end then wants no instance of that name (checkInventory fails on
+// one it does not expect).
+func (r *fakeRig) closed(name string) {
+	r.mu.Lock()
+	delete(r.owners, name)
+	r.mu.Unlock()
+}
+
 // seedTarget puts o's target in the fake as targets leaves one that ran
 // and was last asked for power (empty: no request recorded), an hour ago.
 func (r *fakeRig) seedTarget(o controller.Owner, status incus.InstanceStatus, power controller.Power) string {
