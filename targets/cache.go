@@ -462,12 +462,24 @@ func (c *obsCache) find(match func(*incus.Instance) bool) (out []incus.Instance,
 }
 
 // listing is every cached instance, or ok false while unconfirmed. The
-// slice is shared: callers only read it.
-func (c *obsCache) listing() (list []incus.Instance, ok bool) {
+// slice is shared: callers only read it. stale names the entries touched
+// since they were read (nil when none): their item in the list, or its
+// absence, may predate a write this process has already made, so a
+// caller that would undo a newer change of its own by the list must not
+// go by them.
+func (c *obsCache) listing() (list []incus.Instance, stale map[string]bool, ok bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.confirmed {
-		return nil, false
+		return nil, nil, false
+	}
+	for name, e := range c.entries {
+		if e.stale {
+			if stale == nil {
+				stale = map[string]bool{}
+			}
+			stale[name] = true
+		}
 	}
 	if c.view == nil {
 		c.view = make([]incus.Instance, 0, len(c.entries))
@@ -486,7 +498,7 @@ func (c *obsCache) listing() (list []incus.Instance, ok bool) {
 			return 0
 		})
 	}
-	return c.view, true
+	return c.view, stale, true
 }
 
 // run keeps the stream connected and the cache current until ctx ends.

@@ -348,7 +348,7 @@ func TestCacheManyOwners(t *testing.T) {
 	} else {
 		t.Logf("%d gets across %d owners: %d instance GETs to Incus", 10*n, agreed.Load(), got)
 	}
-	if list, ok := r.svc.cache.listing(); !ok || len(list) != n {
+	if list, _, ok := r.svc.cache.listing(); !ok || len(list) != n {
 		t.Fatalf("the cache lists %d instances (confirmed %v), want %d", len(list), ok, n)
 	}
 }

@@ -64,11 +64,23 @@ func TestCacheStoresOnlyReadsNewerThanEveryTouch(t *testing.T) {
 		t.Fatal("an instance in status Error is served from the cache")
 	}
 
+	// The listing names what it may show from before a write: an entry
+	// touched and not read again since.
+	c.touch("a", "", false)
+	list, stale, ok := c.listing()
+	if !ok || !stale["a"] || stale["b"] || len(list) == 0 {
+		t.Fatalf("a touched entry is not named stale in the listing: %v %v", stale, ok)
+	}
+	c.offer("a", c.mark("a"), running("a", "4"))
+	if _, stale, _ := c.listing(); stale["a"] {
+		t.Fatal("an entry read again after its touch is still named stale")
+	}
+
 	c.unconfirm("stream_ended")
 	if _, hit := c.get("a"); hit {
 		t.Fatal("an unconfirmed cache serves a read")
 	}
-	if _, ok := c.listing(); ok {
+	if _, _, ok := c.listing(); ok {
 		t.Fatal("an unconfirmed cache serves a listing")
 	}
 }

@@ -164,7 +164,7 @@ func BenchmarkDecodeIngressRebuild(b *testing.B) {
 	x.init()
 	b.ReportAllocs()
 	for b.Loop() {
-		x.rebuild(list, x.mark())
+		x.rebuild(list, x.mark(), nil)
 	}
 	if len(x.byLabel) != decodeBenchTargets/10 {
 		b.Fatalf("%d routes, want %d", len(x.byLabel), decodeBenchTargets/10)

@@ -14,6 +14,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incusfake"
+	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
@@ -404,16 +405,9 @@ func TestFakeLostEventsNeverAnswerNotFound(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if _, hit, confirmed := r.cacheView(name); confirmed && hit {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the observation cache never confirmed; the test needs it answering")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	r.awaitCache("a confirmed answer (the test needs it answering)", name, 10*time.Second, func(_ *incus.Instance, hit, confirmed bool) bool {
+		return confirmed && hit
+	})
 	if _, err := r.svc.GetTarget(ctx, ref); kindOf(err) != jsonrpc.KindNotFound {
 		t.Fatalf("before any create: want notFound, got %v", err)
 	}
@@ -524,3 +518,59 @@ func (c *goneConn) Kill(string)                { c.end() }
 func (c *goneConn) Done() <-chan struct{}      { return c.done }
 func (c *goneConn) end()                       { c.once.Do(func() { close(c.done) }) }
 func (c *goneConn) toldAway() bool             { return c.away.Load() }
+
+// A reconcile pass that lists from the observation cache while the entry
+// of a target just routed still shows it from before the write (the
+// write's re-read not landed yet) must not take the route away: the edge
+// would answer 404 for the new route until the next pass. The re-read is
+// held at Incus's door: the ensure's own read passes, every later read of
+// the instance waits.
+func TestFakeAPassKeepsARouteTheCacheHasNotReadYet(t *testing.T) {
+	base, err := ingressurl.Parse("http://{label}.localhost:1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{IngressBase: &base, ReconcileInterval: time.Hour})
+	o := fakeOwner("env-route-pass")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	r.awaitCache("the target served", name, 10*time.Second, func(inst *incus.Instance, hit, confirmed bool) bool {
+		return confirmed && hit && inst != nil
+	})
+
+	held := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodGet, Path: "/1.0/instances/" + name, Skip: 1})
+	defer held.Release()
+	obs, err := r.svc.EnsureIngress(ctx, ref)
+	if err != nil || obs.Ingress == nil {
+		t.Fatalf("ensure answered %+v, %v", obs, err)
+	}
+	label, ok := base.Label(strings.TrimPrefix(obs.Ingress.Endpoint, "http://"))
+	if !ok {
+		t.Fatalf("endpoint %s has no label", obs.Ingress.Endpoint)
+	}
+	select {
+	case <-held.Hit():
+	case <-ctx.Done():
+		t.Fatal("the cache never read the written instance again")
+	}
+	if err := r.svc.pass(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, routed := r.svc.IngressLookup(label); !routed {
+		t.Fatal("a pass on a listing older than the ensure took the route away")
+	}
+
+	held.Remove()
+	held.Release()
+	r.awaitCache("the routed target served", name, 10*time.Second, func(inst *incus.Instance, hit, _ bool) bool {
+		return hit && inst != nil && inst.Config[keyIngressRouted] == "true"
+	})
+	if err := r.svc.pass(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, routed := r.svc.IngressLookup(label); !routed {
+		t.Fatal("a pass on a listing that shows the route took it away")
+	}
+}

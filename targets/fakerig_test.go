@@ -143,6 +143,8 @@ func fakeCatalog(t *testing.T) *templates.Catalog {
   - templateId: t1
     displayName: test guest
     powerStates: [running, paused, stopped]
+    publicIngress: true
+    ingressPort: 8080
     imageFingerprint: ` + fakeFingerprint + "\n"
 	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
@@ -359,6 +361,19 @@ func (r *fakeRig) history(name string) string {
 			w.Kind, w.Status, w.Config[keyPower], w.Config[keyPowerBy], w.Config[KeyIdleSince])
 	}
 	return b.String()
+}
+
+// awaitCache polls, within d, for cond over what the service's observation
+// cache answers for name (the fake tells of no change in the cache).
+func (r *fakeRig) awaitCache(what, name string, d time.Duration, cond func(inst *incus.Instance, hit, confirmed bool) bool) {
+	r.t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond(r.cacheView(name)) {
+		if time.Now().After(deadline) {
+			r.t.Fatalf("waiting %s for %s in the observation cache", d, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // cacheView is what the service's observation cache would answer for

@@ -53,7 +53,10 @@ func ingressOf(inst *incus.Instance) (label string, r IngressRoute, ok bool) {
 // ensure, remove and close at once; a reconcile pass rebuilds it from
 // Incus's list (which is how a restart, or another replica's change, is
 // learnt), except for names this process changed after that list was asked
-// for: the list may predate the change.
+// for, and names the list itself says it may show from before a change
+// (the observation cache's entries whose re-read has not landed): either
+// may predate this process's own write, and would undo it until the next
+// pass.
 type ingressIndex struct {
 	mu      sync.RWMutex
 	byLabel map[string]IngressRoute
@@ -105,8 +108,8 @@ func (x *ingressIndex) drop(name string) {
 }
 
 // rebuild replaces what the list shows, for every name this process has
-// not changed since mark answered since.
-func (x *ingressIndex) rebuild(list []incus.Instance, since uint64) {
+// not changed since mark answered since and that is not stale in it.
+func (x *ingressIndex) rebuild(list []incus.Instance, since uint64, stale map[string]bool) {
 	routes := map[string]IngressRoute{}
 	for i := range list {
 		if label, r, ok := ingressOf(&list[i]); ok {
@@ -115,7 +118,7 @@ func (x *ingressIndex) rebuild(list []incus.Instance, since uint64) {
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	fresh := func(name string) bool { return x.changed[name] > since }
+	fresh := func(name string) bool { return x.changed[name] > since || stale[name] }
 	for name := range x.labelOf {
 		if !fresh(name) {
 			x.dropLocked(name)
@@ -131,7 +134,7 @@ func (x *ingressIndex) rebuild(list []incus.Instance, since uint64) {
 		x.byLabel[label], x.labelOf[r.Instance] = r, label
 	}
 	for name, at := range x.changed {
-		if at <= since {
+		if at <= since && !stale[name] {
 			delete(x.changed, name)
 		}
 	}
@@ -145,10 +148,11 @@ func (s *Service) IngressEnabled() bool { return s.cfg.IngressBase != nil }
 // label, from memory alone.
 func (s *Service) IngressLookup(label string) (IngressRoute, bool) { return s.ingress.lookup(label) }
 
-// refreshIngress rebuilds the index from a list asked for after since.
-func (s *Service) refreshIngress(list []incus.Instance, since uint64) {
+// refreshIngress rebuilds the index from a list asked for after since, in
+// which the stale names may show an older state.
+func (s *Service) refreshIngress(list []incus.Instance, since uint64, stale map[string]bool) {
 	if s.IngressEnabled() {
-		s.ingress.rebuild(list, since)
+		s.ingress.rebuild(list, since, stale)
 	}
 }
 

@@ -27,7 +27,7 @@ func TestIngressIndexRebuildKeepsNewerLocalChanges(t *testing.T) {
 	la, lb, lc := ingressurl.NewLabel(), ingressurl.NewLabel(), ingressurl.NewLabel()
 	var x ingressIndex
 	x.init()
-	x.rebuild([]incus.Instance{routedInstance(a, la, true), routedInstance(b, lb, true), routedInstance(c, lc, false)}, x.mark())
+	x.rebuild([]incus.Instance{routedInstance(a, la, true), routedInstance(b, lb, true), routedInstance(c, lc, false)}, x.mark(), nil)
 	if r, ok := x.lookup(la); !ok || r.Instance != Name(a) || r.Port != 8080 || r.Owner != a {
 		t.Fatalf("a: %+v %v", r, ok)
 	}
@@ -38,15 +38,25 @@ func TestIngressIndexRebuildKeepsNewerLocalChanges(t *testing.T) {
 	since := x.mark()
 	x.drop(Name(a))
 	x.put(lc, IngressRoute{Instance: Name(c), Owner: c, Port: 8080})
-	x.rebuild([]incus.Instance{routedInstance(a, la, true), routedInstance(b, lb, true), routedInstance(c, lc, false)}, since)
+	x.rebuild([]incus.Instance{routedInstance(a, la, true), routedInstance(b, lb, true), routedInstance(c, lc, false)}, since, nil)
 	if _, ok := x.lookup(la); ok {
 		t.Fatal("a stale list put a removed route back")
 	}
 	if _, ok := x.lookup(lc); !ok {
 		t.Fatal("a stale list took a new route away")
 	}
+	// A list asked for after a change, that says it may show an older
+	// state of the name (the cache's entry was touched by the write and not
+	// read again yet), must not undo it either: a route put after a
+	// remove, with the list still showing the remove, stays.
+	x.drop(Name(c))
+	x.put(lc, IngressRoute{Instance: Name(c), Owner: c, Port: 8080})
+	x.rebuild([]incus.Instance{routedInstance(b, lb, true), routedInstance(c, lc, false)}, x.mark(), map[string]bool{Name(c): true})
+	if _, ok := x.lookup(lc); !ok {
+		t.Fatal("a list stale for the name took its new route away")
+	}
 	// A list asked for after them is the truth again.
-	x.rebuild([]incus.Instance{routedInstance(b, lb, true)}, x.mark())
+	x.rebuild([]incus.Instance{routedInstance(b, lb, true)}, x.mark(), nil)
 	if _, ok := x.lookup(lc); ok {
 		t.Fatal("a route Incus no longer shows stayed")
 	}
@@ -58,7 +68,7 @@ func TestIngressIndexRebuildKeepsNewerLocalChanges(t *testing.T) {
 	closing.Config[keyClosing] = "1"
 	foreign := routedInstance(a, la, true)
 	foreign.Name = "ls-00000000000000000000"
-	x.rebuild([]incus.Instance{closing, foreign}, x.mark())
+	x.rebuild([]incus.Instance{closing, foreign}, x.mark(), nil)
 	if _, ok := x.lookup(lb); ok {
 		t.Fatal("a closing instance is routed")
 	}

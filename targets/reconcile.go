@@ -49,11 +49,11 @@ func (s *Service) pass(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	since := s.ingress.mark()
-	list, err := s.instances(ctx)
+	list, stale, err := s.instancesNoting(ctx)
 	if err != nil {
 		return err
 	}
-	s.refreshIngress(list, since)
+	s.refreshIngress(list, since, stale)
 	s.restorePending(ctx)
 	for i := range list {
 		inst := &list[i]
@@ -338,29 +338,38 @@ type listing struct {
 // the reconcile interval. Callers only read it: every step that acts reads
 // its instance again first, so a listing this old is never acted on blindly.
 func (s *Service) instances(ctx context.Context) ([]incus.Instance, error) {
+	list, _, err := s.instancesNoting(ctx)
+	return list, err
+}
+
+// instancesNoting is instances, with the names whose item may predate a
+// write this process made before the call (nil when none). Only the
+// cache's listing has any: it is as new as the events it has heard, and
+// the event of a write just made may still be on its way. Incus's own
+// listing is asked for after every such write (listingChanged).
+func (s *Service) instancesNoting(ctx context.Context) ([]incus.Instance, map[string]bool, error) {
 	if s.cache != nil {
-		// Confirmed, the cache is at least as new as any listing.
-		if list, ok := s.cache.listing(); ok {
+		if list, stale, ok := s.cache.listing(); ok {
 			// The listing is not needed while the cache answers: at
 			// 10,000 targets it is 40 MiB of decoded instances.
 			s.listingChanged()
-			return list, nil
+			return list, stale, nil
 		}
 	}
 	s.listing.mu.Lock()
 	defer s.listing.mu.Unlock()
 	if s.listing.list != nil && s.now().Sub(s.listing.at) < s.cfg.ReconcileInterval {
-		return s.listing.list, nil
+		return s.listing.list, nil, nil
 	}
 	list, err := s.incus.ListInstances(ctx)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if list == nil {
 		list = []incus.Instance{}
 	}
 	s.listing.at, s.listing.list = s.now(), list
-	return list, nil
+	return list, nil, nil
 }
 
 // listingChanged drops the shared listing after a change this process made,

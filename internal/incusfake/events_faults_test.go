@@ -144,6 +144,21 @@ func TestFaultRefuse(t *testing.T) {
 		t.Fatalf("hits %d", h.Hits())
 	}
 	// A refused write leaves nothing.
+	// Skip lets the first matching calls through; Times counts from there.
+	h = f.Inject(incusfake.Fault{Kind: incusfake.Refuse, Method: "GET", Path: "/1.0/instances/*", Skip: 2, Times: 1,
+		Status: 404, Message: "Instance not found"})
+	for i := range 2 {
+		if _, _, err := c.GetInstance(ctx(t), "a"); err != nil {
+			t.Fatalf("skipped call %d: %v", i, err)
+		}
+	}
+	if _, _, err := c.GetInstance(ctx(t), "a"); !errors.Is(err, incus.ErrNotFound) {
+		t.Fatalf("the call after the skipped ones: %v", err)
+	}
+	if _, _, err := c.GetInstance(ctx(t), "a"); err != nil || h.Hits() != 1 {
+		t.Fatalf("after the one refusal: %v, hits %d", err, h.Hits())
+	}
+
 	f.Inject(incusfake.Fault{Kind: incusfake.Refuse, Method: "PATCH", Times: 1})
 	var ie *incus.Error
 	if err := c.PatchInstanceConfig(ctx(t), "a", map[string]string{"user.k": "v"}); !errors.As(err, &ie) || ie.Status != 500 {

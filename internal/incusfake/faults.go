@@ -37,6 +37,10 @@ type Fault struct {
 	// Times is how many matching calls the fault applies to; 0 is every
 	// one until Remove.
 	Times int
+	// Skip is how many matching calls pass untouched before the fault
+	// applies: a test that holds the second read of an instance, not the
+	// first.
+	Skip int
 	// Status and Message are a Refuse's answer (default 500 and a text
 	// saying it was injected). The status is also the Incus error code.
 	Status  int
@@ -50,6 +54,7 @@ type Injected struct {
 	s       *Server
 	f       Fault
 	left    int
+	skip    int
 	hits    int
 	removed bool
 	hit     chan struct{} // closed at the first hit
@@ -60,7 +65,7 @@ type Injected struct {
 // Inject puts f in force for the calls that arrive from now on; faults
 // apply in the order injected.
 func (s *Server) Inject(f Fault) *Injected {
-	h := &Injected{s: s, f: f, left: f.Times, hit: make(chan struct{}), release: make(chan struct{})}
+	h := &Injected{s: s, f: f, left: f.Times, skip: f.Skip, hit: make(chan struct{}), release: make(chan struct{})}
 	s.mu.Lock()
 	s.faults = append(s.faults, h)
 	s.mu.Unlock()
@@ -145,6 +150,10 @@ func (s *Server) faultsFor(r *http.Request) callPlan {
 	defer s.mu.Unlock()
 	for _, h := range s.faults {
 		if !h.matches(r) {
+			continue
+		}
+		if h.skip > 0 {
+			h.skip--
 			continue
 		}
 		if plan.refuse != nil && (h.f.Kind == Refuse || h.f.Kind == DropResponse) {
