@@ -424,16 +424,16 @@ func (s *Service) observe(inst *incus.Instance, owner controller.Owner) controll
 
 // drivePower takes one step toward the target's recorded power and answers
 // when to look at it again (0: it is there, or nothing is wanted).
-func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) time.Duration {
+func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) next {
 	name := inst.Name
 	st := StateOf(inst)
 	if !st.PowerPending() {
 		s.progress.clear(name)
-		return 0
+		return settled
 	}
 	to := st.Intent.Power
 	if !st.Resting {
-		return 200 * time.Millisecond // Incus finishes its own transition first
+		return lookIn(200 * time.Millisecond) // Incus finishes its own transition first
 	}
 	var err error
 	if to == controller.PowerRunning {
@@ -447,18 +447,20 @@ func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) time.Dur
 		// Incus finished the action; the next pass (or kick) sees it.
 		s.progress.clear(name)
 		s.changes.note(name)
-		return 0
+		return settled
 	case errors.As(err, &open):
-		return 250 * time.Millisecond
+		return lookIn(250 * time.Millisecond)
 	case ctx.Err() != nil:
-		return 0
+		return settled
 	}
 	d := s.progress.failed(name, to, s.now())
 	// A stop that never lets go of the instance is forced elsewhere
 	// (strandedLock).
 	s.logRetry("power change failed; retrying", err, zap.String("instance", name), zap.String("to", string(to)),
 		zap.Duration("in", d))
-	return d
+	// Its own backoff: the observation tells the runtime when the next
+	// attempt is (progress.go).
+	return lookIn(d)
 }
 
 // errStillOpen: an explicit power-down is still waiting for data

@@ -61,7 +61,7 @@ func (s *Service) pass(ctx context.Context) error {
 			continue
 		}
 		if needsWork(inst) || s.landedAfterClosed(inst) {
-			s.work.kick(inst.Name)
+			s.work.nudge(inst.Name)
 		}
 		s.forgetStaleLease(ctx, inst)
 	}
@@ -88,24 +88,24 @@ func needsWork(inst *incus.Instance) bool {
 }
 
 // converge takes one idempotent step towards the instance's intent and
-// answers when to look at it again (0: when kicked, or at the next pass),
-// no later than an intent this process wrote is due to be checked (see
-// written.go). It is never run twice at once for one name (see worker).
-func (s *Service) converge(ctx context.Context, name string) time.Duration {
-	d := s.convergeStep(ctx, name)
-	if look := s.written.lookIn(name, time.Now()); look > 0 && (d <= 0 || look < d) {
-		return look
+// answers when to look at it again (see next), no later than an intent
+// this process wrote is due to be checked (see written.go), unless the
+// step failed. It is never run twice at once for one name (see worker).
+func (s *Service) converge(ctx context.Context, name string) next {
+	n := s.convergeStep(ctx, name)
+	if look := s.written.lookIn(name, time.Now()); look > 0 && !n.failed && (n.in <= 0 || look < n.in) {
+		n.in = look
 	}
-	return d
+	return n
 }
 
-func (s *Service) convergeStep(ctx context.Context, name string) time.Duration {
+func (s *Service) convergeStep(ctx context.Context, name string) next {
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
 		if ctx.Err() == nil {
-			s.log.Warn("converge: read failed; retrying", zap.String("instance", name), zap.Error(err))
+			s.log.Warn("converge: read failed; retrying after a backoff", zap.String("instance", name), zap.Error(err))
 		}
-		return 2 * time.Second
+		return failedStep
 	}
 	if inst == nil {
 		s.dialer.Forget(name)
@@ -116,22 +116,22 @@ func (s *Service) convergeStep(ctx context.Context, name string) time.Duration {
 			s.pending.done(name, w)
 			s.clearPending(ctx, name, w)
 		}
-		return 0
+		return settled
 	}
 	if _, ok := ownerOf(inst); !ok {
-		return 0
+		return settled
 	}
 	if _, ok := s.pending.get(name); ok {
 		if !s.flushPending(ctx, name) {
-			return 100 * time.Millisecond
+			return lookIn(100 * time.Millisecond)
 		}
 		if inst, err = s.lookup(ctx, name); err != nil || inst == nil {
-			return 100 * time.Millisecond
+			return lookIn(100 * time.Millisecond)
 		}
 	}
 	if s.rewriteOvertaken(ctx, inst) {
 		if inst, err = s.lookup(ctx, name); err != nil || inst == nil {
-			return 100 * time.Millisecond
+			return lookIn(100 * time.Millisecond)
 		}
 	}
 	if s.landedAfterClosed(inst) {
@@ -142,10 +142,10 @@ func (s *Service) convergeStep(ctx context.Context, name string) time.Duration {
 			if ctx.Err() == nil {
 				s.logRetry("recording the close failed; retrying", err, zap.String("instance", name))
 			}
-			return 2 * time.Second
+			return failedStep
 		}
 		if inst, err = s.lookup(ctx, name); err != nil || inst == nil {
-			return 100 * time.Millisecond
+			return lookIn(100 * time.Millisecond)
 		}
 	}
 	st := StateOf(inst)
@@ -157,14 +157,14 @@ func (s *Service) convergeStep(ctx context.Context, name string) time.Duration {
 				// Another operation (a wake's start, a config write)
 				// holds the instance for a moment: routine, not trouble.
 				s.log.Debug("close step waits for another operation on the instance", zap.String("instance", name), zap.Error(err))
-				return 250 * time.Millisecond
+				return lookIn(250 * time.Millisecond)
 			}
 			s.log.Warn("close step failed; the reconciler retries", zap.String("instance", name), zap.Error(err))
-			return 2 * time.Second
+			return failedStep
 		}
-		return 0
+		return settled
 	case st.Failure != "":
-		return 0
+		return settled
 	case !st.Booted:
 		return s.bringUp(ctx, inst)
 	}
@@ -179,6 +179,9 @@ func (s *Service) convergeStep(ctx context.Context, name string) time.Duration {
 // on it (found in CI: a target left provisioning for 90 s).
 const bringUpRecheck = 500 * time.Millisecond
 
+// startRetry is how soon a new instance whose start failed is started again.
+const startRetry = 2 * time.Second
+
 // settleBeforeDelete bounds how long a close waits for the instance's own
 // tasks (a create still unpacking its image) before deleting it anyway:
 // beyond the slowest unpack measured here (seconds for the Debian image
@@ -188,7 +191,7 @@ const settleBeforeDelete = 2 * time.Minute
 
 // bringUp starts a new instance and marks it booted, and answers when to
 // look again (0: done, or failed for good).
-func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Duration {
+func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) next {
 	name := inst.Name
 	switch inst.Status {
 	case incus.InstanceRunning, incus.InstanceReady, incus.InstanceFrozen, incus.InstanceFreezing, incus.InstanceThawed:
@@ -197,22 +200,22 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Durati
 		// about a second), and refuses every change to it until then. A
 		// target is active only once no operation holds it.
 		if pending, err := s.createPending(ctx, name); err != nil || pending {
-			return bringUpRecheck
+			return lookIn(bringUpRecheck)
 		}
 		if !s.markBooted(ctx, name) {
-			return bringUpRecheck
+			return lookIn(bringUpRecheck)
 		}
-		return 0
+		return settled
 	case incus.InstanceStopped:
 	default:
-		return bringUpRecheck // in transition
+		return lookIn(bringUpRecheck) // in transition
 	}
 	if pending, err := s.createPending(ctx, name); err != nil || pending {
-		return bringUpRecheck // Incus is still creating (and starting) it
+		return lookIn(bringUpRecheck) // Incus is still creating (and starting) it
 	}
 	if err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute); err != nil {
 		if ctx.Err() != nil {
-			return 0
+			return settled
 		}
 		s.failMu.Lock()
 		s.startFailures[name]++
@@ -223,19 +226,22 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) time.Durati
 			msg := "The instance could not be started after several attempts; the provider's log has the details."
 			if perr := s.patch(ctx, name, change{keys: fFailure, to: record{Failure: msg}}.config()); perr != nil {
 				s.logRetry("recording the failure failed", perr, zap.String("instance", name))
-				return 2 * time.Second
+				return failedStep
 			}
-			return 0
+			return settled
 		}
-		return 2 * time.Second
+		// Its own count of attempts, at a steady pace: a start that fails
+		// StartAttempts times fails the target, in a time a create's
+		// caller can know.
+		return lookIn(startRetry)
 	}
 	s.failMu.Lock()
 	delete(s.startFailures, name)
 	s.failMu.Unlock()
 	if !s.markBooted(ctx, name) {
-		return bringUpRecheck
+		return lookIn(bringUpRecheck)
 	}
-	return 0
+	return settled
 }
 
 // markBooted records the first boot; false when Incus did not take it.
@@ -452,6 +458,37 @@ func (k *keyedMutex) lockWaited(ctx context.Context, key string) (unlock func(),
 	}, waited, nil
 }
 
+// next is what one converge answers its worker: when to look at the name
+// again, or that the step failed.
+type next struct {
+	// in is how soon to look again; 0: when kicked, or at the next pass.
+	in time.Duration
+	// failed: the step could not be taken (Incus did not answer, or
+	// refused). The worker looks again after the name's own backoff, which
+	// grows with each failure in a row and resets on the first step that
+	// does not fail, so that an Incus outage does not meet every target's
+	// retry every two seconds.
+	failed bool
+}
+
+var (
+	settled    = next{}
+	failedStep = next{failed: true}
+)
+
+func lookIn(d time.Duration) next { return next{in: d} }
+
+// A name's backoff after its n-th failed step in a row: failFirst,
+// doubling, at most failMost.
+const (
+	failFirst = 2 * time.Second
+	failMost  = time.Minute
+)
+
+func (w *worker) failBackoff(n int) time.Duration {
+	return min(w.failFirst<<min(n-1, 16), w.failMost)
+}
+
 // worker runs one converge per name at a time, on at most max goroutines,
 // in the manner of client-go's workqueue: a kick of a name that is not
 // running queues it behind the names already waiting (first kicked, first
@@ -462,7 +499,7 @@ func (k *keyedMutex) lockWaited(ctx context.Context, key string) (unlock func(),
 // or a night's idle power-downs, from sending Incus one request per
 // instance at once. It owns every goroutine and timer it starts.
 type worker struct {
-	fn     func(ctx context.Context, name string) time.Duration
+	fn     func(ctx context.Context, name string) next
 	max    int
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -473,6 +510,10 @@ type worker struct {
 	queue   []string        // queued names, in kick order
 	running int             // goroutines running converges
 	timers  map[string]*retryTimer
+	fails   map[string]int // failed steps in a row, by name
+	// failFirst and failMost bound a name's backoff (failBackoff); tests
+	// shorten them.
+	failFirst, failMost time.Duration
 }
 
 // retryTimer is a pending kick and when it fires.
@@ -496,13 +537,14 @@ type job struct {
 // method's bounded wait for the step it kicked.
 const convergeWorkers = 32
 
-func newWorker(fn func(ctx context.Context, name string) time.Duration) *worker {
+func newWorker(fn func(ctx context.Context, name string) next) *worker {
 	return newWorkerOf(convergeWorkers, fn)
 }
 
-func newWorkerOf(max int, fn func(ctx context.Context, name string) time.Duration) *worker {
+func newWorkerOf(max int, fn func(ctx context.Context, name string) next) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &worker{fn: fn, max: max, ctx: ctx, cancel: cancel, jobs: map[string]*job{}, timers: map[string]*retryTimer{}}
+	return &worker{fn: fn, max: max, ctx: ctx, cancel: cancel, jobs: map[string]*job{},
+		timers: map[string]*retryTimer{}, fails: map[string]int{}, failFirst: failFirst, failMost: failMost}
 }
 
 // kick schedules a converge of name and returns a channel closed once a run
@@ -551,8 +593,15 @@ func (w *worker) kickLocked(name string) <-chan struct{} {
 func (w *worker) run(name string, j *job) {
 	defer w.wg.Done()
 	for {
-		again := w.fn(w.ctx, name)
+		n := w.fn(w.ctx, name)
 		w.mu.Lock()
+		again := n.in
+		if n.failed && w.ctx.Err() == nil {
+			w.fails[name]++
+			again = w.failBackoff(w.fails[name])
+		} else {
+			delete(w.fails, name)
+		}
 		close(j.done)
 		if j.again && w.ctx.Err() == nil {
 			j.again, j.done, j.next = false, j.next, nil
@@ -603,6 +652,18 @@ func (w *worker) nextLocked() (string, *job) {
 		}
 	}
 	return "", nil
+}
+
+// nudge kicks name unless a run of it is due already: a reconcile pass's
+// look, which must not cut short a name's backoff after a failure (a
+// method's kick does: a caller is waiting).
+func (w *worker) nudge(name string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if _, due := w.timers[name]; due {
+		return
+	}
+	w.kickLocked(name)
 }
 
 // soon kicks name after d, unless a kick or a retry is already due by

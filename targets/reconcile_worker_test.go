@@ -13,11 +13,11 @@ import (
 func TestSoonBringsALaterRetryForward(t *testing.T) {
 	var mu sync.Mutex
 	runs := map[string][]time.Time{}
-	w := newWorker(func(_ context.Context, name string) time.Duration {
+	w := newWorker(func(_ context.Context, name string) next {
 		mu.Lock()
 		defer mu.Unlock()
 		runs[name] = append(runs[name], time.Now())
-		return 0
+		return settled
 	})
 	defer w.stop()
 	start := time.Now()
@@ -55,7 +55,7 @@ func TestSoonDuringARunLooksOnceWhenAsked(t *testing.T) {
 	release := make(chan struct{})
 	var mu sync.Mutex
 	var runs []time.Time
-	w := newWorker(func(ctx context.Context, _ string) time.Duration {
+	w := newWorker(func(ctx context.Context, _ string) next {
 		mu.Lock()
 		runs = append(runs, time.Now())
 		first := len(runs) == 1
@@ -66,7 +66,7 @@ func TestSoonDuringARunLooksOnceWhenAsked(t *testing.T) {
 			case <-ctx.Done():
 			}
 		}
-		return 0
+		return settled
 	})
 	defer w.stop()
 	count := func() int {
@@ -115,7 +115,7 @@ func TestWorkerRunsAtMostMaxAtOnce(t *testing.T) {
 	running, most := 0, 0
 	ran := map[string]int{}
 	release := make(chan struct{})
-	w := newWorkerOf(bound, func(ctx context.Context, name string) time.Duration {
+	w := newWorkerOf(bound, func(ctx context.Context, name string) next {
 		mu.Lock()
 		running++
 		most = max(most, running)
@@ -128,7 +128,7 @@ func TestWorkerRunsAtMostMaxAtOnce(t *testing.T) {
 		mu.Lock()
 		running--
 		mu.Unlock()
-		return 0
+		return settled
 	})
 	defer w.stop()
 	var dones []<-chan struct{}
@@ -179,7 +179,7 @@ func TestWorkerABusyNameDoesNotStarveTheQueue(t *testing.T) {
 	var mu sync.Mutex
 	var order []string
 	var w *worker
-	w = newWorkerOf(1, func(_ context.Context, name string) time.Duration {
+	w = newWorkerOf(1, func(_ context.Context, name string) next {
 		mu.Lock()
 		order = append(order, name)
 		n := len(order)
@@ -187,7 +187,7 @@ func TestWorkerABusyNameDoesNotStarveTheQueue(t *testing.T) {
 		if name == "busy" && n < 50 {
 			w.kick("busy")
 		}
-		return 0
+		return settled
 	})
 	defer w.stop()
 	w.mu.Lock() // both kicks land before any run ends
@@ -209,12 +209,12 @@ func TestWorkerABusyNameDoesNotStarveTheQueue(t *testing.T) {
 // Stopping the worker answers the kicks of names still queued.
 func TestWorkerStopAnswersQueuedKicks(t *testing.T) {
 	block := make(chan struct{})
-	w := newWorkerOf(1, func(ctx context.Context, _ string) time.Duration {
+	w := newWorkerOf(1, func(ctx context.Context, _ string) next {
 		select {
 		case <-block:
 		case <-ctx.Done():
 		}
-		return 0
+		return settled
 	})
 	w.kick("running")
 	queued := w.kick("queued")
@@ -223,5 +223,97 @@ func TestWorkerStopAnswersQueuedKicks(t *testing.T) {
 	case <-queued:
 	default:
 		t.Fatal("a queued kick was left unanswered by stop")
+	}
+}
+
+// A name whose steps fail is looked at again after a backoff that doubles
+// with each failure in a row, up to its bound, and starts over after a
+// step that does not fail. A reconcile pass's nudge does not cut a backoff
+// short; a method's kick does. Only lower bounds on time are checked: a
+// slow machine makes runs later, never earlier.
+func TestWorkerBacksOffANameThatFails(t *testing.T) {
+	var mu sync.Mutex
+	var runs []time.Time
+	failing := 4
+	w := newWorkerOf(1, func(_ context.Context, _ string) next {
+		mu.Lock()
+		defer mu.Unlock()
+		runs = append(runs, time.Now())
+		if len(runs) <= failing {
+			return failedStep
+		}
+		return settled
+	})
+	defer w.stop()
+	w.failFirst, w.failMost = 40*time.Millisecond, 200*time.Millisecond
+	count := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(runs)
+	}
+	await := func(n int) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); count() < n; time.Sleep(2 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d runs after 10 s; want %d", count(), n)
+			}
+		}
+	}
+	idle := func() {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+			w.mu.Lock()
+			_, busy := w.jobs["x"]
+			w.mu.Unlock()
+			if !busy {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the name's run never ended")
+			}
+		}
+	}
+	w.kick("x")
+	await(failing + 1)
+	idle()
+	mu.Lock()
+	for i, least := range []time.Duration{40, 80, 160, 200} {
+		if gap := runs[i+1].Sub(runs[i]); gap < least*time.Millisecond {
+			t.Errorf("run %d came %v after failure %d; the backoff is %v", i+2, gap, i+1, least*time.Millisecond)
+		}
+	}
+	mu.Unlock()
+	w.mu.Lock()
+	left := w.fails["x"]
+	w.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("after a step that did not fail the name still counts %d failures", left)
+	}
+
+	// The count starts over: the next failure waits failFirst again, and
+	// a nudge inside that backoff does not run the name.
+	mu.Lock()
+	failing = len(runs) + 1
+	mu.Unlock()
+	w.mu.Lock()
+	w.failFirst, w.failMost = 400*time.Millisecond, time.Second
+	w.mu.Unlock()
+	before := count()
+	<-w.kick("x")
+	w.mu.Lock()
+	if w.fails["x"] != 1 {
+		t.Errorf("one failure after a success counts %d", w.fails["x"])
+	}
+	w.mu.Unlock()
+	failedAt := time.Now()
+	w.nudge("x")
+	time.Sleep(100 * time.Millisecond)
+	if n := count(); n != before+1 && time.Since(failedAt) < 400*time.Millisecond {
+		t.Fatalf("a nudge ran the name inside its backoff (%d runs)", n)
+	}
+	// A kick is a caller waiting: it runs now.
+	<-w.kick("x")
+	if n := count(); n != before+2 {
+		t.Fatalf("%d runs after the kick; want %d", n, before+2)
 	}
 }
