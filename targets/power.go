@@ -86,11 +86,11 @@ func (s *Service) stopHeld(ctx context.Context, name string, grace time.Duration
 // suspended one started (Incus restores a stateful stop on start), at
 // once, and running is recorded as the target's wanted power right after,
 // under the same hold of the instance's gate (owner.go), so no power-down
-// of this process can act between the two. Wake answers once the action
-// is done; the record goes on in the background, and every power-down
-// reads the intent under the gate first, after it. A dial that needs no
-// action (a running target with a power-down recorded) waits for the
-// record, which is then all it asks.
+// of this process can act between the two. Wake answers once both are
+// done, so that what a relayed dial asked is on the instance before the
+// dial is relayed; a daemon probe may run meanwhile (wake.Waker). A dial
+// that needs no action (a running target with a power-down recorded)
+// waits for the record, which is then all it asks.
 //
 // r is the target as the route read it (from the observation cache).
 // A newer request recorded on it supersedes the dial (ErrSuperseded: the
@@ -139,23 +139,20 @@ func (s *Service) Wake(ctx context.Context, r Route, at time.Time) (from control
 		s.waking.dropIf(name, func(cur time.Time) bool { return cur.Equal(at) })
 		unlock()
 	}
+	defer recorded()
 	acted, err := s.wakeAct(held, inst, true)
 	if acted && err == nil {
 		s.changes.note(name) // a wake is a use: the idle loop counts from it
-		if s.work.spawn(func(bctx context.Context) {
-			defer recorded()
-			rctx, cancel := context.WithTimeout(context.WithValue(bctx, ownHold{name}, true), wakeRecordWithin)
-			defer cancel()
-			if rerr := s.recordWake(rctx, name, at, clearIdle); rerr != nil && bctx.Err() == nil {
-				s.log.Info("recording a dial's request for running after its wake failed; the reconciler goes by what is recorded",
-					zap.String("instance", name), zap.Error(rerr))
-			}
-		}) {
-			return st.Power, nil
-		}
 	}
-	defer recorded()
-	rerr := s.recordWake(held, name, at, clearIdle)
+	// Wake answers only once the record is made, and the dial is relayed
+	// only after Wake answered (wake.Waker): a relayed dial whose record
+	// was still on its way when the process died would leave the older
+	// power-down recorded, and the next process would carry it out under
+	// the use it had answered (found by the kill matrix under load). The
+	// record is bounded: it holds the gate.
+	rctx, cancel := context.WithTimeout(held, wakeRecordWithin)
+	defer cancel()
+	rerr := s.recordWake(rctx, name, at, clearIdle)
 	if err != nil {
 		return st.Power, err
 	}

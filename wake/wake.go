@@ -422,6 +422,26 @@ func (w *Waker) wakeAndProbe(ctx context.Context, f *Flight, r targets.Route) pr
 	for {
 		select {
 		case a := <-probed:
+			if done == nil || a == probeSilent {
+				return a
+			}
+			// The daemon answered before Wake did (a thawed guest answers
+			// at once): the use's request for running is not recorded
+			// yet, and a dial relayed now would be lost with it, should
+			// the process die before the record lands.
+			select {
+			case <-done:
+			case <-ctx.Done():
+				return probeSilent
+			}
+			if wakeErr != nil {
+				if errors.Is(wakeErr, targets.ErrSuperseded) {
+					f.superseded = true
+				} else if ctx.Err() == nil {
+					w.wakeFailed("waking a target failed", r.Name, wakeErr)
+				}
+				return probeSilent
+			}
 			return a
 		case <-done:
 			done = nil

@@ -33,6 +33,10 @@ type fakeTargets struct {
 	phase     controller.Phase
 	gone      bool
 	wakeDelay time.Duration
+	// wakeHeld, when set, holds Wake until it is closed, and wakeErr is
+	// what Wake then answers.
+	wakeHeld  chan struct{}
+	wakeErr   error
 	wakes     atomic.Int32
 	restarts  atomic.Int32
 	onRestart func() // set before the rig's first use
@@ -69,7 +73,7 @@ func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, ta
 func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (controller.Power, error) {
 	f.wakes.Add(1)
 	f.mu.Lock()
-	from, delay := f.route().Observation.Power, f.wakeDelay
+	from, delay, held, werr := f.route().Observation.Power, f.wakeDelay, f.wakeHeld, f.wakeErr
 	f.mu.Unlock()
 	select {
 	case <-time.After(delay):
@@ -77,7 +81,14 @@ func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (c
 		return from, ctx.Err()
 	}
 	f.set(targets.RouteRunning, controller.PhaseActive)
-	return from, nil
+	if held != nil {
+		select {
+		case <-held:
+		case <-ctx.Done():
+			return from, ctx.Err()
+		}
+	}
+	return from, werr
 }
 
 func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool { return false }
@@ -229,6 +240,47 @@ func TestUsesOfATargetShareOneWake(t *testing.T) {
 	}
 	if r.w.Ready(testInstance) {
 		t.Fatal("the proof outlived a power change")
+	}
+}
+
+// A thawed daemon answers before Wake does (Wake answers once the use's
+// request for running is recorded): the use is not relayed until then,
+// so that a process that dies between the two never leaves a relayed
+// use's target to the older power-down recorded on it. A record that
+// finds a newer request refuses the use.
+func TestAUseWaitsForItsWakeToBeRecorded(t *testing.T) {
+	for _, superseded := range []bool{false, true} {
+		r := newWakeRig(t, targets.RoutePaused)
+		held := make(chan struct{})
+		r.targets.wakeHeld = held
+		if superseded {
+			r.targets.wakeErr = targets.ErrSuperseded
+		}
+		rt := r.route(t)
+		answered := make(chan *Refusal, 1)
+		go func() {
+			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+			defer cancel()
+			answered <- r.w.WakeForUse(ctx, rt, time.Now())
+		}()
+		for deadline := time.Now().Add(5 * time.Second); r.dialer.dials.Load() == 0; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the daemon was never probed during the wake")
+			}
+		}
+		select {
+		case ref := <-answered:
+			t.Fatalf("the use was answered (%+v) before its wake was recorded", ref)
+		case <-time.After(200 * time.Millisecond):
+		}
+		close(held)
+		ref := <-answered
+		switch {
+		case !superseded && ref != nil:
+			t.Fatalf("after the record the use was refused %+v", ref)
+		case superseded && (ref == nil || ref.State != StateWaking):
+			t.Fatalf("a wake superseded by a newer request answered %+v, want a refusal", ref)
+		}
 	}
 }
 
