@@ -140,36 +140,9 @@ stop_served() {
 
 # Lane "host": every package on the host's Incus (the cluster's tests,
 # named TestCluster*, are the rigs lane's), then conformance against a
-# running provider and the container image. It runs as two streams at once
-# (host_provider, host_rest): provider's tests alone take as long as every
-# other package, conformance and the container image together, and the
-# host lane's one stream left a core idle half the time. Each test works
-# in a throwaway project of its own, so the streams share only the cores
-# and the daemon.
+# running provider and the container image.
 lane_host() {
-  host_provider >"$work/host-provider.log" 2>&1 &
-  local provider_pid=$!
-  # A stream of its own, not a call under "||": there errexit would be
-  # off, and a failed step would go unnoticed.
-  (
-    trap '[ -z "$served" ] || { kill "$served" 2>/dev/null; wait "$served" 2>/dev/null; }' EXIT
-    host_rest
-  ) &
-  local rest_pid=$! status=0
-  wait "$rest_pid" || status=$?
-  echo "== the provider package (beside the rest)"
-  wait "$provider_pid" || status=$?
-  cat "$work/host-provider.log"
-  return "$status"
-}
-
-host_provider() {
-  INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -timeout 25m -skip '^TestCluster' ./provider
-}
-
-host_rest() {
-  # shellcheck disable=SC2046 # one word per package
-  INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m -skip '^TestCluster' $(go list ./... | grep -v '/provider$')
+  INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m -skip '^TestCluster' ./...
   incus project create "$conform_project" -c features.images=false -c features.profiles=false >/dev/null
   serve provider PROVIDER_LISTEN=127.0.0.1:18480 PROVIDER_METRICS_LISTEN=127.0.0.1:19480 \
     PROVIDER_INGRESS_LISTEN=127.0.0.1:18482 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18482' \
