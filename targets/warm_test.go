@@ -285,11 +285,29 @@ func TestWarmRacesLeaveOneInstancePerOwner(t *testing.T) {
 		}
 		wg.Wait()
 	}
+	// A create hands out what its process knows is ready, which its pool
+	// survey learns after Incus shows it: the races begin once one of the
+	// two knows, or under load they could all miss for no fault of the
+	// hand-out.
+	known := func() {
+		t.Helper()
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(50 * time.Millisecond) {
+			if testutil.ToFloat64(a.cfg.WarmMetrics.size.WithLabelValues("w"))+
+				testutil.ToFloat64(b.cfg.WarmMetrics.size.WithLabelValues("w")) >= 1 {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("neither replica learnt of the ready warm instance in 2 minutes")
+			}
+		}
+	}
+	known()
 	run(owners[:2])
 	if n := hits(); n != 1 {
 		t.Errorf("two creates for a pool of one: %v hits, want 1", n)
 	}
 	h.awaitPool(t, 1)
+	known()
 	before := hits()
 	run(owners[2:])
 	if n := hits() - before; n < 1 {
