@@ -181,87 +181,6 @@ func (r *record) idleSinceIs(t time.Time) bool {
 	return r.IdleSince.Equal(t)
 }
 
-// keyCodec is one key of the record that stands alone: the field it is
-// part of, and its text read into the record and written from it. The
-// table below is the only list of those keys: recordOf, change.config
-// and fieldOf all go by it, so a key cannot be read and not written, or
-// written under one field and read back under another. The intent (three
-// keys read and written whole) and the relay leases (one key per replica)
-// are the two exceptions, beside it in each.
-type keyCodec struct {
-	f      fields
-	key    string
-	decode func(r *record, v string) // v is never empty
-	encode func(r *record) string    // "" removes the key
-}
-
-func textKey(f fields, key string, p func(*record) *string) keyCodec {
-	return keyCodec{f, key, func(r *record, v string) { *p(r) = v }, func(r *record) string { return *p(r) }}
-}
-
-func instantKey(f fields, key string, p func(*record) *time.Time) keyCodec {
-	return keyCodec{f, key, func(r *record, v string) { *p(r), _ = parseMs(v) }, func(r *record) string { return msText(*p(r)) }}
-}
-
-func portKey(f fields, key string, p func(*record) *int) keyCodec {
-	return keyCodec{f, key, func(r *record, v string) { *p(r) = parsePort(v) }, func(r *record) string {
-		if *p(r) == 0 {
-			return ""
-		}
-		return strconv.Itoa(*p(r))
-	}}
-}
-
-func flagKey(f fields, key string, p func(*record) *bool) keyCodec {
-	return keyCodec{f, key, func(r *record, v string) { *p(r) = v == "true" }, func(r *record) string {
-		if *p(r) {
-			return "true"
-		}
-		return ""
-	}}
-}
-
-var keyTable = [...]keyCodec{
-	textKey(fSchema, keySchema, func(r *record) *string { return &r.Schema }),
-	// The owner is two keys; either one present makes it present.
-	textKey(fOwner, keyUniverse, func(r *record) *string { return &r.Owner.UniverseID }),
-	textKey(fOwner, keyEnvironment, func(r *record) *string { return &r.Owner.EnvironmentID }),
-	textKey(fTemplate, keyTemplate, func(r *record) *string { return &r.Template }),
-	textKey(fImage, keyImage, func(r *record) *string { return &r.Image }),
-	textKey(fDisplayName, keyDisplayName, func(r *record) *string { return &r.DisplayName }),
-	// The policy's text; recordOf decodes the policy from it.
-	textKey(fIdle, keyIdle, func(r *record) *string { return &r.idleJSON }),
-	portKey(fDaemonPort, keyDaemonPort, func(r *record) *int { return &r.DaemonPort }),
-	instantKey(fCreatedAt, keyCreatedAt, func(r *record) *time.Time { return &r.CreatedAt }),
-	instantKey(fBooted, keyBooted, func(r *record) *time.Time { return &r.Booted }),
-	instantKey(fClosing, keyClosing, func(r *record) *time.Time { return &r.Closing }),
-	textKey(fFailure, keyFailure, func(r *record) *string { return &r.Failure }),
-	instantKey(fIdleSince, KeyIdleSince, func(r *record) *time.Time { return &r.IdleSince }),
-	textKey(fIngressLabel, keyIngressLabel, func(r *record) *string { return &r.IngressLabel }),
-	flagKey(fIngressRouted, keyIngressRouted, func(r *record) *bool { return &r.IngressRouted }),
-	portKey(fIngressPort, keyIngressPort, func(r *record) *int { return &r.IngressPort }),
-	textKey(fWarm, keyWarm, func(r *record) *string { return &r.Warm }),
-	textKey(fWarmRecipe, keyWarmRecipe, func(r *record) *string { return &r.WarmRecipe }),
-	instantKey(fWarmReady, keyWarmReady, func(r *record) *time.Time { return &r.WarmReady }),
-	textKey(fWarmClaim, keyWarmClaim, func(r *record) *string { return &r.WarmClaim }),
-	instantKey(fWarmClaimAt, keyWarmClaimAt, func(r *record) *time.Time { return &r.WarmClaimAt }),
-}
-
-// intentKeys are the intent's keys, in the order intentFrom takes them.
-var intentKeys = [...]string{keyPower, keyPowerAt, keyPowerBy}
-
-// fieldByKey is fieldOf's map, from the same table.
-var fieldByKey = func() map[string]fields {
-	m := make(map[string]fields, len(keyTable)+len(intentKeys))
-	for _, c := range keyTable {
-		m[c.key] = c.f
-	}
-	for _, k := range intentKeys {
-		m[k] = fIntent
-	}
-	return m
-}()
-
 // recordOf decodes the keys of want from an instance's config. It reads
 // only those, one lookup each (the relay leases take a pass over the
 // config), so the paths that read every instance of a project pay for the
@@ -269,25 +188,69 @@ var fieldByKey = func() map[string]fields {
 func recordOf(config map[string]string, want fields) (r record) {
 	// r is the named result, filled in place: a local returned by value
 	// was copied out whole, which doubled the cost of a one-key read.
-	for i := range keyTable {
-		c := &keyTable[i]
-		if want&c.f == 0 {
-			continue
-		}
-		if v := config[c.key]; v != "" {
-			r.present |= c.f
-			c.decode(&r, v)
+	str := func(f fields, key string, dst *string) {
+		if want&f != 0 {
+			if v := config[key]; v != "" {
+				r.present |= f
+				*dst = v
+			}
 		}
 	}
+	ms := func(f fields, key string, dst *time.Time) {
+		if want&f != 0 {
+			if v := config[key]; v != "" {
+				r.present |= f
+				*dst, _ = parseMs(v)
+			}
+		}
+	}
+	port := func(f fields, key string, dst *int) {
+		if want&f != 0 {
+			if v := config[key]; v != "" {
+				r.present |= f
+				*dst = parsePort(v)
+			}
+		}
+	}
+	str(fSchema, keySchema, &r.Schema)
+	if want&fOwner != 0 {
+		r.Owner = controller.Owner{UniverseID: config[keyUniverse], EnvironmentID: config[keyEnvironment]}
+		if r.Owner.UniverseID != "" || r.Owner.EnvironmentID != "" {
+			r.present |= fOwner
+		}
+	}
+	str(fTemplate, keyTemplate, &r.Template)
+	str(fImage, keyImage, &r.Image)
+	str(fDisplayName, keyDisplayName, &r.DisplayName)
+	str(fIdle, keyIdle, &r.idleJSON)
 	if r.idleJSON != "" {
 		r.Idle, r.IdleErr = policyOf(r.idleJSON)
 	}
+	port(fDaemonPort, keyDaemonPort, &r.DaemonPort)
+	ms(fCreatedAt, keyCreatedAt, &r.CreatedAt)
+	ms(fBooted, keyBooted, &r.Booted)
+	ms(fClosing, keyClosing, &r.Closing)
+	str(fFailure, keyFailure, &r.Failure)
+	ms(fIdleSince, KeyIdleSince, &r.IdleSince)
 	if want&fIntent != 0 {
 		r.Intent = intentFrom(config[keyPower], config[keyPowerAt], config[keyPowerBy])
 		if r.Intent.Power != "" {
 			r.present |= fIntent
 		}
 	}
+	str(fIngressLabel, keyIngressLabel, &r.IngressLabel)
+	if want&fIngressRouted != 0 {
+		if v := config[keyIngressRouted]; v != "" {
+			r.present |= fIngressRouted
+			r.IngressRouted = v == "true"
+		}
+	}
+	port(fIngressPort, keyIngressPort, &r.IngressPort)
+	str(fWarm, keyWarm, &r.Warm)
+	str(fWarmRecipe, keyWarmRecipe, &r.WarmRecipe)
+	ms(fWarmReady, keyWarmReady, &r.WarmReady)
+	str(fWarmClaim, keyWarmClaim, &r.WarmClaim)
+	ms(fWarmClaimAt, keyWarmClaimAt, &r.WarmClaimAt)
 	if want&fRelays != 0 {
 		for k, v := range config {
 			id, ok := strings.CutPrefix(k, keyRelayPrefix)
@@ -347,14 +310,53 @@ func (c change) config() map[string]string {
 	}
 	out := make(map[string]string, 8)
 	r := &c.to
-	for i := range keyTable {
-		if k := &keyTable[i]; c.keys&k.f != 0 {
-			out[k.key] = k.encode(r)
+	str := func(f fields, key, v string) {
+		if c.keys&f != 0 {
+			out[key] = v
 		}
 	}
-	if c.keys&fIntent != 0 {
-		out[keyPower], out[keyPowerAt], out[keyPowerBy] = string(r.Intent.Power), msText(r.Intent.At), string(r.Intent.By)
+	ms := func(f fields, key string, t time.Time) {
+		if c.keys&f != 0 {
+			out[key] = msText(t)
+		}
 	}
+	port := func(f fields, key string, p int) {
+		if c.keys&f != 0 {
+			out[key] = ""
+			if p != 0 {
+				out[key] = strconv.Itoa(p)
+			}
+		}
+	}
+	str(fSchema, keySchema, r.Schema)
+	str(fOwner, keyUniverse, r.Owner.UniverseID)
+	str(fOwner, keyEnvironment, r.Owner.EnvironmentID)
+	str(fTemplate, keyTemplate, r.Template)
+	str(fImage, keyImage, r.Image)
+	str(fDisplayName, keyDisplayName, r.DisplayName)
+	str(fIdle, keyIdle, r.idleJSON)
+	port(fDaemonPort, keyDaemonPort, r.DaemonPort)
+	ms(fCreatedAt, keyCreatedAt, r.CreatedAt)
+	ms(fBooted, keyBooted, r.Booted)
+	ms(fClosing, keyClosing, r.Closing)
+	str(fFailure, keyFailure, r.Failure)
+	ms(fIdleSince, KeyIdleSince, r.IdleSince)
+	str(fIntent, keyPower, string(r.Intent.Power))
+	ms(fIntent, keyPowerAt, r.Intent.At)
+	str(fIntent, keyPowerBy, string(r.Intent.By))
+	str(fIngressLabel, keyIngressLabel, r.IngressLabel)
+	if c.keys&fIngressRouted != 0 {
+		out[keyIngressRouted] = ""
+		if r.IngressRouted {
+			out[keyIngressRouted] = "true"
+		}
+	}
+	port(fIngressPort, keyIngressPort, r.IngressPort)
+	str(fWarm, keyWarm, r.Warm)
+	str(fWarmRecipe, keyWarmRecipe, r.WarmRecipe)
+	ms(fWarmReady, keyWarmReady, r.WarmReady)
+	str(fWarmClaim, keyWarmClaim, r.WarmClaim)
+	ms(fWarmClaimAt, keyWarmClaimAt, r.WarmClaimAt)
 	if c.keys&fRelays != 0 {
 		for id, until := range r.Relays {
 			out[keyRelayPrefix+id] = msText(until)
@@ -404,8 +406,49 @@ func changeOf(set map[string]string) change {
 
 // fieldOf is the field a key is part of; 0 for none.
 func fieldOf(key string) fields {
-	if f, ok := fieldByKey[key]; ok {
-		return f
+	switch key {
+	case keySchema:
+		return fSchema
+	case keyUniverse, keyEnvironment:
+		return fOwner
+	case keyTemplate:
+		return fTemplate
+	case keyImage:
+		return fImage
+	case keyDisplayName:
+		return fDisplayName
+	case keyIdle:
+		return fIdle
+	case keyDaemonPort:
+		return fDaemonPort
+	case keyCreatedAt:
+		return fCreatedAt
+	case keyBooted:
+		return fBooted
+	case keyClosing:
+		return fClosing
+	case keyFailure:
+		return fFailure
+	case KeyIdleSince:
+		return fIdleSince
+	case keyPower, keyPowerAt, keyPowerBy:
+		return fIntent
+	case keyIngressLabel:
+		return fIngressLabel
+	case keyIngressRouted:
+		return fIngressRouted
+	case keyIngressPort:
+		return fIngressPort
+	case keyWarm:
+		return fWarm
+	case keyWarmRecipe:
+		return fWarmRecipe
+	case keyWarmReady:
+		return fWarmReady
+	case keyWarmClaim:
+		return fWarmClaim
+	case keyWarmClaimAt:
+		return fWarmClaimAt
 	}
 	if strings.HasPrefix(key, keyRelayPrefix) {
 		return fRelays
