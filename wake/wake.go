@@ -418,6 +418,19 @@ func (w *Waker) wakeAndProbe(ctx context.Context, f *Flight, r targets.Route) pr
 		}
 		probed <- w.probeUntil(pctx, f, r)
 	}()
+	// failed settles what a failed Wake means for the flight: superseded
+	// by a newer request, or a failure worth a log line.
+	failed := func() bool {
+		if wakeErr == nil {
+			return false
+		}
+		if errors.Is(wakeErr, targets.ErrSuperseded) {
+			f.superseded = true
+		} else if ctx.Err() == nil {
+			w.wakeFailed("waking a target failed", r.Name, wakeErr)
+		}
+		return true
+	}
 	done := wakeDone
 	for {
 		select {
@@ -434,23 +447,13 @@ func (w *Waker) wakeAndProbe(ctx context.Context, f *Flight, r targets.Route) pr
 			case <-ctx.Done():
 				return probeSilent
 			}
-			if wakeErr != nil {
-				if errors.Is(wakeErr, targets.ErrSuperseded) {
-					f.superseded = true
-				} else if ctx.Err() == nil {
-					w.wakeFailed("waking a target failed", r.Name, wakeErr)
-				}
+			if failed() {
 				return probeSilent
 			}
 			return a
 		case <-done:
 			done = nil
-			if wakeErr != nil {
-				if errors.Is(wakeErr, targets.ErrSuperseded) {
-					f.superseded = true
-				} else if ctx.Err() == nil {
-					w.wakeFailed("waking a target failed", r.Name, wakeErr)
-				}
+			if failed() {
 				cancelProbe()
 				<-probed
 				return probeSilent
