@@ -199,10 +199,8 @@ rigs_lxd() {
     local run=$tests
     if [ "$dialer" = proxy ]; then run=$dialed; fi
     echo "== LXD, the $dialer dialer"
-    # Ten power-down cycles per case, not fifty: the races are Incus's own
-    # fifty in the provider lane; here the server is what differs.
     INCUS_PROVIDER_TEST_SOCKET=/var/lib/lxd/unix.socket INCUS_PROVIDER_TEST_DIALER=$dialer INCUS_PROVIDER_REQUIRE_INCUS=1 \
-      PROVIDER_TEST_POWER_CYCLES=10 go test -race -count=1 -p 1 -timeout 15m -run "$run" ./provider ./targets
+      go test -race -count=1 -p 1 -timeout 15m -run "$run" ./provider ./targets
     mkdir -p -m 0700 "$work/lxd-guests"
     serve lxd-provider PROVIDER_LISTEN=127.0.0.1:18487 PROVIDER_METRICS_LISTEN=127.0.0.1:19487 \
       PROVIDER_INGRESS_LISTEN=127.0.0.1:18488 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18488' \
