@@ -138,7 +138,7 @@ func TestRoutes(t *testing.T) {
 		if d.Refusal == nil || d.Refusal.State != "booting" || d.Refusal.RetryAfter < time.Second {
 			t.Fatalf("got %+v", d)
 		}
-		if d.Elapsed > routes.MaxHold {
+		if d.Elapsed > routes.MaxHold+conformance.RouteHoldGrace {
 			t.Fatalf("refused after %s", d.Elapsed)
 		}
 	})
