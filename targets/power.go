@@ -394,12 +394,26 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 			zap.String("instance", name), zap.Error(lerr))
 		st := StateOf(inst)
 		st.Intent = Intent{Power: power, By: BySetPower}
-		return s.withIngress(inst, observation(inst, ref.Owner, st, s.progress.get(name), s.now())), nil
+		return s.withIngress(inst, observation(inst, ref.Owner, st, s.progressOf(name, st), s.now())), nil
 	}
 	if after == nil {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target disappeared while its power changed.")
 	}
 	return s.observe(after, ref.Owner), nil
+}
+
+// progressOf is what the move to st's recorded power waits for: the
+// progress this process keeps, with the worker's count of the move's
+// failed attempts in a row.
+func (s *Service) progressOf(name string, st State) *progress {
+	p := s.progress.get(name)
+	if f := s.work.failures(name); f.step == stepPower && f.n > 0 && st.PowerPending() {
+		if p == nil || p.to != st.Intent.Power {
+			p = &progress{to: st.Intent.Power}
+		}
+		p.failures, p.retryAt = f.n, f.retryAt
+	}
+	return p
 }
 
 // errAlready: the target has, or is moving to, the power asked.
@@ -409,7 +423,7 @@ var errAlready = errors.New("targets: already there or moving there")
 // carries out waits for, and a request it could not record yet.
 func (s *Service) observe(inst *incus.Instance, owner controller.Owner) controller.Observation {
 	st := StateOf(inst)
-	p := s.progress.get(inst.Name)
+	p := s.progressOf(inst.Name, st)
 	if w, ok := s.pending.get(inst.Name); ok && st.Phase == controller.PhaseActive && w.intent.At.After(st.Intent.At) {
 		st.Intent = w.intent
 		if p == nil || p.to != w.intent.Power {
@@ -450,14 +464,19 @@ func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) next {
 	case ctx.Err() != nil:
 		return settled
 	}
-	d := s.progress.failed(name, to, s.now())
+	s.progress.waiting(name, to, 0)
 	// A stop that never lets go of the instance is forced elsewhere
 	// (strandedLock).
+	f := s.work.failures(name)
+	attempt := 1
+	if f.step == stepPower {
+		attempt += f.n
+	}
 	s.logRetry("power change failed; retrying", err, zap.String("instance", name), zap.String("to", string(to)),
-		zap.Duration("in", d))
-	// Its own backoff: the observation tells the runtime when the next
-	// attempt is (progress.go).
-	return lookIn(d)
+		zap.Int("attempt", attempt))
+	// Its kind's backoff: the observation tells the runtime when the
+	// next attempt is (observe).
+	return failedAt(stepPower)
 }
 
 // errStillOpen: an explicit power-down is still waiting for data

@@ -9,15 +9,16 @@ import (
 )
 
 // progress is what a power move this process carries out waits for. It is
-// for people (the observation's message) and for the retry's backoff; no
-// decision reads it, since another process may carry out the move instead.
+// for people (the observation's message); no decision reads it, since
+// another process may carry out the move instead.
 type progress struct {
 	to controller.Power
 	// waiting counts the data connections a power-down waits to see closed.
 	waiting int
 	// elsewhere counts the other replicas whose relays it waits for.
 	elsewhere int
-	// failures counts attempts that failed in a row; retryAt is the next.
+	// failures counts attempts that failed in a row and retryAt is the
+	// next: the worker's count (failures), copied in when observed.
 	failures int
 	retryAt  time.Time
 	// unrecorded: the request is kept in memory until Incus takes it.
@@ -85,19 +86,6 @@ func (t *progressTable) waiting(name string, to controller.Power, n int) {
 
 func (t *progressTable) waitingElsewhere(name string, to controller.Power, n int) {
 	t.update(name, to, func(p *progress) { p.waiting, p.elsewhere = 0, n })
-}
-
-// failed records a failed attempt and answers when to try again: 250 ms
-// after the first failure, doubling, at most 30 s.
-func (t *progressTable) failed(name string, to controller.Power, now time.Time) time.Duration {
-	var d time.Duration
-	t.update(name, to, func(p *progress) {
-		p.waiting, p.elsewhere = 0, 0
-		p.failures++
-		d = min(250*time.Millisecond<<min(p.failures-1, 7), 30*time.Second)
-		p.retryAt = now.Add(d)
-	})
-	return d
 }
 
 func (t *progressTable) clear(name string) {

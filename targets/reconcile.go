@@ -217,10 +217,10 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) next {
 		if ctx.Err() != nil {
 			return settled
 		}
-		s.failMu.Lock()
-		s.startFailures[name]++
-		n := s.startFailures[name]
-		s.failMu.Unlock()
+		n := 1 // this attempt, and the starts that failed before it in a row
+		if f := s.work.failures(name); f.step == stepStart {
+			n += f.n
+		}
 		s.logRetry("starting a new instance failed", err, zap.String("instance", name), zap.Int("attempt", n))
 		if n >= s.cfg.StartAttempts {
 			msg := "The instance could not be started after several attempts; the provider's log has the details."
@@ -230,14 +230,8 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) next {
 			}
 			return settled
 		}
-		// Its own count of attempts, at a steady pace: a start that fails
-		// StartAttempts times fails the target, in a time a create's
-		// caller can know.
-		return lookIn(startRetry)
+		return failedAt(stepStart)
 	}
-	s.failMu.Lock()
-	delete(s.startFailures, name)
-	s.failMu.Unlock()
 	if !s.markBooted(ctx, name) {
 		return lookIn(bringUpRecheck)
 	}
@@ -464,29 +458,76 @@ type next struct {
 	// in is how soon to look again; 0: when kicked, or at the next pass.
 	in time.Duration
 	// failed: the step could not be taken (Incus did not answer, or
-	// refused). The worker looks again after the name's own backoff, which
-	// grows with each failure in a row and resets on the first step that
-	// does not fail, so that an Incus outage does not meet every target's
-	// retry every two seconds.
+	// refused); step says which kind of step it was. The worker counts the
+	// name's failures of one kind in a row (a step of another kind, or one
+	// that does not fail, starts the count over) and looks again after
+	// that kind's backoff for the count, so that an Incus outage does not
+	// meet every target's retry every two seconds.
 	failed bool
+	step   stepKind
 }
+
+// stepKind is the kind of a converge's step, for its failures' count and
+// backoff: the name's one count lives in its worker.
+type stepKind uint8
+
+const (
+	// stepOther: a read, a record, a close step. Backoff failFirst,
+	// doubling, at most failMost.
+	stepOther stepKind = iota
+	// stepPower: a move to the recorded power. A runtime waits on it, and
+	// the observation tells it when the next attempt is: from 250 ms,
+	// doubling, at most 30 s.
+	stepPower
+	// stepStart: a new instance's first start. Counted, at a steady pace
+	// (startRetry), so that StartAttempts failures fail the target in a
+	// time a create's caller can know.
+	stepStart
+)
 
 var (
 	settled    = next{}
-	failedStep = next{failed: true}
+	failedStep = next{failed: true, step: stepOther}
 )
 
 func lookIn(d time.Duration) next { return next{in: d} }
 
-// A name's backoff after its n-th failed step in a row: failFirst,
-// doubling, at most failMost.
+// failedAt is a failed step of kind k.
+func failedAt(k stepKind) next { return next{failed: true, step: k} }
+
+// A name's backoff after its n-th failed step of stepOther in a row:
+// failFirst, doubling, at most failMost.
 const (
 	failFirst = 2 * time.Second
 	failMost  = time.Minute
 )
 
-func (w *worker) failBackoff(n int) time.Duration {
+// failBackoff is how long the n-th failure in a row of a step of kind k
+// waits before the next attempt.
+func (w *worker) failBackoff(k stepKind, n int) time.Duration {
+	switch k {
+	case stepPower:
+		return min(250*time.Millisecond<<min(n-1, 7), 30*time.Second)
+	case stepStart:
+		return startRetry
+	}
 	return min(w.failFirst<<min(n-1, 16), w.failMost)
+}
+
+// failure is a name's count of failed steps of one kind in a row, and
+// when the worker tries again.
+type failure struct {
+	step    stepKind
+	n       int
+	retryAt time.Time
+}
+
+// failures answers name's count of failed steps in a row (zero: the last
+// step did not fail), their kind and when the next attempt is due.
+func (w *worker) failures(name string) failure {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.fails[name]
 }
 
 // worker runs one converge per name at a time, on at most max goroutines,
@@ -510,7 +551,7 @@ type worker struct {
 	queue   []string        // queued names, in kick order
 	running int             // goroutines running converges
 	timers  map[string]*retryTimer
-	fails   map[string]int // failed steps in a row, by name
+	fails   map[string]failure // failed steps in a row, by name
 	// failFirst and failMost bound a name's backoff (failBackoff); tests
 	// shorten them.
 	failFirst, failMost time.Duration
@@ -525,6 +566,7 @@ type retryTimer struct {
 type job struct {
 	queued bool // waiting for a free goroutine; its run has not started
 	again  bool
+	nudged bool          // a pass looked while it ran (nudge): again, unless the run fails
 	lookAt time.Time     // a look asked for (soon) while it ran; zero: none
 	done   chan struct{} // closed when the run that covers the latest kick ends
 	next   chan struct{}
@@ -544,7 +586,7 @@ func newWorker(fn func(ctx context.Context, name string) next) *worker {
 func newWorkerOf(max int, fn func(ctx context.Context, name string) next) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &worker{fn: fn, max: max, ctx: ctx, cancel: cancel, jobs: map[string]*job{},
-		timers: map[string]*retryTimer{}, fails: map[string]int{}, failFirst: failFirst, failMost: failMost}
+		timers: map[string]*retryTimer{}, fails: map[string]failure{}, failFirst: failFirst, failMost: failMost}
 }
 
 // kick schedules a converge of name and returns a channel closed once a run
@@ -597,10 +639,23 @@ func (w *worker) run(name string, j *job) {
 		w.mu.Lock()
 		again := n.in
 		if n.failed && w.ctx.Err() == nil {
-			w.fails[name]++
-			again = w.failBackoff(w.fails[name])
+			f := w.fails[name]
+			if f.step != n.step {
+				f = failure{step: n.step}
+			}
+			f.n++
+			again = w.failBackoff(f.step, f.n)
+			f.retryAt = time.Now().Add(again)
+			w.fails[name] = f
 		} else {
 			delete(w.fails, name)
+		}
+		if j.nudged {
+			j.nudged = false
+			if !n.failed && !j.again {
+				j.again = true
+				j.next = make(chan struct{})
+			}
 		}
 		close(j.done)
 		if j.again && w.ctx.Err() == nil {
@@ -661,6 +716,12 @@ func (w *worker) nudge(name string) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if _, due := w.timers[name]; due {
+		return
+	}
+	if j, ok := w.jobs[name]; ok && !j.queued {
+		// Running: another run after it, unless this one fails and its
+		// backoff decides when the next is.
+		j.nudged = true
 		return
 	}
 	w.kickLocked(name)

@@ -284,7 +284,7 @@ func TestWorkerBacksOffANameThatFails(t *testing.T) {
 	}
 	mu.Unlock()
 	w.mu.Lock()
-	left := w.fails["x"]
+	left := w.fails["x"].n
 	w.mu.Unlock()
 	if left != 0 {
 		t.Fatalf("after a step that did not fail the name still counts %d failures", left)
@@ -301,8 +301,8 @@ func TestWorkerBacksOffANameThatFails(t *testing.T) {
 	before := count()
 	<-w.kick("x")
 	w.mu.Lock()
-	if w.fails["x"] != 1 {
-		t.Errorf("one failure after a success counts %d", w.fails["x"])
+	if w.fails["x"].n != 1 {
+		t.Errorf("one failure after a success counts %d", w.fails["x"].n)
 	}
 	w.mu.Unlock()
 	failedAt := time.Now()

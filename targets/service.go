@@ -112,10 +112,8 @@ type Service struct {
 	work    *worker
 	// relays is the process's relay registry: no power-down without it.
 	relays *relays.Registry
-	// startFailures counts failed starts of not-yet-booted instances; the
-	// count lives in memory because a restart deserves fresh attempts.
-	failMu        sync.Mutex
-	startFailures map[string]int
+	// failMu guards lockedSince.
+	failMu sync.Mutex
 	// lockedSince is when an instance was first seen refusing writes with
 	// no task on it (see strandedLock).
 	lockedSince map[string]time.Time
@@ -169,7 +167,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 		log = zap.NewNop()
 	}
 	s := &Service{incus: client, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
-		startFailures: map[string]int{}, lockedSince: map[string]time.Time{}}
+		lockedSince: map[string]time.Time{}}
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
 	s.leaseKey = leaseKeyOf(cfg.Replica)
 	s.ingress.init()
