@@ -113,11 +113,10 @@ go build -o bin/lsconform ./cmd/lsconform
 go test -race -count=1 -run '^$' ./... >/dev/null
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 
-# The tests run in two lanes. The host lane has the host's Incus: the
-# packages whose tests reach it, one at a time (a few of the provider's
-# tests' cases two at a time), then conformance and the container image.
-# The rigs lane has daemons of its own: the three-member cluster's tests
-# and conformance, then LXD's; then the packages that reach no Incus.
+# The tests run in two lanes. The host lane has the host's Incus: every
+# package one at a time (a few of the provider's tests' cases two at a time),
+# then conformance and the container image. The rigs lane has daemons of
+# its own: the three-member cluster's tests and conformance, then LXD's.
 # Each lane owns what it changes (its Incus projects, every test making a
 # throwaway one, and its fixed ports), so the two can run at once
 # (the default, below). Four lanes at once were measured on this
@@ -139,12 +138,11 @@ stop_served() {
   no_busy_warnings "$served_log"
 }
 
-# Lane "host": the packages whose tests reach the host's Incus (the
-# cluster's tests, named TestCluster*, are the rigs lane's), then
-# conformance against a running provider and the container image.
+# Lane "host": every package on the host's Incus (the cluster's tests,
+# named TestCluster*, are the rigs lane's), then conformance against a
+# running provider and the container image.
 lane_host() {
-  # shellcheck disable=SC2046 # one word per package
-  INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m -skip '^TestCluster' $(packages host)
+  INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m -skip '^TestCluster' ./...
   incus project create "$conform_project" -c features.images=false -c features.profiles=false >/dev/null
   serve provider PROVIDER_LISTEN=127.0.0.1:18480 PROVIDER_METRICS_LISTEN=127.0.0.1:19480 \
     PROVIDER_INGRESS_LISTEN=127.0.0.1:18482 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18482' \
@@ -158,30 +156,12 @@ lane_host() {
   deploy/dev/container-test.sh
 }
 
-# Lane "rigs": the daemons of their own, one after the other, then the
-# packages whose tests reach no Incus.
+# Lane "rigs": the daemons of their own, one after the other.
 lane_rigs() {
   echo "== the three-member cluster"
   rigs_cluster
   echo "== LXD 5.0"
   rigs_lxd
-  echo "== the packages whose tests reach no Incus"
-  # shellcheck disable=SC2046 # one word per package
-  go test -race -count=1 -p 1 -timeout 25m $(packages none)
-}
-
-# packages host|none: the packages whose tests reach the host's Incus
-# (they import internal/incustest or read INCUS_PROVIDER_REQUIRE_INCUS, and
-# internal/incustest itself), or every other package. The first share the
-# host's incusd and run in its lane, one at a time; the rest share nothing
-# with them but the cores, and run in the rigs lane once its daemons' tests
-# are done.
-packages() {
-  local all host
-  all=$(go list -f '{{.Dir}}' ./... | sed "s|^$PWD|.|" | sort)
-  host=$({ grep -rl --include='*_test.go' -e 'internal/incustest"' -e 'INCUS_PROVIDER_REQUIRE_INCUS' . | xargs -n1 dirname
-           echo ./internal/incustest; } | sort -u)
-  if [ "$1" = host ]; then comm -12 <(echo "$all") <(echo "$host"); else comm -23 <(echo "$all") <(echo "$host"); fi
 }
 
 # The three-member cluster's tests, then conformance against a provider on
