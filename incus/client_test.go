@@ -407,6 +407,28 @@ func equalObserved(a, b []observed) bool {
 	return true
 }
 
+// A start of a running instance is ErrAlreadyRunning, as the call's error
+// or as its operation's failure, and nothing else is.
+func TestAlreadyRunningIsTyped(t *testing.T) {
+	for _, err := range []error{
+		&Error{Op: "instance.state", Status: 400, Message: "The instance is already running"},
+		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: "The instance is already running"},
+	} {
+		if !errors.Is(err, ErrAlreadyRunning) || errors.Is(err, ErrAlreadyStopped) || errors.Is(err, ErrBusy) {
+			t.Errorf("%v: running %v, stopped %v, busy %v", err, errors.Is(err, ErrAlreadyRunning), errors.Is(err, ErrAlreadyStopped), errors.Is(err, ErrBusy))
+		}
+	}
+	for _, err := range []error{
+		&Error{Op: "instance.state", Status: 400, Message: "The instance is already stopped"},
+		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `Instance is busy running a "start" operation`},
+		&Error{Op: "instance.state", Err: errors.New("already running")}, // a transport error is no answer
+	} {
+		if errors.Is(err, ErrAlreadyRunning) {
+			t.Errorf("%v is ErrAlreadyRunning", err)
+		}
+	}
+}
+
 // A stop of a stopped instance is answered either as the call's error or as
 // its operation's failure; both are ErrAlreadyStopped, and nothing else is.
 func TestAlreadyStoppedIsTyped(t *testing.T) {

@@ -44,6 +44,10 @@ var (
 	// nothing was done, and nothing needed doing.
 	ErrAlreadyStopped = errors.New("incus: the instance is already stopped")
 
+	// ErrAlreadyRunning: a start of an instance that runs already (or is
+	// frozen); nothing was done, and nothing needed doing.
+	ErrAlreadyRunning = errors.New("incus: the instance is already running")
+
 	// ErrMalformedResponse: the server answered with something that is not
 	// an Incus response envelope.
 	ErrMalformedResponse = errors.New("incus: malformed response")
@@ -111,6 +115,8 @@ func (e *Error) Is(target error) bool {
 		return e.Status >= 400 && isBusyStoppingMessage(e.Message)
 	case ErrAlreadyStopped:
 		return e.Status >= 400 && isAlreadyStoppedMessage(e.Message)
+	case ErrAlreadyRunning:
+		return e.Status >= 400 && isAlreadyRunningMessage(e.Message)
 	case ErrUnreachable:
 		return e.unreachable
 	case ErrOutcomeUnknown:
@@ -170,6 +176,8 @@ func (e *OperationError) Is(target error) bool {
 		return isBusyStoppingMessage(e.Err)
 	case ErrAlreadyStopped:
 		return isAlreadyStoppedMessage(e.Err)
+	case ErrAlreadyRunning:
+		return isAlreadyRunningMessage(e.Err)
 	}
 	return false
 }
@@ -184,6 +192,13 @@ func (e *OperationError) Is(target error) bool {
 func isAlreadyStoppedMessage(msg string) bool {
 	m := strings.ToLower(msg)
 	return strings.Contains(m, "already stopped") || strings.HasPrefix(m, "container is not running")
+}
+
+// isAlreadyRunningMessage recognises Incus's answer to a start of a
+// running instance ("The instance is already running"), as the call's
+// error or as the operation's failure.
+func isAlreadyRunningMessage(msg string) bool {
+	return strings.Contains(strings.ToLower(msg), "already running")
 }
 
 // isDuplicateMessage recognises the ways Incus words "that name is taken".

@@ -72,6 +72,40 @@ func TestFakeAStartThatKeepsFailingFailsTheTarget(t *testing.T) {
 	}
 }
 
+// A first start that Incus answers "already running" (the status read
+// was older than a start that ended since) is no failed attempt: with a
+// single attempt allowed, the target still boots.
+func TestFakeAStartFoundRunningIsNoFailure(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{StartAttempts: 1, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-running-already")
+	name := r.expect(o)
+	then := time.Now().Add(-time.Minute)
+	config := map[string]string{
+		keySchema: schemaVersion, keyUniverse: o.UniverseID, keyEnvironment: o.EnvironmentID,
+		keyTemplate: "t1", keyImage: fakeFingerprint, keyDaemonPort: "7777", keyCreatedAt: msString(then),
+	}
+	for k, v := range (Intent{Power: controller.PowerRunning, At: then, By: ByCreate}).config() {
+		config[k] = v
+	}
+	refused := r.fake.Inject(incusfake.Fault{Kind: incusfake.Refuse, Method: http.MethodPut, Path: "/1.0/instances/" + name + "/state",
+		Status: http.StatusBadRequest, Message: "The instance is already running", Times: 1})
+	defer refused.Release()
+	if err := r.fake.Seed(fakeProject, incusfake.Seed{Name: name, Status: incus.InstanceStopped, Config: config}); err != nil {
+		t.Fatal(err)
+	}
+	r.svc.work.kick(name)
+	r.awaitFake("booted", 10*time.Second, func() bool {
+		v := r.instance(name)
+		return v.Config[keyBooted] != "" || v.Config[keyFailure] != ""
+	})
+	if v := r.instance(name); v.Config[keyFailure] != "" || v.Status != incus.InstanceRunning {
+		t.Fatalf("the target failed (%q) or is not running (%s)\n%s", v.Config[keyFailure], v.Status, r.history(name))
+	}
+	if n := refused.Hits(); n != 1 {
+		t.Errorf("the refusal met %d starts, want 1", n)
+	}
+}
+
 // A power move Incus refuses is retried after its own backoff, which the
 // observation states; once Incus takes it, the target rests there and the
 // count is gone.

@@ -217,6 +217,12 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) next {
 		if ctx.Err() != nil {
 			return settled
 		}
+		if errors.Is(err, incus.ErrAlreadyRunning) {
+			// The status read was older than a start that ended since (the
+			// create's own, on a loaded Incus): no failure, and the next
+			// look goes the running way.
+			return lookIn(bringUpRecheck)
+		}
 		n := 1 // this attempt, and the starts that failed before it in a row
 		if f := s.work.failures(name); f.step == stepStart {
 			n += f.n
