@@ -2,6 +2,7 @@ package targets
 
 import (
 	"context"
+	"maps"
 	"net/http"
 	"strings"
 	"testing"
@@ -20,22 +21,11 @@ func TestFakeAStartThatKeepsFailingFailsTheTarget(t *testing.T) {
 	r := newFakeRig(t, fakeDurations(seeded(t)), Config{StartAttempts: 3, ReconcileInterval: 100 * time.Millisecond})
 	o := fakeOwner("env-nostart")
 	name := r.expect(o)
-	// As a create whose start failed leaves it: stopped, never booted.
-	then := time.Now().Add(-time.Minute)
-	config := map[string]string{
-		keySchema: schemaVersion, keyUniverse: o.UniverseID, keyEnvironment: o.EnvironmentID,
-		keyTemplate: "t1", keyImage: fakeFingerprint, keyDaemonPort: "7777", keyCreatedAt: msString(then),
-	}
-	for k, v := range (Intent{Power: controller.PowerRunning, At: then, By: ByCreate}).config() {
-		config[k] = v
-	}
 	refused := r.fake.Inject(incusfake.Fault{Kind: incusfake.Refuse, Method: http.MethodPut, Path: "/1.0/instances/" + name + "/state",
 		Status: http.StatusInternalServerError, Message: "Failed to start: injected"})
 	defer refused.Release()
 	began := time.Now()
-	if err := r.fake.Seed(fakeProject, incusfake.Seed{Name: name, Status: incus.InstanceStopped, Config: config}); err != nil {
-		t.Fatal(err)
-	}
+	r.seedUnbooted(o)
 	r.svc.work.kick(name)
 	r.awaitFake("the failure recorded", 20*time.Second, func() bool { return r.instance(name).Config[keyFailure] != "" })
 	took := time.Since(began)
@@ -79,20 +69,10 @@ func TestFakeAStartFoundRunningIsNoFailure(t *testing.T) {
 	r := newFakeRig(t, fakeDurations(seeded(t)), Config{StartAttempts: 1, ReconcileInterval: 100 * time.Millisecond})
 	o := fakeOwner("env-running-already")
 	name := r.expect(o)
-	then := time.Now().Add(-time.Minute)
-	config := map[string]string{
-		keySchema: schemaVersion, keyUniverse: o.UniverseID, keyEnvironment: o.EnvironmentID,
-		keyTemplate: "t1", keyImage: fakeFingerprint, keyDaemonPort: "7777", keyCreatedAt: msString(then),
-	}
-	for k, v := range (Intent{Power: controller.PowerRunning, At: then, By: ByCreate}).config() {
-		config[k] = v
-	}
 	refused := r.fake.Inject(incusfake.Fault{Kind: incusfake.Refuse, Method: http.MethodPut, Path: "/1.0/instances/" + name + "/state",
 		Status: http.StatusBadRequest, Message: "The instance is already running", Times: 1})
 	defer refused.Release()
-	if err := r.fake.Seed(fakeProject, incusfake.Seed{Name: name, Status: incus.InstanceStopped, Config: config}); err != nil {
-		t.Fatal(err)
-	}
+	r.seedUnbooted(o)
 	r.svc.work.kick(name)
 	r.awaitFake("booted", 10*time.Second, func() bool {
 		v := r.instance(name)
@@ -153,5 +133,22 @@ func TestFakeAFailedPowerMoveSaysWhenItRetries(t *testing.T) {
 	obs, err := r.svc.GetTarget(ctx, ref)
 	if err != nil || obs.Power != controller.PowerPaused || obs.Message != "" {
 		t.Errorf("observed %+v, %v; want paused with no message", obs, err)
+	}
+}
+
+// seedUnbooted puts o's target in the fake as a create whose start failed
+// leaves it, a minute ago: stopped, never booted, running asked by the
+// create.
+func (r *fakeRig) seedUnbooted(o controller.Owner) {
+	r.t.Helper()
+	name := r.expect(o)
+	then := time.Now().Add(-time.Minute)
+	config := map[string]string{
+		keySchema: schemaVersion, keyUniverse: o.UniverseID, keyEnvironment: o.EnvironmentID,
+		keyTemplate: "t1", keyImage: fakeFingerprint, keyDaemonPort: "7777", keyCreatedAt: msString(then),
+	}
+	maps.Copy(config, (Intent{Power: controller.PowerRunning, At: then, By: ByCreate}).config())
+	if err := r.fake.Seed(fakeProject, incusfake.Seed{Name: name, Status: incus.InstanceStopped, Config: config}); err != nil {
+		r.t.Fatal(err)
 	}
 }
