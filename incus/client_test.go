@@ -407,50 +407,46 @@ func equalObserved(a, b []observed) bool {
 	return true
 }
 
-// A start of a running instance is ErrAlreadyRunning, as the call's error
-// or as its operation's failure, and nothing else is.
-func TestAlreadyRunningIsTyped(t *testing.T) {
-	for _, err := range []error{
-		&Error{Op: "instance.state", Status: 400, Message: "The instance is already running"},
-		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: "The instance is already running"},
-	} {
-		if !errors.Is(err, ErrAlreadyRunning) || errors.Is(err, ErrAlreadyStopped) || errors.Is(err, ErrBusy) {
-			t.Errorf("%v: running %v, stopped %v, busy %v", err, errors.Is(err, ErrAlreadyRunning), errors.Is(err, ErrAlreadyStopped), errors.Is(err, ErrBusy))
+// A start of a running instance and a stop of a stopped one are answered
+// either as the call's error or as the operation's failure; each is its
+// sentinel (never ErrBusy, never the other), and nothing else is.
+func TestAlreadyThereIsTyped(t *testing.T) {
+	for _, tc := range []struct {
+		want, other error
+		is, isNot   []error
+	}{{
+		want: ErrAlreadyRunning, other: ErrAlreadyStopped,
+		is: []error{
+			&Error{Op: "instance.state", Status: 400, Message: "The instance is already running"},
+			&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: "The instance is already running"},
+		},
+		isNot: []error{
+			&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `Instance is busy running a "start" operation`},
+			&Error{Op: "instance.state", Err: errors.New("already running")}, // a transport error is no answer
+		},
+	}, {
+		want: ErrAlreadyStopped, other: ErrAlreadyRunning,
+		is: []error{
+			&Error{Op: "instance.state", Status: 400, Message: "The instance is already stopped"},
+			&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: "The instance is already stopped"},
+			&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `container is not running: "p_c1"`},
+		},
+		isNot: []error{
+			&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `Instance is busy running a "stop" operation`},
+			&Error{Op: "instance.state", Err: errors.New("already stopped")}, // a transport error is no answer
+		},
+	}} {
+		for _, err := range tc.is {
+			if !errors.Is(err, tc.want) || errors.Is(err, tc.other) || errors.Is(err, ErrBusy) {
+				t.Errorf("%v: is %v %v, is %v %v, busy %v", err, tc.want, errors.Is(err, tc.want), tc.other, errors.Is(err, tc.other), errors.Is(err, ErrBusy))
+			}
 		}
-	}
-	for _, err := range []error{
-		&Error{Op: "instance.state", Status: 400, Message: "The instance is already stopped"},
-		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `Instance is busy running a "start" operation`},
-		&Error{Op: "instance.state", Err: errors.New("already running")}, // a transport error is no answer
-	} {
-		if errors.Is(err, ErrAlreadyRunning) {
-			t.Errorf("%v is ErrAlreadyRunning", err)
-		}
-	}
-}
-
-// A stop of a stopped instance is answered either as the call's error or as
-// its operation's failure; both are ErrAlreadyStopped, and nothing else is.
-func TestAlreadyStoppedIsTyped(t *testing.T) {
-	for _, err := range []error{
-		&Error{Op: "instance.state", Status: 400, Message: "The instance is already stopped"},
-		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: "The instance is already stopped"},
-		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `container is not running: "p_c1"`},
-	} {
-		if !errors.Is(err, ErrAlreadyStopped) {
-			t.Errorf("%v is not ErrAlreadyStopped", err)
-		}
-		if errors.Is(err, ErrBusy) {
-			t.Errorf("%v is ErrBusy", err)
-		}
-	}
-	for _, err := range []error{
-		&Error{Op: "instance.state", Status: 400, Message: "The instance is already running"},
-		&OperationError{ID: "x", Status: "Failure", StatusCode: 400, Err: `Instance is busy running a "stop" operation`},
-		&Error{Op: "instance.state", Err: errors.New("already stopped")}, // a transport error is no answer
-	} {
-		if errors.Is(err, ErrAlreadyStopped) {
-			t.Errorf("%v is ErrAlreadyStopped", err)
+		// The other sentinel's answers are checked against this one in its
+		// own case (tc.other); these are the near misses.
+		for _, err := range tc.isNot {
+			if errors.Is(err, tc.want) {
+				t.Errorf("%v is %v", err, tc.want)
+			}
 		}
 	}
 }
