@@ -493,7 +493,7 @@ const (
 
 var (
 	settled    = next{}
-	failedStep = next{failed: true, step: stepOther}
+	failedStep = failedAt(stepOther)
 )
 
 func lookIn(d time.Duration) next { return next{in: d} }
@@ -526,6 +526,16 @@ type failure struct {
 	step    stepKind
 	n       int
 	retryAt time.Time
+}
+
+// retryingLocked records when a failing name runs next, as scheduled
+// (a kick or a look asked for may bring the backoff forward), for the
+// observation that states it.
+func (w *worker) retryingLocked(name string, in time.Duration) {
+	if f, ok := w.fails[name]; ok {
+		f.retryAt = time.Now().Add(in)
+		w.fails[name] = f
+	}
 }
 
 // failures answers name's count of failed steps in a row (zero: the last
@@ -651,7 +661,6 @@ func (w *worker) run(name string, j *job) {
 			}
 			f.n++
 			again = w.failBackoff(f.step, f.n)
-			f.retryAt = time.Now().Add(again)
 			w.fails[name] = f
 		} else {
 			delete(w.fails, name)
@@ -665,6 +674,7 @@ func (w *worker) run(name string, j *job) {
 		}
 		close(j.done)
 		if j.again && w.ctx.Err() == nil {
+			w.retryingLocked(name, 0) // a kick during the run: it runs again now
 			j.again, j.done, j.next = false, j.next, nil
 			if !j.lookAt.After(time.Now()) {
 				j.lookAt = time.Time{} // the run starting next is that look
@@ -688,6 +698,7 @@ func (w *worker) run(name string, j *job) {
 				}
 			}
 			if again > 0 && w.ctx.Err() == nil {
+				w.retryingLocked(name, again)
 				w.retryLocked(name, again)
 			}
 		}
