@@ -86,7 +86,8 @@ func (g *Registry) Instances() []string {
 }
 
 // OnPowerChange adds fn to what is told of every power-down the registry
-// guards (at its start and at its end): the data routes forget the
+// guards (an idle one at its start and its end, an explicit one at its
+// end), not of one a newer use outranked: the data routes forget the
 // readiness they had proved of that instance. Add hooks before serving.
 func (g *Registry) OnPowerChange(fn func(instance string)) {
 	g.mu.Lock()
@@ -160,14 +161,21 @@ func (g *Registry) Quiesce(instance string) (release func(), ok bool) {
 	e.quiet = quiet
 	g.mu.Unlock()
 	g.powerChanged(instance)
-	return g.releaser(instance, quiet), true
+	return g.releaser(instance, quiet, nil), true
 }
 
-func (g *Registry) releaser(instance string, quiet chan struct{}) func() {
+// releaser ends a guard of instance. The hooks are told first, so that no
+// dial let through by the release trusts a readiness proved before the
+// power-down, unless yielded says the guard yielded to a newer use, which
+// leaves the power as it was: forgetting then would only make every dial
+// after the use probe the daemon again.
+func (g *Registry) releaser(instance string, quiet chan struct{}, yielded *bool) func() {
 	var once sync.Once
 	return func() {
 		once.Do(func() {
-			g.powerChanged(instance)
+			if yielded == nil || !*yielded {
+				g.powerChanged(instance)
+			}
 			g.mu.Lock()
 			close(quiet)
 			if cur := g.entries[instance]; cur != nil && cur.quiet == quiet {
@@ -213,8 +221,10 @@ func (g *Registry) Drain(ctx context.Context, instance, reason string, asked tim
 			return func() {}, g.Open(instance), time.Time{}
 		}
 	}
-	g.powerChanged(instance)
-	release = g.releaser(instance, quiet)
+	// The hooks are told at the release only: until then every dial is
+	// held off, and an outranked drain changes no power.
+	yielded := false
+	release = g.releaser(instance, quiet, &yielded)
 	// Arrivals are this process's clock to the nanosecond, a request's
 	// time Incus's record of it to the millisecond: a use in the request's
 	// own millisecond does not outrank it.
@@ -231,6 +241,7 @@ func (g *Registry) Drain(ctx context.Context, instance, reason string, asked tim
 		if newest := e.newestLocked(); !asked.IsZero() && newest.After(asked) {
 			open := len(e.conns) + len(e.tickets)
 			g.mu.Unlock()
+			yielded = true
 			return release, open, newest
 		}
 		var fresh []Conn

@@ -169,6 +169,18 @@ func TestDrainYieldsToAUseAfterTheRequest(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := New(50 * time.Millisecond)
+			var told sync.Map
+			g.OnPowerChange(func(instance string) {
+				n, _ := told.LoadOrStore(instance, new(int))
+				*n.(*int)++ // the hooks run on the caller of Drain and of release
+			})
+			toldOf := func() int {
+				n, ok := told.Load("a")
+				if !ok {
+					return 0
+				}
+				return *n.(*int)
+			}
 			old := newFake(false)
 			tk, _ := g.Enter("a", asked.Add(-time.Hour))
 			tk.Adopt(old)
@@ -181,8 +193,8 @@ func TestDrainYieldsToAUseAfterTheRequest(t *testing.T) {
 			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 			defer cancel()
 			release, left, outranked := g.Drain(ctx, "a", "powering down", asked, nil)
-			defer release()
 			if tc.outranked {
+				release()
 				if !outranked.Equal(at) || left != 2 {
 					t.Fatalf("outranked %v, left %d; want %v and both relays left", outranked, left, at)
 				}
@@ -193,10 +205,21 @@ func TestDrainYieldsToAUseAfterTheRequest(t *testing.T) {
 					t.Fatal("a relay was told to go away although the power-down is outranked")
 				default:
 				}
+				// No power changed: the readiness the routes proved holds.
+				if n := toldOf(); n != 0 {
+					t.Fatalf("the power-change hooks were told %d times of an outranked drain, want none", n)
+				}
 				return
 			}
 			if !outranked.IsZero() || left != 0 {
 				t.Fatalf("outranked %v, left %d; want drained", outranked, left)
+			}
+			if n := toldOf(); n != 0 {
+				t.Fatalf("the hooks were told %d times before the release, want none while every dial is held", n)
+			}
+			release()
+			if n := toldOf(); n != 1 {
+				t.Fatalf("the hooks were told %d times of a drain that went on, want once", n)
 			}
 		})
 	}
