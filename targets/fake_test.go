@@ -574,3 +574,62 @@ func TestFakeAPassKeepsARouteTheCacheHasNotReadYet(t *testing.T) {
 		t.Fatal("a pass on a listing that shows the route took it away")
 	}
 }
+
+// A use that read the target between a wake's action and its record (on
+// a loaded machine, a dial kept waiting for the CPU) and looks at it again
+// after the record finds no power-down pending: the record it missed
+// replaced it. Otherwise every such dial wakes the target once more
+// (found by the fifty-dial storm beside a CPU hog). A setPower asked after
+// the wake makes one pending again.
+func TestFakeAReadFromInsideAWakeFindsItsRecord(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{GracefulStop: time.Second, ReconcileInterval: time.Hour})
+	o := fakeOwner("env-inside")
+	name := r.seedTarget(o, incus.InstanceFrozen, controller.PowerPaused)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	record := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodPatch, Path: "/1.0/instances/" + name, Times: 1})
+	defer record.Release()
+	inst, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wakeAt := time.Now()
+	wakeDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.Wake(ctx, routeFor(inst), wakeAt)
+		wakeDone <- err
+	}()
+	select {
+	case <-record.Hit():
+	case <-ctx.Done():
+		t.Fatal("the wake's record never reached Incus")
+	}
+	between, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if between.Status != incus.InstanceRunning || StateOf(between).Intent.Power != controller.PowerPaused {
+		t.Fatalf("between the action and the record Incus shows %s with %+v, want Running with the paused request", between.Status, StateOf(between).Intent)
+	}
+	read := routeFor(between)
+	record.Release()
+	if err := <-wakeDone; err != nil {
+		t.Fatalf("the wake: %v\n%s", err, r.history(name))
+	}
+	if r.svc.PowerDownPending(read, time.Now()) {
+		t.Fatalf("a read from inside the wake's window finds a power-down pending after the wake recorded running\n%s", r.history(name))
+	}
+
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+	if _, err := r.svc.SetPower(ctx, ref, controller.PowerPaused); err != nil {
+		t.Fatalf("setPower paused after the wake: %v", err)
+	}
+	after, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.Status == incus.InstanceRunning && !r.svc.PowerDownPending(routeFor(after), time.Now().Add(-time.Hour)) {
+		t.Fatalf("setPower paused asked after the wake is not pending for a use older than it\n%s", r.history(name))
+	}
+}

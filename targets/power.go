@@ -237,7 +237,7 @@ func (s *Service) recordWake(ctx context.Context, name string, at time.Time, cle
 // use. r is the target as the use read it (ResolveRoute).
 func (s *Service) PowerDownPending(r Route, at time.Time) bool {
 	if r.inst != nil {
-		if st := StateOf(r.inst); st.PowerPending() {
+		if st := StateOf(r.inst); st.PowerPending() && !s.wroteRunningSince(r.Name, st.Intent) {
 			// A wake that acted on the target and records its request for
 			// running now replaces the recorded one: the use need not.
 			w, waking := s.waking.get(r.Name)
@@ -246,6 +246,16 @@ func (s *Service) PowerDownPending(r Route, at time.Time) bool {
 	}
 	w, ok := s.pending.get(r.Name)
 	return ok && w.intent.Power != controller.PowerRunning && !w.intent.At.After(at)
+}
+
+// wroteRunningSince says this process has recorded running on name, by a
+// request newer than recorded, since the read that found recorded: a use
+// that read the target between a wake's action and its record (a dial
+// the CPU kept waiting) finds the power-down it read replaced already.
+func (s *Service) wroteRunningSince(name string, recorded Intent) bool {
+	w, ok := s.written.get(name)
+	return ok && w.intent.Power == controller.PowerRunning &&
+		w.intent.At.Truncate(time.Millisecond).After(recorded.At)
 }
 
 // powerUp brings a target to running and clears the recorded idle-since

@@ -234,6 +234,8 @@ func (w *Waker) fly(f *Flight, r targets.Route) {
 		if !observed {
 			observed = true
 			w.metrics.wake(from, outcome, time.Since(started))
+			w.log.Debug("a wake settled", zap.String("instance", r.Name), zap.String("from", from),
+				zap.String("outcome", outcome), zap.Duration("after", time.Since(started)))
 		}
 	}
 	defer observe()
