@@ -54,8 +54,10 @@ type fakeTargets struct {
 	message   string
 	fenceErr  error
 	wakeDelay time.Duration
-	wakeErr   error
-	onWake    func(from string)
+	// recordDelay is the record's wait after the action (and its onWake).
+	recordDelay time.Duration
+	wakeErr     error
+	onWake      func(from string)
 
 	resolves atomic.Int32
 	wakes    atomic.Int32
@@ -128,6 +130,10 @@ func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (c
 	if on != nil {
 		on(string(from))
 	}
+	f.mu.Lock()
+	record := f.recordDelay
+	f.mu.Unlock()
+	time.Sleep(record)
 	return from, nil
 }
 

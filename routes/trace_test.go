@@ -121,6 +121,31 @@ func TestWakeTraceFromPaused(t *testing.T) {
 	}
 }
 
+// The relay waits for the wake's record of the use's request, made after
+// the action, even when the thawed daemon answered first: that wait is
+// Incus's (Record), not the provider's.
+func TestWakeTraceCountsTheRecordAsIncus(t *testing.T) {
+	r := newTraceRig(t, nil)
+	const unfreeze, record = 20 * time.Millisecond, 60 * time.Millisecond
+	r.targets.set(targets.RoutePaused)
+	r.targets.wakeDelay = unfreeze
+	r.targets.recordDelay = record
+	r.guest.freeze()
+	took := dialTimed(t, r.rig)
+	tr := r.one(t)
+	checkOrder(t, tr)
+	b := checkSum(t, tr, took)
+	// The whole call is Incus's, however late the daemon answered; the
+	// part after its answer is the record's wait (wake's own test divides
+	// traces of every shape).
+	if tr.IncusEnd.IsZero() || b.Incus != tr.IncusEnd.Sub(tr.IncusStart) || b.Incus < unfreeze+record {
+		t.Fatalf("incus %s (call %s to %s) for an unfreeze of %s and a record of %s", b.Incus, tr.IncusStart, tr.IncusEnd, unfreeze, record)
+	}
+	if b.Record != max(0, tr.IncusEnd.Sub(tr.Answered)) {
+		t.Fatalf("record %s, the call ended %s after the answer", b.Record, tr.IncusEnd.Sub(tr.Answered))
+	}
+}
+
 func TestWakeTraceFromStopped(t *testing.T) {
 	r := newTraceRig(t, nil)
 	const start, boot = 50 * time.Millisecond, 120 * time.Millisecond

@@ -17,10 +17,13 @@ import "time"
 // Breakdown divides the starting dial's time, from Arrived to Upgraded, in
 // three:
 //
-//   - Incus: the time inside Targets.Wake (the unfreeze or start and its
-//     operation wait) that lies on the way to the daemon's answer, from
-//     IncusStart to IncusEnd, or to Answered when the daemon answered
-//     first (a thawed guest answers before Incus reports the unfreeze).
+//   - Incus: the time inside Targets.Wake, from IncusStart to IncusEnd:
+//     the unfreeze or start and its operation wait, then the record of
+//     the use's request for running, which the relay waits for even when
+//     the daemon answered first (a thawed guest answers before Incus
+//     reports the unfreeze). Record is the part of it after the daemon's
+//     answer. When the call still ran as the daemon answered and the
+//     flight went on without it (IncusEnd zero), up to Answered.
 //   - Daemon: waiting for the daemon once Incus is done, from IncusEnd (or
 //     from the first probe's start when probing began later, as it does
 //     after a start, or when there was no wake) to Answered, with the
@@ -72,6 +75,10 @@ type ProbeAttempt struct {
 // Breakdown is a Trace divided as its comment defines.
 type Breakdown struct {
 	Total, Incus, Daemon, Provider time.Duration
+	// Record is the part of Incus after the daemon answered: the relay
+	// waiting for Targets.Wake's record (and the end of the unfreeze's
+	// operation), which a crash must not lose.
+	Record time.Duration
 }
 
 // Breakdown divides the trace; false when the starting dial was not
@@ -85,10 +92,11 @@ func (t *Trace) Breakdown() (Breakdown, bool) {
 	var incusDone time.Time
 	if !t.IncusStart.IsZero() {
 		incusDone = t.IncusEnd
-		if incusDone.IsZero() || incusDone.After(t.Answered) {
+		if incusDone.IsZero() {
 			incusDone = t.Answered
 		}
 		b.Incus = max(0, incusDone.Sub(t.IncusStart))
+		b.Record = max(0, incusDone.Sub(t.Answered))
 	}
 	waitFrom := incusDone
 	if len(t.Probes) > 0 && t.Probes[0].Start.After(waitFrom) {

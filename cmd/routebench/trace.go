@@ -128,6 +128,7 @@ type wakeRecord struct {
 	IncusNs    int64 `json:"incusNs"`
 	DaemonNs   int64 `json:"daemonNs"`
 	ProviderNs int64 `json:"providerNs"`
+	RecordNs   int64 `json:"recordNs"` // of IncusNs, the wait for the record after the daemon's answer
 	PollGapNs  int64 `json:"pollGapNs"`
 
 	FlyingAt, IncusStartAt, IncusEndAt, FirstProbeAt, AnsweredAt, SettledAt int64
@@ -151,6 +152,7 @@ func newWakeRecord(tr wake.Trace) wakeRecord {
 	if b, ok := tr.Breakdown(); ok {
 		r.Complete = true
 		r.TotalNs, r.IncusNs, r.DaemonNs, r.ProviderNs = int64(b.Total), int64(b.Incus), int64(b.Daemon), int64(b.Provider)
+		r.RecordNs = int64(b.Record)
 	}
 	return r
 }
