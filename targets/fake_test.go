@@ -288,23 +288,8 @@ func TestFakePowerDownInsideAWakesWindow(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 
-	hang := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodPut, Path: "/1.0/instances/" + name + "/state", Times: 1})
-	defer hang.Release()
-	inst, _, err := r.client.GetInstance(ctx, name)
-	if err != nil {
-		t.Fatal(err)
-	}
 	wakeAt := time.Now()
-	wakeDone := make(chan error, 1)
-	go func() {
-		_, err := r.svc.Wake(ctx, routeFor(inst), wakeAt)
-		wakeDone <- err
-	}()
-	select {
-	case <-hang.Hit():
-	case <-ctx.Done():
-		t.Fatal("the wake's unfreeze never reached Incus")
-	}
+	hang, wakeDone := r.wakeHeld(ctx, name, http.MethodPut, "/state", wakeAt) // the unfreeze
 	if got := r.instance(name).Config[keyPower]; got != string(controller.PowerPaused) {
 		t.Fatalf("the wake acts first and records its request after its action; recorded %q while the unfreeze is under way", got)
 	}
@@ -588,23 +573,7 @@ func TestFakeAReadFromInsideAWakeFindsItsRecord(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 
-	record := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodPatch, Path: "/1.0/instances/" + name, Times: 1})
-	defer record.Release()
-	inst, _, err := r.client.GetInstance(ctx, name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wakeAt := time.Now()
-	wakeDone := make(chan error, 1)
-	go func() {
-		_, err := r.svc.Wake(ctx, routeFor(inst), wakeAt)
-		wakeDone <- err
-	}()
-	select {
-	case <-record.Hit():
-	case <-ctx.Done():
-		t.Fatal("the wake's record never reached Incus")
-	}
+	record, wakeDone := r.wakeHeld(ctx, name, http.MethodPatch, "", time.Now())
 	between, _, err := r.client.GetInstance(ctx, name)
 	if err != nil {
 		t.Fatal(err)

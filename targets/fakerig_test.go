@@ -389,3 +389,28 @@ func (r *fakeRig) cacheView(name string) (inst *incus.Instance, hit, confirmed b
 	inst, hit = c.get(name)
 	return inst, hit, confirmed
 }
+
+// wakeHeld starts a Wake of name by a use made at at, with the first call
+// of method on path (relative to the instance's) held at Incus's door,
+// and returns once the wake has reached it. The caller releases the hold
+// (the returned fault) and reads the wake's answer from done.
+func (r *fakeRig) wakeHeld(ctx context.Context, name, method, path string, at time.Time) (hold *incusfake.Injected, done <-chan error) {
+	r.t.Helper()
+	hold = r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: method, Path: "/1.0/instances/" + name + path, Times: 1})
+	r.t.Cleanup(hold.Release)
+	inst, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	answer := make(chan error, 1)
+	go func() {
+		_, err := r.svc.Wake(ctx, routeFor(inst), at)
+		answer <- err
+	}()
+	select {
+	case <-hold.Hit():
+	case <-ctx.Done():
+		r.t.Fatalf("the wake's %s %s never reached Incus", method, path)
+	}
+	return hold, answer
+}
