@@ -233,9 +233,10 @@ func (w *Waker) fly(f *Flight, r targets.Route) {
 	observe := func() {
 		if !observed {
 			observed = true
-			w.metrics.wake(from, outcome, time.Since(started))
+			took := time.Since(started)
+			w.metrics.wake(from, outcome, took)
 			w.log.Debug("a wake settled", zap.String("instance", r.Name), zap.String("from", from),
-				zap.String("outcome", outcome), zap.Duration("after", time.Since(started)))
+				zap.String("outcome", outcome), zap.Duration("after", took))
 		}
 	}
 	defer observe()
