@@ -108,7 +108,7 @@ func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, ta
 func (f *fakeTargets) PowerDownPending(targets.Route, time.Time) bool    { return f.keptDown.Load() }
 func (f *fakeTargets) RestartDaemonDevice(context.Context, string) error { return nil }
 
-func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (controller.Power, error) {
+func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time, _ func()) (controller.Power, error) {
 	f.wakes.Add(1)
 	f.mu.Lock()
 	from := f.observation().Power

@@ -147,7 +147,7 @@ func (r *fakeRig) dial(ctx context.Context, o controller.Owner, name string) (*l
 			}
 		}
 		if rt.State != RouteRunning {
-			if _, err := r.svc.Wake(ctx, rt, arrived); err != nil {
+			if _, err := r.svc.Wake(ctx, rt, arrived, nil); err != nil {
 				tk.Leave()
 				return nil, fmt.Errorf("wake (route state %d): %w", rt.State, err)
 			}

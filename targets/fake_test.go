@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"strings"
 	"sync"
@@ -90,7 +91,7 @@ func TestFakeOwnWritesNeverMeetBusy(t *testing.T) {
 			}
 			inst, _, err := r.client.GetInstance(ctx, p.name)
 			if err == nil {
-				_, err = r.svc.Wake(ctx, routeFor(inst), time.Now())
+				_, err = r.svc.Wake(ctx, routeFor(inst), time.Now(), nil)
 			}
 			if err != nil {
 				fail("wake "+p.name, err)
@@ -198,7 +199,7 @@ func TestFakeDialDuringGracefulStop(t *testing.T) {
 		t.Fatal(err)
 	}
 	dialAt := time.Now()
-	from, err := r.svc.Wake(wctx, routeFor(inst), dialAt)
+	from, err := r.svc.Wake(wctx, routeFor(inst), dialAt, nil)
 	took := time.Since(dialAt)
 	if err != nil {
 		t.Fatalf("a wake during a graceful stop failed after %v (busy: %v): %v\n%s", took, errors.Is(err, incus.ErrBusy), err, r.history(name))
@@ -351,7 +352,7 @@ func TestFakeDialAfterAPowerDownWins(t *testing.T) {
 	dialAt := time.Now()
 	wctx, wcancel := context.WithTimeout(ctx, 3*freezeTakes)
 	defer wcancel()
-	from, err := r.svc.Wake(wctx, routeFor(inst), dialAt)
+	from, err := r.svc.Wake(wctx, routeFor(inst), dialAt, nil)
 	if err != nil {
 		t.Fatalf("a dial during a pause failed (busy: %v): %v\n%s", errors.Is(err, incus.ErrBusy), err, r.history(name))
 	}
@@ -578,16 +579,27 @@ func TestFakeAReadFromInsideAWakeFindsItsRecord(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if between.Status != incus.InstanceRunning || StateOf(between).Intent.Power != controller.PowerPaused {
-		t.Fatalf("between the action and the record Incus shows %s with %+v, want Running with the paused request", between.Status, StateOf(between).Intent)
+	if between.Status != incus.InstanceRunning || StateOf(between).Recorded.Power != controller.PowerPaused {
+		t.Fatalf("between the action and the record Incus shows %s with %+v, want Running with the paused request", between.Status, StateOf(between).Recorded)
 	}
 	read := routeFor(between)
+	// The same read without the pause's mark of carried out (a record
+	// an older build made, or a mark that failed): Incus's state alone
+	// says a power-down is pending.
+	unmarked := *between
+	unmarked.Config = maps.Clone(between.Config)
+	delete(unmarked.Config, keyPowerDone)
+	if !StateOf(&unmarked).PowerPending() {
+		t.Fatal("an unmarked pause on a running target is not pending")
+	}
 	record.Release()
 	if err := <-wakeDone; err != nil {
 		t.Fatalf("the wake: %v\n%s", err, r.history(name))
 	}
-	if r.svc.PowerDownPending(read, time.Now()) {
-		t.Fatalf("a read from inside the wake's window finds a power-down pending after the wake recorded running\n%s", r.history(name))
+	for _, rd := range []Route{read, routeFor(&unmarked)} {
+		if r.svc.PowerDownPending(rd, time.Now()) {
+			t.Fatalf("a read from inside the wake's window finds a power-down pending after the wake recorded running\n%s", r.history(name))
+		}
 	}
 
 	ref := controller.TargetRef{Owner: o, TargetID: name}

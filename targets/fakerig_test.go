@@ -205,6 +205,17 @@ func (r *fakeRig) closed(name string) {
 // and was last asked for power (empty: no request recorded), an hour ago.
 func (r *fakeRig) seedTarget(o controller.Owner, status incus.InstanceStatus, power controller.Power) string {
 	r.t.Helper()
+	// A power-down the instance rests in is marked carried out, as this
+	// provider leaves it (powerDone).
+	atRest := (status == incus.InstanceFrozen && power == controller.PowerPaused) ||
+		(status == incus.InstanceStopped && (power == controller.PowerStopped || power == controller.PowerSuspended))
+	return r.seedTargetWith(o, status, power, atRest)
+}
+
+// seedTargetWith is seedTarget, with the power-down recorded as carried
+// out when done (powerDone), whatever status Incus shows.
+func (r *fakeRig) seedTargetWith(o controller.Owner, status incus.InstanceStatus, power controller.Power, done bool) string {
+	r.t.Helper()
 	name := r.expect(o)
 	then := time.Now().Add(-time.Hour)
 	config := map[string]string{
@@ -219,6 +230,9 @@ func (r *fakeRig) seedTarget(o controller.Owner, status incus.InstanceStatus, po
 		if power != controller.PowerRunning {
 			config[KeyIdleSince] = msString(then)
 		}
+	}
+	if done {
+		config[keyPowerDone] = msString(then)
 	}
 	if err := r.fake.Seed(fakeProject, incusfake.Seed{Name: name, Status: status, Config: config}); err != nil {
 		r.t.Fatal(err)
@@ -404,7 +418,7 @@ func (r *fakeRig) wakeHeld(ctx context.Context, name, method, path string, at ti
 	}
 	answer := make(chan error, 1)
 	go func() {
-		_, err := r.svc.Wake(ctx, routeFor(inst), at)
+		_, err := r.svc.Wake(ctx, routeFor(inst), at, nil)
 		answer <- err
 	}()
 	select {

@@ -119,8 +119,10 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 				return inst, false, err
 			}
 		}
-		if st.Intent.Power != "" && st.Intent.At.After(in.At) {
-			if st.Intent.Power == in.Power {
+		// The record as it is, not what it means (State.Intent): a use's
+		// request for running is written even where Incus shows the use.
+		if rec := st.Recorded; rec.Power != "" && rec.At.After(in.At) {
+			if rec.Power == in.Power {
 				// A newer request for the same power (another replica's
 				// dial, say) stands for this one too: nothing to write, and
 				// nothing to give up.
@@ -128,7 +130,7 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 			}
 			return inst, false, ErrSuperseded
 		}
-		if _, kept := s.pending.get(name); st.Intent.Power == in.Power && st.Intent.By == in.By && extra.empty() && !kept {
+		if _, kept := s.pending.get(name); st.Recorded.Power == in.Power && st.Recorded.By == in.By && extra.empty() && !kept {
 			// Already recorded. Not so while an older request is kept in
 			// memory: its flush may be writing it now, and only a write of
 			// this newer one (ETag-guarded) is sure to outrank it.
@@ -137,6 +139,12 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 		set := extra
 		set.keys |= fIntent
 		set.to.Intent = in
+		if in.Power != controller.PowerRunning && st.Phase == controller.PhaseActive && st.Resting && st.Power == in.Power {
+			// Nothing to carry out: the power-down is done as it is
+			// recorded (see powerDone).
+			set.keys |= fPowerDone
+			set.to.PowerDone = in.At
+		}
 		err = s.incus.PatchInstanceConfigIf(ctx, name, set.config(), etag)
 		s.listingChanged()
 		if err == nil {
@@ -170,6 +178,42 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 				return nil, false, ctx.Err()
 			}
 			return nil, false, fmt.Errorf("record power %s: Incus kept rewriting the instance as it moved: %w", in.Power, incus.ErrBusy)
+		}
+	}
+}
+
+// powerDone records that Incus carried out the power-down in (the
+// request on name when the action began), unless another request was
+// recorded since: a wake that then finds the target powered down may
+// relay its use before its own record lands, since a crash in between
+// leaves Incus showing the use (State.Intent). The caller holds the
+// instance's gate. A failure is no failure of the power-down: wakes then
+// wait for their record, as they did before there was a mark.
+func (s *Service) powerDone(ctx context.Context, name string, in Intent) {
+	for attempt := 0; attempt < 3; attempt++ {
+		inst, etag, err := s.incus.GetInstance(ctx, name)
+		if err != nil || inst == nil {
+			return
+		}
+		r := recordOf(inst.Config, fState)
+		if r.Intent != in || r.PowerDone.Equal(in.At) {
+			return
+		}
+		if st := stateOf(inst, &r); st.Phase != controller.PhaseActive || !st.Resting || st.Power != in.Power {
+			// Not shown at rest in that power (yet): a reconcile pass
+			// marks it once it is (unmarkedDown).
+			return
+		}
+		err = s.incus.PatchInstanceConfigIf(ctx, name, change{keys: fPowerDone, to: record{PowerDone: in.At}}.config(), etag)
+		s.listingChanged()
+		if retry := errors.Is(err, incus.ErrPreconditionFailed) || errors.Is(err, incus.ErrBusy); !retry {
+			if err != nil && ctx.Err() == nil {
+				s.log.Debug("recording a power-down as carried out failed", zap.String("instance", name), zap.Error(err))
+			}
+			return
+		}
+		if !clock.Sleep(ctx, 20*time.Millisecond) {
+			return
 		}
 	}
 }

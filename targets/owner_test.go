@@ -52,7 +52,7 @@ func TestOwnWritesNeverMeetEachOtherBusy(t *testing.T) {
 			}()
 		}
 		time.Sleep(20 * time.Millisecond) // the writers are under way when the wake comes
-		from, err := svc.Wake(ctxT(t), routeFor(inst), time.Now())
+		from, err := svc.Wake(ctxT(t), routeFor(inst), time.Now(), nil)
 		cancel()
 		wg.Wait()
 		if err != nil {

@@ -99,7 +99,14 @@ func (s *Service) stopHeld(ctx context.Context, name string, grace time.Duration
 // reconciler to carry that request out. It answers the power the target
 // had. Should the action fail, the record is still made and the
 // reconciler carries it out.
-func (s *Service) Wake(ctx context.Context, r Route, at time.Time) (from controller.Power, err error) {
+//
+// relayable, when not nil, is called as soon as the use may be relayed
+// before the record lands: right after the action, when the power-down it
+// undid is recorded as carried out (powerDone), so that Incus showing the
+// target running under it tells any later reader of the use (State.Intent)
+// should the process die before the record. Otherwise the use waits for
+// Wake to answer.
+func (s *Service) Wake(ctx context.Context, r Route, at time.Time, relayable func()) (from controller.Power, err error) {
 	inst := r.inst
 	if inst == nil {
 		return "", fmt.Errorf("wake %s: %w", r.Name, errNotResolved)
@@ -143,6 +150,9 @@ func (s *Service) Wake(ctx context.Context, r Route, at time.Time) (from control
 	acted, err := s.wakeAct(held, inst, true)
 	if acted && err == nil {
 		s.changes.note(name) // a wake is a use: the idle loop counts from it
+		if relayable != nil && undidMarkedDown(inst) {
+			relayable()
+		}
 	}
 	// Wake answers only once the record is made, and the dial is relayed
 	// only after Wake answered (wake.Waker): a relayed dial whose record
@@ -159,6 +169,33 @@ func (s *Service) Wake(ctx context.Context, r Route, at time.Time) (from control
 	return st.Power, rerr
 }
 
+// unmarkedDown says inst (whose state is st) rests in the power-down
+// recorded on it, which is not marked carried out.
+func unmarkedDown(inst *incus.Instance, st State) bool {
+	rec := st.Recorded
+	if st.Phase != controller.PhaseActive || !st.Resting || rec.Power == "" || rec.Power == controller.PowerRunning || st.Power != rec.Power {
+		return false
+	}
+	return !recordOf(inst.Config, fPowerDone).PowerDone.Equal(rec.At)
+}
+
+// undidMarkedDown says a wake's action on inst (as it was read before
+// the action) undid the power-down its record says was carried out: the
+// intent is that power-down, marked done, and Incus showed it.
+func undidMarkedDown(inst *incus.Instance) bool {
+	r := recordOf(inst.Config, fIntent|fPowerDone)
+	if !wokenUnder(&r) {
+		return false
+	}
+	switch r.Intent.Power {
+	case controller.PowerPaused:
+		return inst.Status == incus.InstanceFrozen
+	case controller.PowerStopped, controller.PowerSuspended:
+		return inst.Status == incus.InstanceStopped
+	}
+	return false
+}
+
 // wakeRefused says why a use made at at may not wake inst (st is its
 // state): it is no target, or not active, or a newer power change is
 // recorded on it (ErrSuperseded). A zero at skips that last check: the
@@ -170,7 +207,7 @@ func wakeRefused(inst *incus.Instance, st State, at time.Time) error {
 	if st.Phase != controller.PhaseActive {
 		return errors.New("targets: wake of a target that is not active")
 	}
-	if !at.IsZero() && st.Intent.Power != "" && st.Intent.Power != controller.PowerRunning && st.Intent.At.After(at) {
+	if in := st.Recorded; !at.IsZero() && in.Power != "" && in.Power != controller.PowerRunning && in.At.After(at) {
 		return ErrSuperseded
 	}
 	return nil
@@ -237,11 +274,17 @@ func (s *Service) recordWake(ctx context.Context, name string, at time.Time, cle
 // use. r is the target as the use read it (ResolveRoute).
 func (s *Service) PowerDownPending(r Route, at time.Time) bool {
 	if r.inst != nil {
-		if st := StateOf(r.inst); st.PowerPending() && !s.wroteRunningSince(r.Name, st.Intent) {
+		// What is recorded, not what it means (State.Intent): Incus may
+		// show a target it just stopped running for a moment (seen after a
+		// forced stop), which reads as woken under the stop marked
+		// carried out. A use that finds a power-down recorded goes through
+		// Wake, which reads the target again under the gate and records
+		// its request, whatever it finds.
+		if st := StateOf(r.inst); st.RecordedPending() && !s.wroteRunningSince(r.Name, st.Recorded) {
 			// A wake that acted on the target and records its request for
 			// running now replaces the recorded one: the use need not.
 			w, waking := s.waking.get(r.Name)
-			return !waking || st.Intent.At.After(w)
+			return !waking || st.Recorded.At.After(w)
 		}
 	}
 	w, ok := s.pending.get(r.Name)
@@ -450,6 +493,15 @@ func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) next {
 	st := StateOf(inst)
 	if !st.PowerPending() {
 		s.progress.clear(name)
+		if unmarkedDown(inst, st) {
+			// At rest in a power-down recorded before marks were made, or
+			// asked again of a target that had that power: mark it, so
+			// that the next wake relays its use at once.
+			_ = s.owned(ctx, name, func(ctx context.Context) error {
+				s.powerDone(ctx, name, st.Recorded)
+				return nil
+			})
+		}
 		return settled
 	}
 	to := st.Intent.Power
@@ -601,6 +653,7 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 		return errStillOpen{n}
 	}
 	if now.Power == to {
+		s.powerDone(ctx, name, st.Intent)
 		return nil
 	}
 	// From one powered-down state to another, through running: a stopped
@@ -613,13 +666,18 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 	}
 	switch to {
 	case controller.PowerPaused:
-		return s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionFreeze}, 30*time.Second)
+		err = s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionFreeze}, 30*time.Second)
 	case controller.PowerSuspended:
-		return s.stop(ctx, name, 0, true)
+		err = s.stop(ctx, name, 0, true)
 	case controller.PowerStopped:
-		return s.stop(ctx, name, s.cfg.GracefulStop, false)
+		err = s.stop(ctx, name, s.cfg.GracefulStop, false)
+	default:
+		return errors.New("targets: power down to " + string(to))
 	}
-	return errors.New("targets: power down to " + string(to))
+	if err == nil {
+		s.powerDone(ctx, name, st.Intent)
+	}
+	return err
 }
 
 // powerStates are the states the target's template offers. A target whose

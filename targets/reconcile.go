@@ -84,7 +84,7 @@ func needsWork(inst *incus.Instance) bool {
 	case !st.Booted:
 		return true
 	}
-	return st.PowerPending()
+	return st.PowerPending() || unmarkedDown(inst, st)
 }
 
 // converge takes one idempotent step towards the instance's intent and

@@ -46,6 +46,9 @@ const (
 	keyPower   = "user.lightspeed.power"
 	keyPowerAt = "user.lightspeed.power_at_ms"
 	keyPowerBy = "user.lightspeed.power_by"
+	// keyPowerDone is the power_at_ms of the power-down Incus carried out
+	// last (see State.Intent): a target running under it was woken since.
+	keyPowerDone = "user.lightspeed.power_done_ms"
 
 	keyIngressLabel  = "user.lightspeed.ingress_label"
 	keyIngressRouted = "user.lightspeed.ingress_routed"
@@ -90,6 +93,8 @@ const (
 	// fIntent is the power, power_at_ms and power_by keys: an intent is
 	// read and written whole.
 	fIntent
+	// fPowerDone is the power-down carried out (keyPowerDone).
+	fPowerDone
 	fIngressLabel
 	fIngressRouted
 	fIngressPort
@@ -107,7 +112,7 @@ const (
 	// fPool marks an instance of a warm pool; a claim takes it off.
 	fPool = fWarm | fWarmRecipe | fWarmReady
 	// fState is what StateOf reads.
-	fState = fBooted | fClosing | fFailure | fIntent
+	fState = fBooted | fClosing | fFailure | fIntent | fPowerDone
 	// fOwned is what ownerOf reads.
 	fOwned = fSchema | fOwner
 )
@@ -147,7 +152,10 @@ type record struct {
 	IdleSince time.Time
 	// Intent is the power last asked (see intent.go); zero unless its
 	// power is one of the protocol's.
-	Intent        Intent
+	Intent Intent
+	// PowerDone is the At of the power-down intent Incus carried out last
+	// (zero when none is known to be).
+	PowerDone     time.Time
 	IngressLabel  string
 	IngressRouted bool
 	// IngressPort is the guest port the edge reaches, 0 unless a port.
@@ -232,6 +240,7 @@ func recordOf(config map[string]string, want fields) (r record) {
 	ms(fClosing, keyClosing, &r.Closing)
 	str(fFailure, keyFailure, &r.Failure)
 	ms(fIdleSince, KeyIdleSince, &r.IdleSince)
+	ms(fPowerDone, keyPowerDone, &r.PowerDone)
 	if want&fIntent != 0 {
 		r.Intent = intentFrom(config[keyPower], config[keyPowerAt], config[keyPowerBy])
 		if r.Intent.Power != "" {
@@ -344,6 +353,7 @@ func (c change) config() map[string]string {
 	str(fIntent, keyPower, string(r.Intent.Power))
 	ms(fIntent, keyPowerAt, r.Intent.At)
 	str(fIntent, keyPowerBy, string(r.Intent.By))
+	ms(fPowerDone, keyPowerDone, r.PowerDone)
 	str(fIngressLabel, keyIngressLabel, r.IngressLabel)
 	if c.keys&fIngressRouted != 0 {
 		out[keyIngressRouted] = ""
@@ -433,6 +443,8 @@ func fieldOf(key string) fields {
 		return fIdleSince
 	case keyPower, keyPowerAt, keyPowerBy:
 		return fIntent
+	case keyPowerDone:
+		return fPowerDone
 	case keyIngressLabel:
 		return fIngressLabel
 	case keyIngressRouted:

@@ -24,8 +24,18 @@ type State struct {
 	// Booted: the instance ran at least once (before that, a stopped
 	// instance is still being provisioned).
 	Booted bool
-	// Intent is the power recorded as wanted; zero when none is.
+	// Intent is the power wanted: the one recorded (Recorded), except on
+	// a target Incus runs although the power-down recorded was carried
+	// out (PowerDone): something woke it since, which only a use does (a
+	// dial's or an ingress request's wake, an operator). That is a
+	// request for running made after the power-down, by a use, the
+	// record of which may not have landed yet (a wake relays its dial
+	// before it, and a crash may lose it): Intent says so, a millisecond
+	// after the power-down.
 	Intent Intent
+	// Recorded is the intent as the instance records it; zero when none
+	// is. A write of an intent compares with it.
+	Recorded Intent
 	// Failure is the reason recorded when the provider gave up on it.
 	Failure string
 	// Location is the cluster member of an instance whose state Incus
@@ -48,6 +58,14 @@ func (st State) PowerPending() bool {
 		(st.Intent.Power != st.Power || !st.Resting)
 }
 
+// RecordedPending is PowerPending for the recorded intent: a power-down
+// recorded and not shown by Incus is pending here even where Intent reads
+// the target as woken under it.
+func (st State) RecordedPending() bool {
+	return st.Phase == controller.PhaseActive && st.Recorded.Power != "" &&
+		(st.Recorded.Power != st.Power || !st.Resting)
+}
+
 // StateOf reads an instance. It is the one place where Incus's statuses
 // become the protocol's phases and powers.
 func StateOf(inst *incus.Instance) State {
@@ -58,7 +76,7 @@ func StateOf(inst *incus.Instance) State {
 // stateOf is StateOf on the instance's record, decoded with fState.
 func stateOf(inst *incus.Instance, r *record) State {
 	booted := !r.Booted.IsZero()
-	st := State{Status: inst.Status, Resting: inst.Status.Final(), Booted: booted, Intent: r.Intent}
+	st := State{Status: inst.Status, Resting: inst.Status.Final(), Booted: booted, Intent: r.Intent, Recorded: r.Intent}
 	switch {
 	case r.has(fClosing):
 		st.Phase = controller.PhaseClosing
@@ -69,6 +87,9 @@ func stateOf(inst *incus.Instance, r *record) State {
 	}
 	active := func(p controller.Power) State {
 		st.Phase, st.Power = controller.PhaseActive, p
+		if p == controller.PowerRunning && st.Resting && wokenUnder(r) {
+			st.Intent = Intent{Power: controller.PowerRunning, At: r.Intent.At.Add(time.Millisecond), By: ByUse}
+		}
 		return st
 	}
 	switch inst.Status {
@@ -108,6 +129,13 @@ func stateOf(inst *incus.Instance, r *record) State {
 		st.Phase = controller.PhaseUnknown
 		return st
 	}
+}
+
+// wokenUnder says r records a power-down that Incus carried out: an
+// instance of it that runs was woken since.
+func wokenUnder(r *record) bool {
+	return r.Intent.Power != "" && r.Intent.Power != controller.PowerRunning &&
+		!r.PowerDone.IsZero() && r.PowerDone.Equal(r.Intent.At)
 }
 
 // Observe maps an instance to the protocol's observation: what Incus

@@ -24,8 +24,10 @@ type Targets interface {
 	ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (targets.Route, error)
 	// Wake unfreezes a paused target or starts a stopped or suspended one
 	// at once, and records the use's request for running, made at its
-	// arrival, right after (see targets.Service.Wake).
-	Wake(ctx context.Context, r targets.Route, at time.Time) (controller.Power, error)
+	// arrival, right after (see targets.Service.Wake). relayable, when
+	// not nil, is called once the use may be relayed before that record
+	// lands; otherwise it waits for Wake to answer.
+	Wake(ctx context.Context, r targets.Route, at time.Time, relayable func()) (controller.Power, error)
 	// PowerDownPending says a power-down asked before at, recorded or
 	// kept until Incus takes it, is not carried out yet: a use made at
 	// at replaces it through Wake.
@@ -271,7 +273,7 @@ func (w *Waker) fly(f *Flight, r targets.Route) {
 			if tr != nil {
 				wakeStart = time.Now()
 			}
-			_, err := w.opts.Targets.Wake(ctx, r, f.requested)
+			_, err := w.opts.Targets.Wake(ctx, r, f.requested, nil)
 			if tr != nil {
 				tr.wakeCall(wakeStart, time.Now())
 			}
@@ -378,12 +380,17 @@ func (w *Waker) wakeAndProbe(ctx context.Context, f *Flight, r targets.Route) pr
 	if tr != nil {
 		wakeStart = time.Now()
 	}
+	// relayable is closed once the use may be relayed before Wake's
+	// record lands (see Targets.Wake); the record goes on, holding wtk, so
+	// that no power-down starts before it.
+	relayable := make(chan struct{})
+	var relayableOnce sync.Once
 	go func() {
 		defer close(wakeDone)
 		defer wtk.Leave()
 		wctx, cancel := context.WithTimeout(w.ctx, 2*time.Minute)
 		defer cancel()
-		_, wakeErr = w.opts.Targets.Wake(wctx, r, f.requested)
+		_, wakeErr = w.opts.Targets.Wake(wctx, r, f.requested, func() { relayableOnce.Do(func() { close(relayable) }) })
 		if tr != nil {
 			wakeEnd = time.Now()
 		}
@@ -444,9 +451,12 @@ func (w *Waker) wakeAndProbe(ctx context.Context, f *Flight, r targets.Route) pr
 			// The daemon answered before Wake did (a thawed guest answers
 			// at once): the use's request for running is not recorded
 			// yet, and a dial relayed now would be lost with it, should
-			// the process die before the record lands.
+			// the process die before the record lands, unless Incus
+			// itself shows the use meanwhile (relayable).
 			select {
 			case <-done:
+			case <-relayable:
+				return a
 			case <-ctx.Done():
 				return probeSilent
 			}

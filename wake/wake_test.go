@@ -35,11 +35,14 @@ type fakeTargets struct {
 	wakeDelay time.Duration
 	// wakeHeld, when set, holds Wake until it is closed, and wakeErr is
 	// what Wake then answers.
-	wakeHeld  chan struct{}
-	wakeErr   error
-	wakes     atomic.Int32
-	restarts  atomic.Int32
-	onRestart func() // set before the rig's first use
+	wakeHeld chan struct{}
+	wakeErr  error
+	// relayEarly: Wake says the use is relayable once it acted, before
+	// the record it is held on (a power-down marked carried out).
+	relayEarly bool
+	wakes      atomic.Int32
+	restarts   atomic.Int32
+	onRestart  func() // set before the rig's first use
 }
 
 func (f *fakeTargets) route() targets.Route {
@@ -70,10 +73,10 @@ func (f *fakeTargets) ResolveRoute(_ context.Context, owner controller.Owner, ta
 	return f.route(), nil
 }
 
-func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (controller.Power, error) {
+func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time, relayable func()) (controller.Power, error) {
 	f.wakes.Add(1)
 	f.mu.Lock()
-	from, delay, held, werr := f.route().Observation.Power, f.wakeDelay, f.wakeHeld, f.wakeErr
+	from, delay, held, werr, early := f.route().Observation.Power, f.wakeDelay, f.wakeHeld, f.wakeErr, f.relayEarly
 	f.mu.Unlock()
 	select {
 	case <-time.After(delay):
@@ -81,6 +84,9 @@ func (f *fakeTargets) Wake(ctx context.Context, _ targets.Route, _ time.Time) (c
 		return from, ctx.Err()
 	}
 	f.set(targets.RouteRunning, controller.PhaseActive)
+	if early && relayable != nil {
+		relayable()
+	}
 	if held != nil {
 		select {
 		case <-held:
@@ -281,6 +287,29 @@ func TestAUseWaitsForItsWakeToBeRecorded(t *testing.T) {
 		case superseded && (ref == nil || ref.State != StateWaking):
 			t.Fatalf("a wake superseded by a newer request answered %+v, want a refusal", ref)
 		}
+	}
+}
+
+// A wake that undid a power-down marked carried out says so at once
+// (Targets.Wake's relayable): Incus showing the target running under that
+// power-down tells of the use should the process die before the record,
+// so the use is answered when the daemon is, while the record goes on.
+// The flight's ticket stays with the record: no power-down starts under
+// it.
+func TestAUseOfAMarkedPowerDownGoesBeforeTheRecord(t *testing.T) {
+	r := newWakeRig(t, targets.RoutePaused)
+	held := make(chan struct{})
+	defer close(held)
+	r.targets.wakeHeld = held
+	r.targets.relayEarly = true
+	rt := r.route(t)
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	if ref := r.w.WakeForUse(ctx, rt, time.Now()); ref != nil {
+		t.Fatalf("the use was refused %+v", ref)
+	}
+	if _, ok := r.reg.Quiesce(rt.Name); ok {
+		t.Fatal("a power-down could start while the wake's record is still under way")
 	}
 }
 
