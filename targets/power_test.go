@@ -415,3 +415,46 @@ func TestIdleActionsOnIncus(t *testing.T) {
 }
 
 func u64(v uint64) *uint64 { return &v }
+
+// A wake may relay its use before its record once the power-down it undid
+// is marked carried out: a process that dies in between leaves the target
+// running under that power-down. On the real Incus: the pause is marked,
+// the process is gone, the target is unfrozen (the wake's action) and no
+// record follows; the next process reads the use and leaves it running.
+func TestAWokenTargetUnderAMarkedPauseStaysUp(t *testing.T) {
+	h := newHarness(t)
+	cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: 300 * time.Millisecond}
+	svc, stop := h.startCfg(h.catalog, cfg)
+	ctx := ctxT(t)
+	ref := activeTarget(t, svc, owner("env-woken-real"))
+	setPower(t, svc, ref, controller.PowerPaused)
+	until(t, "paused", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerPaused))
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		c := h.instance(ref.TargetID).Config
+		if c[keyPowerDone] != "" && c[keyPowerDone] == c[keyPowerAt] {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the pause carried out was never marked: %v", c)
+		}
+	}
+	stop()
+
+	op, err := h.client.UpdateInstanceState(ctx, ref.TargetID, incus.InstanceStatePut{Action: incus.ActionUnfreeze})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.client.Wait(ctx, op); err != nil {
+		t.Fatal(err)
+	}
+
+	next, _ := h.startCfg(h.catalog, cfg)
+	obs, err := next.GetTarget(ctx, ref)
+	if err != nil || obs.Power != controller.PowerRunning || obs.Message != "" {
+		t.Fatalf("the next process observes %+v %v, want running", obs, err)
+	}
+	time.Sleep(2 * time.Second) // several reconcile passes
+	if st := h.instance(ref.TargetID).Status; st != incus.InstanceRunning {
+		t.Fatalf("Incus shows %s after the next process's passes, want Running", st)
+	}
+}
