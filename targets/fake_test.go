@@ -290,7 +290,7 @@ func TestFakePowerDownInsideAWakesWindow(t *testing.T) {
 	defer cancel()
 
 	wakeAt := time.Now()
-	hang, wakeDone := r.wakeHeld(ctx, name, http.MethodPut, "/state", wakeAt) // the unfreeze
+	hang, wakeDone := r.wakeHeld(ctx, name, http.MethodPut, "/state", wakeAt, nil) // the unfreeze
 	if got := r.instance(name).Config[keyPower]; got != string(controller.PowerPaused) {
 		t.Fatalf("the wake acts first and records its request after its action; recorded %q while the unfreeze is under way", got)
 	}
@@ -574,7 +574,7 @@ func TestFakeAReadFromInsideAWakeFindsItsRecord(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 
-	record, wakeDone := r.wakeHeld(ctx, name, http.MethodPatch, "", time.Now())
+	record, wakeDone := r.wakeHeld(ctx, name, http.MethodPatch, "", time.Now(), nil)
 	between, _, err := r.client.GetInstance(ctx, name)
 	if err != nil {
 		t.Fatal(err)

@@ -8,7 +8,6 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
-	"github.com/lightspeed-dev/incus-provider/internal/incusfake"
 )
 
 // A power-down Incus carried out is recorded as such on the instance
@@ -111,23 +110,8 @@ func TestFakeAWakeOfAMarkedPowerDownIsRelayableBeforeItsRecord(t *testing.T) {
 			name := r.seedTargetWith(o, incus.InstanceFrozen, power, done)
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
-			record := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodPatch, Path: "/1.0/instances/" + name, Times: 1})
-			defer record.Release()
-			inst, _, err := r.client.GetInstance(ctx, name)
-			if err != nil {
-				t.Fatal(err)
-			}
 			relayable := make(chan struct{})
-			wakeDone := make(chan error, 1)
-			go func() {
-				_, err := r.svc.Wake(ctx, routeFor(inst), time.Now(), func() { close(relayable) })
-				wakeDone <- err
-			}()
-			select {
-			case <-record.Hit():
-			case <-ctx.Done():
-				t.Fatal("the wake's record never reached Incus")
-			}
+			record, wakeDone := r.wakeHeld(ctx, name, http.MethodPatch, "", time.Now(), func() { close(relayable) })
 			select {
 			case <-relayable:
 				if !done {

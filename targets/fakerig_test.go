@@ -408,7 +408,7 @@ func (r *fakeRig) cacheView(name string) (inst *incus.Instance, hit, confirmed b
 // of method on path (relative to the instance's) held at Incus's door,
 // and returns once the wake has reached it. The caller releases the hold
 // (the returned fault) and reads the wake's answer from done.
-func (r *fakeRig) wakeHeld(ctx context.Context, name, method, path string, at time.Time) (hold *incusfake.Injected, done <-chan error) {
+func (r *fakeRig) wakeHeld(ctx context.Context, name, method, path string, at time.Time, relayable func()) (hold *incusfake.Injected, done <-chan error) {
 	r.t.Helper()
 	hold = r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: method, Path: "/1.0/instances/" + name + path, Times: 1})
 	r.t.Cleanup(hold.Release)
@@ -418,7 +418,7 @@ func (r *fakeRig) wakeHeld(ctx context.Context, name, method, path string, at ti
 	}
 	answer := make(chan error, 1)
 	go func() {
-		_, err := r.svc.Wake(ctx, routeFor(inst), at, nil)
+		_, err := r.svc.Wake(ctx, routeFor(inst), at, relayable)
 		answer <- err
 	}()
 	select {
