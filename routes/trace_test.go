@@ -65,8 +65,9 @@ func checkOrder(t *testing.T, tr wake.Trace) {
 	}
 }
 
-// checkSum checks that the breakdown adds up and leaves the provider a
-// small, non-negative share: in-process fakes leave it little to do.
+// checkSum checks that the breakdown adds up, with no negative share.
+// How small the provider's share is, is wakebench's to measure: a bound
+// here would be one on this machine's load.
 func checkSum(t *testing.T, tr wake.Trace, dialTook time.Duration) wake.Breakdown {
 	t.Helper()
 	b, ok := tr.Breakdown()
@@ -79,7 +80,7 @@ func checkSum(t *testing.T, tr wake.Trace, dialTook time.Duration) wake.Breakdow
 	if b.Total > dialTook {
 		t.Fatalf("the trace's total %s is longer than the dial seen from outside, %s", b.Total, dialTook)
 	}
-	if b.Incus < 0 || b.Daemon < 0 || b.Provider < 0 || b.Provider > 40*time.Millisecond {
+	if b.Incus < 0 || b.Daemon < 0 || b.Provider < 0 {
 		t.Fatalf("breakdown %+v", b)
 	}
 	return b
@@ -112,12 +113,20 @@ func TestWakeTraceFromPaused(t *testing.T) {
 		t.Fatalf("trace %+v", tr)
 	}
 	// The thawed guest answers the probe that waited on it while the wake
-	// runs: that is Incus's time, and the daemon is left its relay dial.
-	if b.Incus < unfreeze || b.Incus > unfreeze+40*time.Millisecond {
-		t.Fatalf("incus %s for an unfreeze of %s", b.Incus, unfreeze)
+	// ran: that wait is Incus's time, and the daemon is left what came
+	// after the call (on a loaded machine, the answer's way back) and its
+	// relay dial. Checked on the trace's own times, not on bounds of the
+	// machine's load.
+	if b.Incus < unfreeze || b.Incus != tr.IncusEnd.Sub(tr.IncusStart) {
+		t.Fatalf("incus %s (call %s to %s) for an unfreeze of %s", b.Incus, tr.IncusStart, tr.IncusEnd, unfreeze)
 	}
-	if relay := tr.GuestUpgraded.Sub(tr.GuestDialStart); b.Daemon < relay || b.Daemon > relay+20*time.Millisecond {
-		t.Fatalf("daemon %s, relay dial %s", b.Daemon, relay)
+	answered := tr.Probes[len(tr.Probes)-1]
+	if !answered.Start.Before(tr.IncusEnd) {
+		t.Fatalf("the answered probe started at %s, after the wake's call ended (%s): it did not wait on the frozen guest", answered.Start, tr.IncusEnd)
+	}
+	relay := tr.GuestUpgraded.Sub(tr.GuestDialStart)
+	if want := max(0, tr.Answered.Sub(tr.IncusEnd)) + relay; b.Daemon != want {
+		t.Fatalf("daemon %s, want the time from the call's end to the answer and the relay dial, %s", b.Daemon, want)
 	}
 }
 
@@ -173,14 +182,16 @@ func TestWakeTraceFromStopped(t *testing.T) {
 	if !tr.Probes[0].Start.After(tr.IncusEnd) {
 		t.Fatal("a stopped target was probed before Incus had started it")
 	}
-	if b.Incus < start || b.Incus > start+40*time.Millisecond {
-		t.Fatalf("incus %s for a start of %s", b.Incus, start)
+	if b.Incus < start || b.Incus != tr.IncusEnd.Sub(tr.IncusStart) {
+		t.Fatalf("incus %s (call %s to %s) for a start of %s", b.Incus, tr.IncusStart, tr.IncusEnd, start)
 	}
-	// The boot is the daemon's, polling included.
-	if b.Daemon < boot || b.Daemon > boot+150*time.Millisecond {
-		t.Fatalf("daemon %s for a boot of %s", b.Daemon, boot)
+	// The boot is the daemon's, polling included: from the first probe
+	// (after the start, above) to the answer, and the relay dial.
+	relay := tr.GuestUpgraded.Sub(tr.GuestDialStart)
+	if want := tr.Answered.Sub(tr.Probes[0].Start) + relay; b.Daemon < boot || b.Daemon != want {
+		t.Fatalf("daemon %s for a boot of %s, want %s", b.Daemon, boot, want)
 	}
-	if gap := tr.PollGap(); gap <= 0 || gap > 100*time.Millisecond {
+	if gap := tr.PollGap(); gap <= 0 {
 		t.Fatalf("poll gap %s", gap)
 	}
 }
