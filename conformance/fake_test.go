@@ -33,6 +33,10 @@ const (
 	activeWithoutPower
 	// ftpIngress reports an ingress endpoint that is not http or https.
 	ftpIngress
+	// unavailableOnce answers a provisioning target's first get with the
+	// contract's retryable unavailable, as a provider whose Incus did not
+	// answer in time does: no flaw, and the suite must ask again.
+	unavailableOnce
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -48,10 +52,11 @@ type fakeBackend struct {
 }
 
 type fakeTarget struct {
-	id    string
-	owner controller.Owner
-	phase controller.Phase
-	seen  int
+	id      string
+	owner   controller.Owner
+	phase   controller.Phase
+	seen    int
+	refused bool // unavailableOnce: its get was answered unavailable
 }
 
 func newFake(f flaw) *fakeBackend {
@@ -137,6 +142,10 @@ func (f *fakeBackend) GetTarget(_ context.Context, ref controller.TargetRef) (co
 	}
 	if t == nil || (ref.TargetID != "" && t.id != ref.TargetID) {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No target for this owner.")
+	}
+	if f.flaw == unavailableOnce && t.phase == controller.PhaseProvisioning && !t.refused {
+		t.refused = true
+		return controller.Observation{}, jsonrpc.Unavailable(150, "Incus did not answer in time; retry shortly.")
 	}
 	t.seen++
 	switch {

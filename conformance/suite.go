@@ -368,6 +368,17 @@ func (s *suite) closeUntilClosed(ctx context.Context, c *conn, ref controller.Ta
 	}
 }
 
+// retryable says err is the contract's retryable unavailable, carrying
+// its retryAfterMs, and how long it asks the caller to wait.
+func retryable(err error) (time.Duration, bool) {
+	var e *jsonrpc.Error
+	if !errors.As(err, &e) || e.Kind != jsonrpc.KindUnavailable || e.RetryAfterMs == nil {
+		return 0, false
+	}
+	// A minute at most: a longer wait would outlast any settle timeout.
+	return time.Duration(min(*e.RetryAfterMs, 60_000)) * time.Millisecond, true
+}
+
 // waitActive follows target/get until the owner's target is active, and
 // checks every observation on the way: strictly decoded, the owner echoed,
 // the same target id, and no phase a healthy create never passes through.
@@ -377,6 +388,14 @@ func (r *checkRun) waitActive(ctx context.Context, c *conn, ref controller.Targe
 	for {
 		polls++
 		obs, err := r.s.callTarget(ctx, c, controller.MethodTargetGet, getParams(ref), ref.Owner)
+		if after, ok := retryable(err); ok && time.Now().Add(after).Before(deadline) {
+			// The contract's unavailable is retryable, after its
+			// retryAfterMs: the runtime asks again, and so does this poll.
+			if err := sleep(ctx, max(after, r.s.cfg.PollInterval)); err != nil {
+				r.fatalf("waiting for active: %v", err)
+			}
+			continue
+		}
 		if err != nil {
 			r.fatalf("target/get while waiting for the target to become active (poll %d): %s", polls, describeErr(err))
 		}

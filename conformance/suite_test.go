@@ -25,6 +25,19 @@ func TestSuitePassesAgainstACorrectController(t *testing.T) {
 	}
 }
 
+// A provider answers unavailable, with its retryAfterMs, while Incus does
+// not answer in time: retryable by the contract, so a suite polling a
+// create towards active asks again rather than failing it.
+func TestSuiteRetriesAnUnavailableGet(t *testing.T) {
+	cfg := fast(serve(t, newFake(unavailableOnce), controller.Options{}))
+	cfg.Checks = []string{"create-idempotency"}
+	for _, r := range conformance.Run(t.Context(), cfg) {
+		if r.Failed() {
+			t.Fatalf("%s failed on a retryable answer: %s", r.Name, r.Detail)
+		}
+	}
+}
+
 func TestSuitePassesWithACredential(t *testing.T) {
 	fake := newFake(correct)
 	cfg := fast(serve(t, fake, controller.Options{Credential: bearer.New("s3cret-conformance")}))
