@@ -347,6 +347,26 @@ func (r *rig) mustUpgrade(route routes.Route) *websocket.Conn {
 	return d.Conn
 }
 
+// upgradeAsARuntime dials route as a runtime does: a dial refused as
+// still waking or booting (the 5 s hold ran out, as a start under a loaded
+// machine's lanes may) is dialled again after its Retry-After, up to five
+// times. Any other refusal fails the test.
+func (r *rig) upgradeAsARuntime(route routes.Route) *websocket.Conn {
+	r.t.Helper()
+	for try := 1; ; try++ {
+		d := r.dial(route)
+		if d.Conn != nil {
+			initialize(r.t, d.Conn)
+			return d.Conn
+		}
+		if try == 5 || d.Refusal == nil || (d.Refusal.State != "booting" && d.Refusal.State != "waking") {
+			r.t.Fatalf("route refused: %+v after %s (dial %d)", d.Refusal, d.Elapsed, try)
+		}
+		r.t.Logf("dial %d refused %+v after %s; dialling again after its Retry-After, as a runtime does", try, d.Refusal, d.Elapsed)
+		time.Sleep(max(d.Refusal.RetryAfter, 100*time.Millisecond))
+	}
+}
+
 // wakes counts the wakes the data routes finished, by the provider's own
 // metric.
 func (r *rig) wakes() int {

@@ -41,7 +41,7 @@ func TestRoutes(t *testing.T) {
 
 	t.Run("stopped target is woken by a dial", func(t *testing.T) {
 		r.power(a, controller.PowerStopped)
-		r.mustUpgrade(a).Close()
+		r.upgradeAsARuntime(a).Close()
 		if st := r.status(a.TargetID); st != incus.InstanceRunning {
 			t.Fatalf("Incus shows %s", st)
 		}
