@@ -27,6 +27,7 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/routes"
+	"github.com/lightspeed-dev/incus-provider/wake"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -359,7 +360,7 @@ func (r *rig) upgradeAsARuntime(route routes.Route) *websocket.Conn {
 			initialize(r.t, d.Conn)
 			return d.Conn
 		}
-		if try == 5 || d.Refusal == nil || (d.Refusal.State != "booting" && d.Refusal.State != "waking") {
+		if try == 5 || d.Refusal == nil || (d.Refusal.State != string(wake.StateBooting) && d.Refusal.State != string(wake.StateWaking)) {
 			r.t.Fatalf("route refused: %+v after %s (dial %d)", d.Refusal, d.Elapsed, try)
 		}
 		r.t.Logf("dial %d refused %+v after %s; dialling again after its Retry-After, as a runtime does", try, d.Refusal, d.Elapsed)
