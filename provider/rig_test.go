@@ -27,9 +27,9 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/testrig"
 	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/routes"
-	"github.com/lightspeed-dev/incus-provider/wake"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
+	"github.com/lightspeed-dev/incus-provider/wake"
 )
 
 // These tests run the provider as it ships (provider.New, served over
