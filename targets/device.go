@@ -31,7 +31,7 @@ const deviceSettle = 3 * time.Second
 // reaches the daemon through, on an instance that runs: a wake whose probe
 // finds nothing listening on it while the instance runs asks for it (see
 // guest.RestartedDevice for how LXD 5.0 leaves one dead). It is one
-// ETag-guarded write of the whole instance, under the instance's gate, that
+// ETag-guarded write of the whole instance, under the instance's turn, that
 // changes the device's config to an equivalent one. An instance that does
 // not run is left alone: its next start starts the device.
 func (s *Service) RestartDaemonDevice(ctx context.Context, name string) error {

@@ -26,7 +26,7 @@ func TestFakeAStartThatKeepsFailingFailsTheTarget(t *testing.T) {
 	defer refused.Release()
 	began := time.Now()
 	r.seedUnbooted(o)
-	r.svc.work.kick(name)
+	r.svc.own.kick(name)
 	r.awaitFake("the failure recorded", 20*time.Second, func() bool { return r.instance(name).Config[keyFailure] != "" })
 	took := time.Since(began)
 	starts := 0
@@ -73,7 +73,7 @@ func TestFakeAStartFoundRunningIsNoFailure(t *testing.T) {
 		Status: http.StatusBadRequest, Message: "The instance is already running", Times: 1})
 	defer refused.Release()
 	r.seedUnbooted(o)
-	r.svc.work.kick(name)
+	r.svc.own.kick(name)
 	r.awaitFake("booted", 10*time.Second, func() bool {
 		v := r.instance(name)
 		return v.Config[keyBooted] != "" || v.Config[keyFailure] != ""
@@ -125,9 +125,9 @@ func TestFakeAFailedPowerMoveSaysWhenItRetries(t *testing.T) {
 		t.Errorf("Incus refused %d moves, want 4", n)
 	}
 	// The fake rests before the step that moved it returns.
-	for deadline := time.Now().Add(5 * time.Second); r.svc.work.failures(name).n != 0; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(5 * time.Second); r.svc.own.failures(name).n != 0; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("the name still counts %d failures after the move", r.svc.work.failures(name).n)
+			t.Fatalf("the name still counts %d failures after the move", r.svc.own.failures(name).n)
 		}
 	}
 	obs, err := r.svc.GetTarget(ctx, ref)

@@ -34,7 +34,7 @@ import (
 // Incus fake, with the service's Incus traffic passing a tap that sees
 // every busy refusal Incus gives it: a refusal the service retries
 // quietly (want, patchIf) or turns into a kept request (SetPower) never
-// reaches a caller, and the point of the gate is that there are none.
+// reaches a caller, and the point of the turn is that there are none.
 type fakeRig struct {
 	t      *testing.T
 	fake   *incusfake.Server

@@ -161,7 +161,7 @@ func (s *Service) IdleClose(ctx context.Context, t IdleView) error {
 // idleAct carries out IdlePowerDown to the power to, or IdleClose when to
 // is empty.
 func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, idleSince time.Time) error {
-	unlock, err := s.locks.lock(ctx, t.Name)
+	unlock, err := s.own.request(ctx, t.Name)
 	if err != nil {
 		return err
 	}
@@ -207,7 +207,7 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 				return err
 			}
 		}
-		s.work.kick(t.Name)
+		s.own.kick(t.Name)
 		return nil
 	}
 	if !slices.Contains(s.powerStates(inst), to) {
@@ -227,7 +227,7 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 	unlock()
 	locked = false
 	select {
-	case <-s.work.kick(t.Name):
+	case <-s.own.kick(t.Name):
 	case <-ctx.Done():
 		return ctx.Err()
 	}

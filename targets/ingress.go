@@ -262,7 +262,7 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 // patchIf writes the change decide answers (empty: nothing to write) to the
 // instance as read, conditional on its ETag, reading again when another
 // writer came first. It answers the instance as written. The reads and the
-// write hold the instance's gate (owner.go).
+// write hold the instance's turn (owner.go).
 func (s *Service) patchIf(ctx context.Context, name string, decide func(*incus.Instance) (change, error)) (*incus.Instance, error) {
 	var inst *incus.Instance
 	err := s.owned(ctx, name, func(ctx context.Context) error {

@@ -72,12 +72,12 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra change
 // that holds the instance or the ETag churn of one that moves it, and says
 // ErrBusy: nothing was recorded, and the caller may keep the request.
 func (s *Service) wantPatient(ctx context.Context, patience time.Time, name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
-	// The read and the write hold the instance's gate (owner.go). Incus
+	// The read and the write hold the instance's turn (owner.go). Incus
 	// checks a PATCH's ETag before it applies the write, not with it, so
 	// two writes read at one ETag can both pass, and the one applied last
 	// wins whatever its time (the kill matrix met it: a kept paused
 	// request, flushed by the reconciler, landing over a newer dial's
-	// running). Waiting for the gate stops at patience, as waiting out
+	// running). Waiting for the turn stops at patience, as waiting out
 	// Incus's own operations does.
 	var (
 		inst  *incus.Instance
@@ -94,7 +94,7 @@ func (s *Service) wantPatient(ctx context.Context, patience time.Time, name stri
 	return inst, wrote, err
 }
 
-// wantHeld is wantPatient's read and write, under the instance's gate.
+// wantHeld is wantPatient's read and write, under the instance's turn.
 func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
 	wait := func(d time.Duration) bool {
 		if !patience.IsZero() {
@@ -187,7 +187,7 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 // recorded since: a wake that then finds the target powered down may
 // relay its use before its own record lands, since a crash in between
 // leaves Incus showing the use (State.Intent). The caller holds the
-// instance's gate. A failure is no failure of the power-down: wakes then
+// instance's turn. A failure is no failure of the power-down: wakes then
 // wait for their record, as they did before there was a mark.
 func (s *Service) powerDone(ctx context.Context, name string, in Intent) {
 	for attempt := 0; attempt < 3; attempt++ {

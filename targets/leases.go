@@ -136,7 +136,7 @@ func (s *Service) leaseOne(ctx context.Context, name string) {
 		s.leases.kicked[name] = st.Intent.At
 		s.leases.mu.Unlock()
 		if !seen {
-			s.work.kick(name)
+			s.own.kick(name)
 		}
 		return
 	}

@@ -16,7 +16,7 @@ import (
 // The race that failed a fresh clone's make test: a wake's start (or
 // unfreeze) and this process's config writes of the same instance (a
 // lease renewal, an intent, the idle-since clear) met in Incus, which
-// refused one of them as busy. Through the instance's gate they take
+// refused one of them as busy. Through the instance's turn they take
 // turns, so none of them is ever refused.
 func TestOwnWritesNeverMeetEachOtherBusy(t *testing.T) {
 	h := newHarness(t)

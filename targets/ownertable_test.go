@@ -2,7 +2,10 @@ package targets
 
 import (
 	"context"
+	"fmt"
+	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -13,7 +16,7 @@ import (
 func TestSoonBringsALaterRetryForward(t *testing.T) {
 	var mu sync.Mutex
 	runs := map[string][]time.Time{}
-	w := newWorker(func(_ context.Context, name string) next {
+	w := newOwner(func(_ context.Context, name string) next {
 		mu.Lock()
 		defer mu.Unlock()
 		runs[name] = append(runs[name], time.Now())
@@ -55,7 +58,7 @@ func TestSoonDuringARunLooksOnceWhenAsked(t *testing.T) {
 	release := make(chan struct{})
 	var mu sync.Mutex
 	var runs []time.Time
-	w := newWorker(func(ctx context.Context, _ string) next {
+	w := newOwner(func(ctx context.Context, _ string) next {
 		mu.Lock()
 		runs = append(runs, time.Now())
 		first := len(runs) == 1
@@ -115,7 +118,7 @@ func TestWorkerRunsAtMostMaxAtOnce(t *testing.T) {
 	running, most := 0, 0
 	ran := map[string]int{}
 	release := make(chan struct{})
-	w := newWorkerOf(bound, func(ctx context.Context, name string) next {
+	w := newOwnerOf(bound, func(ctx context.Context, name string) next {
 		mu.Lock()
 		running++
 		most = max(most, running)
@@ -178,8 +181,8 @@ func TestWorkerRunsAtMostMaxAtOnce(t *testing.T) {
 func TestWorkerABusyNameDoesNotStarveTheQueue(t *testing.T) {
 	var mu sync.Mutex
 	var order []string
-	var w *worker
-	w = newWorkerOf(1, func(_ context.Context, name string) next {
+	var w *owners
+	w = newOwnerOf(1, func(_ context.Context, name string) next {
 		mu.Lock()
 		order = append(order, name)
 		n := len(order)
@@ -209,7 +212,7 @@ func TestWorkerABusyNameDoesNotStarveTheQueue(t *testing.T) {
 // Stopping the worker answers the kicks of names still queued.
 func TestWorkerStopAnswersQueuedKicks(t *testing.T) {
 	block := make(chan struct{})
-	w := newWorkerOf(1, func(ctx context.Context, _ string) next {
+	w := newOwnerOf(1, func(ctx context.Context, _ string) next {
 		select {
 		case <-block:
 		case <-ctx.Done():
@@ -235,7 +238,7 @@ func TestWorkerBacksOffANameThatFails(t *testing.T) {
 	var mu sync.Mutex
 	var runs []time.Time
 	failing := 4
-	w := newWorkerOf(1, func(_ context.Context, _ string) next {
+	w := newOwnerOf(1, func(_ context.Context, _ string) next {
 		mu.Lock()
 		defer mu.Unlock()
 		runs = append(runs, time.Now())
@@ -263,7 +266,8 @@ func TestWorkerBacksOffANameThatFails(t *testing.T) {
 		t.Helper()
 		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
 			w.mu.Lock()
-			_, busy := w.jobs["x"]
+			k := w.keys["x"]
+			busy := k != nil && k.job != nil
 			w.mu.Unlock()
 			if !busy {
 				return
@@ -283,9 +287,7 @@ func TestWorkerBacksOffANameThatFails(t *testing.T) {
 		}
 	}
 	mu.Unlock()
-	w.mu.Lock()
-	left := w.fails["x"].n
-	w.mu.Unlock()
+	left := w.failures("x").n
 	if left != 0 {
 		t.Fatalf("after a step that did not fail the name still counts %d failures", left)
 	}
@@ -300,11 +302,9 @@ func TestWorkerBacksOffANameThatFails(t *testing.T) {
 	w.mu.Unlock()
 	before := count()
 	<-w.kick("x")
-	w.mu.Lock()
-	if w.fails["x"].n != 1 {
-		t.Errorf("one failure after a success counts %d", w.fails["x"].n)
+	if n := w.failures("x").n; n != 1 {
+		t.Errorf("one failure after a success counts %d", n)
 	}
-	w.mu.Unlock()
 	failedAt := time.Now()
 	w.nudge("x")
 	time.Sleep(100 * time.Millisecond)
@@ -315,5 +315,188 @@ func TestWorkerBacksOffANameThatFails(t *testing.T) {
 	<-w.kick("x")
 	if n := count(); n != before+2 {
 		t.Fatalf("%d runs after the kick; want %d", n, before+2)
+	}
+}
+
+// A wake waiting for an instance's turn goes before the records and moves
+// that were waiting already (a dial's latency is the only one a user
+// sees), and wakes among themselves, like the rest, go in the order they
+// came.
+func TestTurnGoesToAWakeFirst(t *testing.T) {
+	o := newOwnerOf(1, func(context.Context, string) next { return settled })
+	defer o.stop()
+	release, waited, err := o.take(t.Context(), "x", false)
+	if err != nil || waited {
+		t.Fatalf("a free turn: waited %v, %v", waited, err)
+	}
+	var mu sync.Mutex
+	var order []string
+	var wg sync.WaitGroup
+	queued := func(n int) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+			o.mu.Lock()
+			got := len(o.keys["x"].turn.waiting)
+			o.mu.Unlock()
+			if got == n {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%d waiting for the turn after 5 s; want %d", got, n)
+			}
+		}
+	}
+	for i, w := range []struct {
+		who    string
+		urgent bool
+	}{{"record-1", false}, {"record-2", false}, {"wake-1", true}, {"move-3", false}, {"wake-2", true}} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rel, waited, err := o.take(t.Context(), "x", w.urgent)
+			if err != nil || !waited {
+				t.Errorf("%s: waited %v, %v", w.who, waited, err)
+				return
+			}
+			mu.Lock()
+			order = append(order, w.who)
+			mu.Unlock()
+			rel()
+		}()
+		queued(i + 1) // each waits before the next comes
+	}
+	release()
+	wg.Wait()
+	want := []string{"wake-1", "wake-2", "record-1", "record-2", "move-3"}
+	if len(order) != len(want) {
+		t.Fatalf("turns went to %v; want %v", order, want)
+	}
+	for i := range want {
+		if order[i] != want[i] {
+			t.Fatalf("turns went to %v; want %v", order, want)
+		}
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.keys) != 0 {
+		t.Fatalf("%d entries left once nothing is held", len(o.keys))
+	}
+}
+
+// Dozens of instances, each taken by many writers and requests at once,
+// some of whose waits end before their turn (a method's bound): nobody
+// shares an instance's turn or request, every wait ends, a turn handed to
+// a waiter just as its wait ended goes on to the next, and no entry is
+// left once all is done.
+func TestTurnOneAtATimeUnderManyWaiters(t *testing.T) {
+	rng := seeded(t)
+	const names, takers, rounds = 40, 8, 30
+	o := newOwnerOf(4, func(context.Context, string) next { return settled })
+	defer o.stop()
+	inside := make([]atomic.Int32, 2*names)
+	seeds := make([]uint64, names*takers)
+	for i := range seeds {
+		seeds[i] = rng.Uint64()
+	}
+	var wg sync.WaitGroup
+	var cut, took atomic.Int64
+	deadline := time.Now().Add(20 * time.Second)
+	for n := range names {
+		name := fmt.Sprintf("t-%02d", n)
+		for i := range takers {
+			r := rand.New(rand.NewPCG(seeds[n*takers+i], 1))
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range rounds {
+					if time.Now().After(deadline) {
+						t.Error("the rounds outlived 20 s")
+						return
+					}
+					ctx, cancel := context.WithTimeout(t.Context(), time.Duration(r.IntN(3000))*time.Microsecond)
+					var rel func()
+					var err error
+					slot := n
+					switch r.IntN(3) {
+					case 0:
+						rel, err = o.request(ctx, name)
+						slot = names + n
+					default:
+						rel, _, err = o.take(ctx, name, r.IntN(4) == 0)
+					}
+					cancel()
+					if err != nil {
+						cut.Add(1)
+						continue
+					}
+					if v := inside[slot].Add(1); v != 1 {
+						t.Errorf("%s: %d holders at once", name, v)
+					}
+					took.Add(1)
+					time.Sleep(time.Duration(r.IntN(200)) * time.Microsecond)
+					inside[slot].Add(-1)
+					rel()
+					rel() // a second release does nothing
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	if cut.Load() == 0 || took.Load() == 0 {
+		t.Fatalf("took %d, cut short %d: the test staged too little", took.Load(), cut.Load())
+	}
+	t.Logf("%d turns and requests taken, %d waits cut short", took.Load(), cut.Load())
+	o.mu.Lock()
+	left := len(o.keys)
+	o.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("%d entries left once nothing is held", left)
+	}
+	for n := range names {
+		name := fmt.Sprintf("t-%02d", n)
+		ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+		rel, waited, err := o.take(ctx, name, false)
+		cancel()
+		if err != nil || waited {
+			t.Fatalf("%s afterwards: waited %v, %v", name, waited, err)
+		}
+		rel()
+	}
+}
+
+// A converge and the turn live in one entry: a name whose converge runs,
+// waits or backs off keeps it, and it is dropped once none does.
+func TestOwnerEntryLivesWhileAnyPartIsUsed(t *testing.T) {
+	fail := make(chan bool, 1)
+	o := newOwnerOf(2, func(context.Context, string) next {
+		if <-fail {
+			return failedStep
+		}
+		return settled
+	})
+	defer o.stop()
+	o.failFirst = time.Hour
+	entries := func() int {
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		return len(o.keys)
+	}
+	fail <- true
+	<-o.kick("x")
+	if f := o.failures("x"); f.n != 1 || entries() != 1 {
+		t.Fatalf("after a failed step: %d failures, %d entries", f.n, entries())
+	}
+	rel, _, err := o.take(t.Context(), "x", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rel()
+	if entries() != 1 {
+		t.Fatal("releasing the turn dropped an entry whose converge backs off")
+	}
+	fail <- false
+	<-o.kick("x")
+	if f := o.failures("x"); f.n != 0 || entries() != 0 {
+		t.Fatalf("after a step that did not fail: %d failures, %d entries", f.n, entries())
 	}
 }

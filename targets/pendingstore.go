@@ -117,7 +117,7 @@ func (s *Service) restorePending(ctx context.Context) {
 			continue
 		}
 		s.pending.put(name, w)
-		s.work.kick(name)
+		s.own.kick(name)
 	}
 }
 

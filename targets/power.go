@@ -22,7 +22,7 @@ import (
 const drainWait = 8 * time.Second
 
 // act runs one Incus state action and waits for it within most.
-// It holds the instance's gate (owner.go) until the operation ends. A busy
+// It holds the instance's turn (owner.go) until the operation ends. A busy
 // refusal can then only come from outside this process (another
 // replica's write, an operator): it is waited out for up to busyPatience
 // within ctx, as routine, before it is the caller's to handle.
@@ -52,7 +52,7 @@ const busyPatience = 3 * time.Second
 
 // stop stops gracefully within grace, then forcibly: on Incus a graceful
 // stop that never ends would otherwise block every later change. Both
-// under one hold of the instance's gate: Incus 6.0.4 keeps a graceful
+// under one hold of the instance's turn: Incus 6.0.4 keeps a graceful
 // stop's hold on the instance after the stop failed its timeout, until the
 // forced stop takes it over, and a write of this process in between would
 // be refused as busy.
@@ -85,7 +85,7 @@ func (s *Service) stopHeld(ctx context.Context, name string, grace time.Duration
 // arrived (at). It acts first: a paused target is unfrozen, a stopped or
 // suspended one started (Incus restores a stateful stop on start), at
 // once, and running is recorded as the target's wanted power right after,
-// under the same hold of the instance's gate (owner.go), so no power-down
+// under the same hold of the instance's turn (owner.go), so no power-down
 // of this process can act between the two. Wake answers once both are
 // done, so that what a relayed dial asked is on the instance before the
 // dial is relayed; a daemon probe may run meanwhile (wake.Waker). A dial
@@ -116,7 +116,7 @@ func (s *Service) Wake(ctx context.Context, r Route, at time.Time, relayable fun
 	if err := wakeRefused(inst, st, at); err != nil {
 		return st.Power, err
 	}
-	unlock, waited, err := s.gate.lockWaited(ctx, name)
+	unlock, waited, err := s.own.take(ctx, name, true)
 	if err != nil {
 		return st.Power, fmt.Errorf("wake %s: %w", name, errHeld)
 	}
@@ -159,7 +159,7 @@ func (s *Service) Wake(ctx context.Context, r Route, at time.Time, relayable fun
 	// was still on its way when the process died would leave the older
 	// power-down recorded, and the next process would carry it out under
 	// the use it had answered (found by the kill matrix under load). The
-	// record is bounded: it holds the gate.
+	// record is bounded: it holds the turn.
 	rctx, cancel := context.WithTimeout(held, wakeRecordWithin)
 	defer cancel()
 	rerr := s.recordWake(rctx, name, at, clearIdle)
@@ -214,11 +214,11 @@ func wakeRefused(inst *incus.Instance, st State, at time.Time) error {
 }
 
 // wakeRecordWithin bounds the record that follows a wake's action: it
-// holds the instance's gate, so it must end, but a loaded Incus may take a
+// holds the instance's turn, so it must end, but a loaded Incus may take a
 // few seconds to apply a write.
 const wakeRecordWithin = 10 * time.Second
 
-// wakeAct unfreezes or starts inst as its status says, under the gate
+// wakeAct unfreezes or starts inst as its status says, under the turn
 // ctx carries, and says whether it acted. The status may be a moment old
 // (the cache's): when the action fails and Incus shows another status,
 // the action is chosen again once from what Incus shows.
@@ -261,7 +261,7 @@ func (s *Service) recordWake(ctx context.Context, name string, at time.Time, cle
 	case err == nil:
 		s.pending.drop(name, at)
 	case errors.Is(err, ErrSuperseded):
-		s.work.kick(name)
+		s.own.kick(name)
 	}
 	return err
 }
@@ -278,7 +278,7 @@ func (s *Service) PowerDownPending(r Route, at time.Time) bool {
 		// show a target it just stopped running for a moment (seen after a
 		// forced stop), which reads as woken under the stop marked
 		// carried out. A use that finds a power-down recorded goes through
-		// Wake, which reads the target again under the gate and records
+		// Wake, which reads the target again under the turn and records
 		// its request, whatever it finds.
 		if st := StateOf(r.inst); st.RecordedPending() && !s.wroteRunningSince(r.Name, st.Recorded) {
 			// A wake that acted on the target and records its request for
@@ -303,7 +303,7 @@ func (s *Service) wroteRunningSince(name string, recorded Intent) bool {
 
 // powerUp brings a target to running and clears the recorded idle-since
 // instant, so that the idle clock is the daemon's again. Both under one
-// hold of the instance's gate: the clear comes straight after the action,
+// hold of the instance's turn: the clear comes straight after the action,
 // before any other write of this process.
 func (s *Service) powerUp(ctx context.Context, inst *incus.Instance) error {
 	return s.owned(ctx, inst.Name, func(ctx context.Context) error { return s.powerUpHeld(ctx, inst) })
@@ -398,10 +398,10 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		// answer says the move is under way. A retryable error from
 		// this method always means nothing was recorded.
 		//
-		// Kept only for a target that is still active: the gate may have
+		// Kept only for a target that is still active: the turn may have
 		// been held by a close this request never saw (the kill matrix
 		// met one answered "closing" and kept, never to be reached), so
-		// the target is read again, outside the gate, and checked.
+		// the target is read again, outside the turn, and checked.
 		if cur, rerr := s.lookup(ctx, name); rerr == nil && cur != nil {
 			inst = cur
 		} else if rerr == nil {
@@ -416,7 +416,7 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 			s.log.Warn("storing a power request on the project failed; it is held in memory only",
 				zap.String("instance", name), zap.String("to", string(power)), zap.Error(serr))
 		}
-		s.work.kick(name)
+		s.own.kick(name)
 		if unknown != nil || ctx.Err() != nil {
 			s.log.Warn("a power request waits for Incus to take it", zap.String("instance", name),
 				zap.String("to", string(power)), zap.Error(err))
@@ -456,11 +456,11 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 }
 
 // progressOf is what the move to st's recorded power waits for: the
-// progress this process keeps, with the worker's count of the move's
+// progress this process keeps, with the owner's count of the move's
 // failed attempts in a row.
 func (s *Service) progressOf(name string, st State) *progress {
 	p := s.progress.get(name)
-	if f := s.work.failures(name); f.step == stepPower && f.n > 0 && st.PowerPending() {
+	if f := s.own.failures(name); f.step == stepPower && f.n > 0 && st.PowerPending() {
 		if p == nil || p.to != st.Intent.Power {
 			p = &progress{to: st.Intent.Power}
 		}
@@ -529,7 +529,7 @@ func (s *Service) drivePower(ctx context.Context, inst *incus.Instance) next {
 	s.progress.waiting(name, to, 0)
 	// A stop that never lets go of the instance is forced elsewhere
 	// (strandedLock).
-	f := s.work.failures(name)
+	f := s.own.failures(name)
 	attempt := 1
 	if f.step == stepPower {
 		attempt += f.n
@@ -556,8 +556,8 @@ func (e errStillOpen) Error() string {
 func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State) error {
 	name, to := inst.Name, st.Intent.Power
 	// A wake acts before it records its request for running, holding the
-	// instance's gate from one to the other: the request read here, under
-	// the gate, is after any such record, so a dial that woke the target
+	// instance's turn from one to the other: the request read here, under
+	// the turn, is after any such record, so a dial that woke the target
 	// is not drained for a request it outranks.
 	if still, err := s.stillWanted(ctx, name, st); err != nil || !still {
 		return err
@@ -601,12 +601,12 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 		release = r
 	}
 	defer release()
-	// The check and the action hold the gate together, so that no wake of
+	// The check and the action hold the turn together, so that no wake of
 	// this process comes between them.
 	return s.owned(ctx, name, func(ctx context.Context) error { return s.powerDownHeld(ctx, name, st) })
 }
 
-// stillWanted reads, under the instance's gate, whether st's request is
+// stillWanted reads, under the instance's turn, whether st's request is
 // still the one recorded on an active target.
 func (s *Service) stillWanted(ctx context.Context, name string, st State) (bool, error) {
 	var cur *incus.Instance
@@ -623,7 +623,7 @@ func (s *Service) stillWanted(ctx context.Context, name string, st State) (bool,
 }
 
 // powerDownHeld is powerDown's action, once its guard holds the dials off,
-// under the instance's gate.
+// under the instance's turn.
 func (s *Service) powerDownHeld(ctx context.Context, name string, st State) error {
 	to := st.Intent.Power
 	// The request may have been replaced while the connections closed.

@@ -18,7 +18,7 @@ type progress struct {
 	// elsewhere counts the other replicas whose relays it waits for.
 	elsewhere int
 	// failures counts attempts that failed in a row and retryAt is the
-	// next: the worker's count (failures), copied in when observed.
+	// next: the owner's count (failures), copied in when observed.
 	failures int
 	retryAt  time.Time
 	// unrecorded: the request is kept in memory until Incus takes it.

@@ -17,7 +17,7 @@ import (
 // start-up, every ReconcileInterval, and whenever a method kicks one. It
 // returns when ctx ends, after the background work it started has stopped.
 func (s *Service) Run(ctx context.Context) error {
-	defer s.work.stop()
+	defer s.own.stop()
 	leasesDone := make(chan struct{})
 	go func() { defer close(leasesDone); s.runLeases(ctx) }()
 	defer func() { <-leasesDone }()
@@ -61,7 +61,7 @@ func (s *Service) pass(ctx context.Context) error {
 			continue
 		}
 		if needsWork(inst) || s.landedAfterClosed(inst) {
-			s.work.nudge(inst.Name)
+			s.own.nudge(inst.Name)
 		}
 		s.forgetStaleLease(ctx, inst)
 	}
@@ -90,7 +90,7 @@ func needsWork(inst *incus.Instance) bool {
 // converge takes one idempotent step towards the instance's intent and
 // answers when to look at it again (see next), no later than an intent
 // this process wrote is due to be checked (see written.go), unless the
-// step failed. It is never run twice at once for one name (see worker).
+// step failed. It is never run twice at once for one name (see owners).
 func (s *Service) converge(ctx context.Context, name string) next {
 	n := s.convergeStep(ctx, name)
 	if look := s.written.lookIn(name, time.Now()); look > 0 && !n.failed && (n.in <= 0 || look < n.in) {
@@ -224,7 +224,7 @@ func (s *Service) bringUp(ctx context.Context, inst *incus.Instance) next {
 			return lookIn(bringUpRecheck)
 		}
 		n := 1 // this attempt, and the starts that failed before it in a row
-		if f := s.work.failures(name); f.step == stepStart {
+		if f := s.own.failures(name); f.step == stepStart {
 			n += f.n
 		}
 		s.logRetry("starting a new instance failed", err, zap.String("instance", name), zap.Int("attempt", n))
@@ -387,7 +387,7 @@ func (s *Service) listingChanged() {
 }
 
 // patch sets instance config keys (an empty value removes one).
-// It holds the instance's gate (owner.go).
+// It holds the instance's turn (owner.go).
 func (s *Service) patch(ctx context.Context, name string, set map[string]string) error {
 	return s.owned(ctx, name, func(ctx context.Context) error {
 		err := s.incus.PatchInstanceConfig(ctx, name, set)
@@ -396,75 +396,13 @@ func (s *Service) patch(ctx context.Context, name string, set map[string]string)
 	})
 }
 
-// keyedMutex serializes work per instance name within this process; across
-// processes the instance name itself is the lock. Waiting for it is bounded
-// by the caller's context, so a method never outlives its answer bound
-// behind another one stuck on a hung Incus.
-type keyedMutex struct {
-	mu    sync.Mutex
-	locks map[string]*keyedEntry
-}
-
-type keyedEntry struct {
-	slot chan struct{} // holds one token while the key is locked
-	refs int
-}
-
-// lock takes the key's lock, or fails when ctx ends first.
-func (k *keyedMutex) lock(ctx context.Context, key string) (unlock func(), err error) {
-	unlock, _, err = k.lockWaited(ctx, key)
-	return unlock, err
-}
-
-// lockWaited is lock, saying also whether the key was held by another
-// when asked (what its holder read may have changed meanwhile).
-func (k *keyedMutex) lockWaited(ctx context.Context, key string) (unlock func(), waited bool, err error) {
-	k.mu.Lock()
-	if k.locks == nil {
-		k.locks = map[string]*keyedEntry{}
-	}
-	e := k.locks[key]
-	if e == nil {
-		e = &keyedEntry{slot: make(chan struct{}, 1)}
-		k.locks[key] = e
-	}
-	e.refs++
-	k.mu.Unlock()
-	release := func() {
-		k.mu.Lock()
-		e.refs--
-		if e.refs == 0 {
-			delete(k.locks, key)
-		}
-		k.mu.Unlock()
-	}
-	select {
-	case e.slot <- struct{}{}:
-	default:
-		waited = true
-		select {
-		case e.slot <- struct{}{}:
-		case <-ctx.Done():
-			release()
-			return nil, true, ctx.Err()
-		}
-	}
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			<-e.slot
-			release()
-		})
-	}, waited, nil
-}
-
-// next is what one converge answers its worker: when to look at the name
+// next is what one converge answers its owner: when to look at the name
 // again, or that the step failed.
 type next struct {
 	// in is how soon to look again; 0: when kicked, or at the next pass.
 	in time.Duration
 	// failed: the step could not be taken (Incus did not answer, or
-	// refused); step says which kind of step it was. The worker counts the
+	// refused); step says which kind of step it was. The owner counts the
 	// name's failures of one kind in a row (a step of another kind, or one
 	// that does not fail, starts the count over) and looks again after
 	// that kind's backoff for the count, so that an Incus outage does not
@@ -474,7 +412,7 @@ type next struct {
 }
 
 // stepKind is the kind of a converge's step, for its failures' count and
-// backoff: the name's one count lives in its worker.
+// backoff: the name's one count lives in its owner entry.
 type stepKind uint8
 
 const (
@@ -507,313 +445,3 @@ const (
 	failFirst = 2 * time.Second
 	failMost  = time.Minute
 )
-
-// failBackoff is how long the n-th failure in a row of a step of kind k
-// waits before the next attempt.
-func (w *worker) failBackoff(k stepKind, n int) time.Duration {
-	switch k {
-	case stepPower:
-		return min(250*time.Millisecond<<min(n-1, 7), 30*time.Second)
-	case stepStart:
-		return startRetry
-	}
-	return min(w.failFirst<<min(n-1, 16), w.failMost)
-}
-
-// failure is a name's count of failed steps of one kind in a row, and
-// when the worker tries again.
-type failure struct {
-	step    stepKind
-	n       int
-	retryAt time.Time
-}
-
-// retryingLocked records when a failing name runs next, as scheduled
-// (a kick or a look asked for may bring the backoff forward), for the
-// observation that states it.
-func (w *worker) retryingLocked(name string, in time.Duration) {
-	if f, ok := w.fails[name]; ok {
-		f.retryAt = time.Now().Add(in)
-		w.fails[name] = f
-	}
-}
-
-// failures answers name's count of failed steps in a row (zero: the last
-// step did not fail), their kind and when the next attempt is due.
-func (w *worker) failures(name string) failure {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.fails[name]
-}
-
-// worker runs one converge per name at a time, on at most max goroutines,
-// in the manner of client-go's workqueue: a kick of a name that is not
-// running queues it behind the names already waiting (first kicked, first
-// run), a kick during a run asks for one more run after it, and a run may
-// ask for another after a delay (a retry). A name run again while others
-// wait goes to the back of the queue, so that one busy name cannot starve
-// the rest. The bound keeps a reconcile pass over thousands of instances,
-// or a night's idle power-downs, from sending Incus one request per
-// instance at once. It owns every goroutine and timer it starts.
-type worker struct {
-	fn     func(ctx context.Context, name string) next
-	max    int
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
-
-	mu      sync.Mutex
-	jobs    map[string]*job // running or queued
-	queue   []string        // queued names, in kick order
-	running int             // goroutines running converges
-	timers  map[string]*retryTimer
-	fails   map[string]failure // failed steps in a row, by name
-	// failFirst and failMost bound a name's backoff (failBackoff); tests
-	// shorten them.
-	failFirst, failMost time.Duration
-}
-
-// retryTimer is a pending kick and when it fires.
-type retryTimer struct {
-	t  *time.Timer
-	at time.Time
-}
-
-type job struct {
-	queued bool // waiting for a free goroutine; its run has not started
-	again  bool
-	nudged bool          // a pass looked while it ran (nudge): again, unless the run fails
-	lookAt time.Time     // a look asked for (soon) while it ran; zero: none
-	done   chan struct{} // closed when the run that covers the latest kick ends
-	next   chan struct{}
-}
-
-// convergeWorkers bounds the converges under way at once. A converge is a
-// few Incus calls, or one state change and its wait (a graceful stop: up
-// to GracefulStop); wakes and the controller's methods act under the
-// instance's gate themselves and never wait for a free worker, except a
-// method's bounded wait for the step it kicked.
-const convergeWorkers = 32
-
-func newWorker(fn func(ctx context.Context, name string) next) *worker {
-	return newWorkerOf(convergeWorkers, fn)
-}
-
-func newWorkerOf(max int, fn func(ctx context.Context, name string) next) *worker {
-	ctx, cancel := context.WithCancel(context.Background())
-	return &worker{fn: fn, max: max, ctx: ctx, cancel: cancel, jobs: map[string]*job{},
-		timers: map[string]*retryTimer{}, fails: map[string]failure{}, failFirst: failFirst, failMost: failMost}
-}
-
-// kick schedules a converge of name and returns a channel closed once a run
-// that started after this kick has finished.
-func (w *worker) kick(name string) <-chan struct{} {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.kickLocked(name)
-}
-
-func (w *worker) kickLocked(name string) <-chan struct{} {
-	if r := w.timers[name]; r != nil {
-		r.t.Stop() // this run covers the retry
-		delete(w.timers, name)
-	}
-	if j, ok := w.jobs[name]; ok {
-		if j.queued {
-			return j.done // its run starts after this kick
-		}
-		j.again = true
-		if j.next == nil {
-			j.next = make(chan struct{})
-		}
-		return j.next
-	}
-	if w.ctx.Err() != nil {
-		closed := make(chan struct{})
-		close(closed)
-		return closed
-	}
-	j := &job{done: make(chan struct{})}
-	w.jobs[name] = j
-	if w.running < w.max {
-		w.running++
-		w.wg.Add(1)
-		go w.run(name, j)
-	} else {
-		j.queued = true
-		w.queue = append(w.queue, name)
-	}
-	return j.done
-}
-
-// run is one of the worker's goroutines: it converges name, then the
-// names queued meanwhile, until none waits.
-func (w *worker) run(name string, j *job) {
-	defer w.wg.Done()
-	for {
-		n := w.fn(w.ctx, name)
-		w.mu.Lock()
-		again := n.in
-		if n.failed && w.ctx.Err() == nil {
-			f := w.fails[name]
-			if f.step != n.step {
-				f = failure{step: n.step}
-			}
-			f.n++
-			again = w.failBackoff(f.step, f.n)
-			w.fails[name] = f
-		} else {
-			delete(w.fails, name)
-		}
-		if j.nudged {
-			j.nudged = false
-			if !n.failed && !j.again {
-				j.again = true
-				j.next = make(chan struct{})
-			}
-		}
-		close(j.done)
-		if j.again && w.ctx.Err() == nil {
-			w.retryingLocked(name, 0) // a kick during the run: it runs again now
-			j.again, j.done, j.next = false, j.next, nil
-			if !j.lookAt.After(time.Now()) {
-				j.lookAt = time.Time{} // the run starting next is that look
-			}
-			if len(w.queue) == 0 {
-				w.mu.Unlock()
-				continue
-			}
-			j.queued = true
-			w.queue = append(w.queue, name)
-		} else {
-			if j.next != nil {
-				close(j.next)
-			}
-			delete(w.jobs, name)
-			if !j.lookAt.IsZero() {
-				// The run may have said when to look again before the
-				// look was asked for: the sooner of the two.
-				if in := max(time.Until(j.lookAt), time.Millisecond); again <= 0 || in < again {
-					again = in
-				}
-			}
-			if again > 0 && w.ctx.Err() == nil {
-				w.retryingLocked(name, again)
-				w.retryLocked(name, again)
-			}
-		}
-		if name, j = w.nextLocked(); j == nil {
-			w.running--
-			w.mu.Unlock()
-			return
-		}
-		w.mu.Unlock()
-	}
-}
-
-// nextLocked takes the first queued name off the queue; nil once none
-// waits, or the worker is stopping.
-func (w *worker) nextLocked() (string, *job) {
-	for len(w.queue) > 0 && w.ctx.Err() == nil {
-		name := w.queue[0]
-		w.queue[0] = ""
-		w.queue = w.queue[1:]
-		if j := w.jobs[name]; j != nil && j.queued {
-			j.queued = false
-			return name, j
-		}
-	}
-	return "", nil
-}
-
-// nudge kicks name unless a run of it is due already: a reconcile pass's
-// look, which must not cut short a name's backoff after a failure (a
-// method's kick does: a caller is waiting).
-func (w *worker) nudge(name string) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if _, due := w.timers[name]; due {
-		return
-	}
-	if j, ok := w.jobs[name]; ok && !j.queued {
-		// Running: another run after it, unless this one fails and its
-		// backoff decides when the next is.
-		j.nudged = true
-		return
-	}
-	w.kickLocked(name)
-}
-
-// soon kicks name after d, unless a kick or a retry is already due by
-// then: a run then returns when to look again itself. A retry due later
-// (a backoff of minutes) is brought forward, or the look a write asked for
-// would wait for it.
-func (w *worker) soon(name string, d time.Duration) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if r, due := w.timers[name]; (due && !r.at.After(time.Now().Add(d))) || w.ctx.Err() != nil {
-		return
-	}
-	if j, running := w.jobs[name]; running {
-		// The run may have said when to look again before this write:
-		// its end takes the sooner of the two. Kicking another run now
-		// would read the instance once more for nothing.
-		if at := time.Now().Add(d); j.lookAt.IsZero() || at.Before(j.lookAt) {
-			j.lookAt = at
-		}
-		return
-	}
-	w.retryLocked(name, d)
-}
-
-// retryLocked kicks name again after d, unless a kick comes first.
-func (w *worker) retryLocked(name string, d time.Duration) {
-	if r := w.timers[name]; r != nil {
-		r.t.Stop()
-	}
-	r := &retryTimer{at: time.Now().Add(d)}
-	r.t = time.AfterFunc(d, func() {
-		w.mu.Lock()
-		defer w.mu.Unlock()
-		if w.timers[name] != r || w.ctx.Err() != nil {
-			return
-		}
-		delete(w.timers, name)
-		w.kickLocked(name)
-	})
-	w.timers[name] = r
-}
-
-// spawn runs fn on a goroutine the worker owns; false when it is stopping.
-func (w *worker) spawn(fn func(ctx context.Context)) bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.ctx.Err() != nil {
-		return false
-	}
-	w.wg.Add(1)
-	go func() {
-		defer w.wg.Done()
-		fn(w.ctx)
-	}()
-	return true
-}
-
-func (w *worker) stop() {
-	w.mu.Lock()
-	w.cancel()
-	for name, r := range w.timers {
-		r.t.Stop()
-		delete(w.timers, name)
-	}
-	// Queued names will not run: whoever waits for them hears so now.
-	for _, name := range w.queue {
-		if j := w.jobs[name]; j != nil && j.queued {
-			close(j.done)
-			delete(w.jobs, name)
-		}
-	}
-	w.queue = nil
-	w.mu.Unlock()
-	w.wg.Wait()
-}

@@ -102,14 +102,13 @@ type Service struct {
 	cfg     Config
 	now     func() time.Time
 
-	locks keyedMutex
-	// gate is each instance's one writer in this process (see owner.go).
-	gate keyedMutex
+	// own is each instance's one owner in this process: its turn to act
+	// in Incus, its converge and its request (see owner.go).
+	own *owners
 	// waking are the requests for running that a wake acted on and is
 	// recording now, by instance (see Wake, PowerDownPending).
 	waking  byName[time.Time]
 	listing listing
-	work    *worker
 	// relays is the process's relay registry: no power-down without it.
 	relays *relays.Registry
 	// failMu guards lockedSince.
@@ -172,7 +171,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s.leaseKey = leaseKeyOf(cfg.Replica)
 	s.ingress.init()
 	s.warm.init()
-	s.work = newWorker(s.converge)
+	s.own = newOwner(s.converge)
 	s.catalog.Store(catalog)
 	cfg.WarmMetrics.Start(catalog)
 	if !cfg.NoCache {
@@ -232,14 +231,14 @@ func (s *Service) kickAndWait(ctx context.Context, name string) {
 	wait := time.NewTimer(answerWait(ctx, s.cfg.AnswerWithin))
 	defer wait.Stop()
 	select {
-	case <-s.work.kick(name):
+	case <-s.own.kick(name):
 	case <-wait.C:
 	}
 }
 
 // lockTarget takes the owner's lock within the method's budget.
 func (s *Service) lockTarget(ctx context.Context, name string) (func(), error) {
-	unlock, err := s.locks.lock(ctx, name)
+	unlock, err := s.own.request(ctx, name)
 	if err != nil {
 		return nil, jsonrpc.Unavailable(retryAfter, "Another request for this target is still waiting on Incus; retry shortly.")
 	}
@@ -512,7 +511,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	// create to answer without an id) and the runtime asks again.
 	recorded, err := s.awaitRecord(ctx, name, op)
 	s.changes.note(name) // counted at once, not at the next listing
-	if !s.work.spawn(func(ctx context.Context) { s.finishCreate(ctx, name, op, req, recorded) }) {
+	if !s.own.spawn(func(ctx context.Context) { s.finishCreate(ctx, name, op, req, recorded) }) {
 		s.creates.end(name)
 	}
 	if err != nil {
@@ -612,10 +611,10 @@ func (s *Service) finishCreate(ctx context.Context, name string, op *incus.Opera
 		return // shutting down: Incus goes on, and the next process observes it
 	}
 	if err == nil {
-		s.work.kick(name)
+		s.own.kick(name)
 		return
 	}
-	unlock, lockErr := s.locks.lock(ctx, name)
+	unlock, lockErr := s.own.request(ctx, name)
 	if lockErr != nil {
 		return
 	}
@@ -626,7 +625,7 @@ func (s *Service) finishCreate(ctx context.Context, name string, op *incus.Opera
 		s.log.Error("a create failed and its outcome cannot be read", zap.String("instance", name), zap.Error(err), zap.NamedError("read", lerr))
 		return
 	case inst != nil:
-		s.work.kick(name) // another create won the name, or it exists all the same
+		s.own.kick(name) // another create won the name, or it exists all the same
 		return
 	case !idGiven:
 		s.log.Warn("a create answered without an id failed; the owner's next create tries again",

@@ -77,7 +77,7 @@ func (s *Service) createStaged(ctx context.Context, name string, p controller.Cr
 		zap.String("staging", wn), zap.String("template", p.TemplateID))
 	s.creates.start(name)
 	done := make(chan struct{})
-	if !s.work.spawn(func(ctx context.Context) {
+	if !s.own.spawn(func(ctx context.Context) {
 		defer close(done)
 		defer release()
 		defer s.creates.end(name)
@@ -135,11 +135,11 @@ func (s *Service) finishStaged(ctx context.Context, name, wn string, op *incus.O
 	switch s.renameClaimed(rctx, name, wn) {
 	case warmHit:
 		s.changes.note(name)
-		s.work.kick(name)
+		s.own.kick(name)
 	case warmLost:
 		// Another replica's create holds the name: its instance is the
 		// owner's target, and this one was deleted.
-		s.work.kick(name)
+		s.own.kick(name)
 	default:
 		s.log.Info("a staged create's rename is left to the pool's survey", zap.String("instance", name), zap.String("staging", wn))
 	}

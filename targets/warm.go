@@ -494,7 +494,7 @@ func (s *Service) resumeClaim(ctx context.Context, wn, name string) (settled boo
 	if !looksLikeTargetID(name) {
 		return true
 	}
-	unlock, err := s.locks.lock(ctx, name)
+	unlock, err := s.own.request(ctx, name)
 	if err != nil {
 		return false
 	}
@@ -512,7 +512,7 @@ func (s *Service) resumeClaim(ctx context.Context, wn, name string) (settled boo
 		return false
 	}
 	s.changes.note(name)
-	s.work.kick(name)
+	s.own.kick(name)
 	return true
 }
 
@@ -598,7 +598,7 @@ func (s *Service) finishHandout(ctx context.Context, inst *incus.Instance, p con
 // discardWarm deletes, in the background, a warm instance that a hand-out
 // claimed and could not use, after checking that it still is that claim.
 func (s *Service) discardWarm(wn, claimedFor string) {
-	s.work.spawn(func(ctx context.Context) {
+	s.own.spawn(func(ctx context.Context) {
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
 		s.deleteWarm(ctx, wn, func(w *incus.Instance) bool { return claimOf(w) == claimedFor })
@@ -777,7 +777,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			delete(s.warm.resuming, wn)
 			s.warm.mu.Unlock()
 		}
-		if !s.work.spawn(func(ctx context.Context) {
+		if !s.own.spawn(func(ctx context.Context) {
 			defer done()
 			ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 			defer cancel()
@@ -816,7 +816,7 @@ func (s *Service) warmFill() {
 		s.warm.mu.Lock()
 		s.warm.filling[n] = true
 		s.warm.mu.Unlock()
-		if !s.work.spawn(func(wctx context.Context) { s.warmCreate(wctx, n, t) }) {
+		if !s.own.spawn(func(wctx context.Context) { s.warmCreate(wctx, n, t) }) {
 			<-s.warm.sem
 			s.warm.mu.Lock()
 			delete(s.warm.filling, n)

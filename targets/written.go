@@ -15,7 +15,7 @@ import (
 // settled. Incus checks a PATCH's ETag before it applies the write, not
 // with it: two replicas that read one ETag can both pass the check, and
 // the write applied last stays, whatever its request's time. Within one
-// process the instance's gate (owner.go) orders a name's writes; across replicas, an
+// process the instance's turn (owner.go) orders a name's writes; across replicas, an
 // older request applied over a newer one would be carried out, and the
 // newer one lost. So the replica that wrote the newer one reads the
 // instance again writtenFirstLook and writtenLastLook after its write, and
@@ -69,7 +69,7 @@ func (t *writtenTable) lookIn(name string, now time.Time) time.Duration {
 // it once it has settled.
 func (s *Service) wrote(name string, in Intent) {
 	s.written.put(name, in, time.Now())
-	s.work.soon(name, writtenFirstLook)
+	s.own.soon(name, writtenFirstLook)
 }
 
 // rewriteOvertaken records again the intent this process wrote on inst

@@ -134,7 +134,7 @@ func (w *Waker) restartDeadDevice(ctx context.Context, name string, probeErr err
 }
 
 // deviceRestartWait bounds a device restart: one read and one write of
-// the instance, after whatever holds its gate.
+// the instance, after whatever holds its turn.
 const deviceRestartWait = 5 * time.Second
 
 // noteIncompatible logs a daemon's incompatible answer once per instance

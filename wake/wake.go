@@ -369,7 +369,7 @@ func (w *Waker) wakeAndProbe(ctx context.Context, f *Flight, r targets.Route) pr
 	var wakeErr error
 	// The wake counts as a dial in progress until Incus is done with its
 	// action, so that no power-down interleaves with it; the record of
-	// the use's request that follows holds the instance's gate, which
+	// the use's request that follows holds the instance's turn, which
 	// every power-down waits for (targets.Service.Wake). The flight's own
 	// ticket keeps the instance from being quiesced, so this one is
 	// granted.
