@@ -114,6 +114,9 @@ func (d *Daemon) processStart(_ context.Context, raw json.RawMessage) (any, erro
 	go pr.drain(outR, eof)
 	if p.TimeoutMs != nil {
 		timeout := time.Duration(*p.TimeoutMs) * time.Millisecond
+		// Under the process's lock: a short timeout fires, and its stop
+		// adds its own timer to the list, before this append is done.
+		pr.mu.Lock()
 		pr.timers = append(pr.timers, time.AfterFunc(timeout, func() {
 			pr.mu.Lock()
 			defer pr.mu.Unlock()
@@ -121,6 +124,7 @@ func (d *Daemon) processStart(_ context.Context, raw json.RawMessage) (any, erro
 				pr.stopLocked("timeout", d.terminationGrace)
 			}
 		}))
+		pr.mu.Unlock()
 	}
 	go d.supervise(pr, cmd, eof)
 	return ProcessStartResult{Pid: uint32(cmd.Process.Pid)}, nil
