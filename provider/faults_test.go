@@ -282,20 +282,27 @@ func TestACloseDuringACreateIsNotForgotten(t *testing.T) {
 			})
 			proxy.Remove(hide)
 			proxy.Remove(hold)
+			retried := false
 			if c.reveal > 0 && isUnavailable(cerr) {
-				// Retryable, with nothing recorded: on a loaded machine
-				// Incus may not take the close's write within its bound
-				// (the create's own operation holds the instance, and
-				// Incus refuses config changes meanwhile). Not forgotten
-				// either: the runtime asks again, and so does this test.
+				// Retryable: on a loaded machine Incus may not take the
+				// close's write within its bound (the create's own
+				// operation holds the instance, and Incus refuses config
+				// changes meanwhile). Not forgotten either: the runtime
+				// asks again, and so does this test.
 				for try := 0; try < 20 && isUnavailable(cerr); try++ {
 					t.Logf("the close answered %v; asking again as a runtime does", cerr)
+					retried = true
 					time.Sleep(250 * time.Millisecond)
 					closed, cerr = r.closeTarget(owner)
 				}
 			}
+			// A write that Incus applied after the answer's bound is a
+			// recorded close all the same, which the reconciler may have
+			// carried out by the time the runtime asks again: the close
+			// asked again then answers closed (met beside stress-ng).
+			accepted := closed.Phase == controller.PhaseClosing || (retried && closed.Phase == controller.PhaseClosed)
 			switch {
-			case c.reveal > 0 && (cerr != nil || closed.Phase != controller.PhaseClosing):
+			case c.reveal > 0 && (cerr != nil || !accepted):
 				t.Fatalf("the record showed %s into the close, which answered %+v %v, not closing", c.reveal, closed, cerr)
 			case c.reveal == 0 && cerr == nil:
 				t.Fatalf("the record never showed, yet the close answered %+v: it holds nothing to carry it", closed)
