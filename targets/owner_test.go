@@ -51,8 +51,22 @@ func TestOwnWritesNeverMeetEachOtherBusy(t *testing.T) {
 				}
 			}()
 		}
-		time.Sleep(20 * time.Millisecond) // the writers are under way when the wake comes
+		// The writers are under way when the wake comes, and go on after
+		// it: a wake is handed the turn before writes already waiting for
+		// it, so on a loaded machine none of them may have landed by the
+		// wake's end (CI beside stress-ng met that).
+		wrote := func(n int64, what string) {
+			for deadline := time.Now().Add(20 * time.Second); writes.Load() < n; time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					cancel()
+					wg.Wait()
+					t.Fatalf("%d config writes in 20 s %s", writes.Load(), what)
+				}
+			}
+		}
+		wrote(1, "before the wake")
 		from, err := svc.Wake(ctxT(t), routeFor(inst), time.Now(), nil)
+		wrote(min(writes.Load()+3, 3*200), "after the wake")
 		cancel()
 		wg.Wait()
 		if err != nil {
