@@ -827,6 +827,14 @@ func TestRouteOverTLSCarriesLargeMessages(t *testing.T) {
 	_, _ = rand.Read(data)
 	enc := base64.StdEncoding.EncodeToString(data)
 	write := fmt.Sprintf(`{"jsonrpc":"2.0","id":2,"method":"fs/writeFile","params":{"path":%q,"data":%q}}`, path, enc)
+	// Each 4 MiB exchange gets its own deadlines: initialize's 10 s ran out
+	// under the second one beside stress-ng (write: i/o timeout), which
+	// timed the machine, not the relay.
+	step := func() {
+		_ = ws.SetWriteDeadline(time.Now().Add(30 * time.Second))
+		_ = ws.SetReadDeadline(time.Now().Add(30 * time.Second))
+	}
+	step()
 	if err := ws.WriteMessage(websocket.TextMessage, []byte(write)); err != nil {
 		t.Fatal(err)
 	}
@@ -834,6 +842,7 @@ func TestRouteOverTLSCarriesLargeMessages(t *testing.T) {
 		t.Fatalf("fs/writeFile: %v %.200s", err, msg)
 	}
 	read := fmt.Sprintf(`{"jsonrpc":"2.0","id":3,"method":"fs/readFile","params":{"path":%q,"maxBytes":%d}}`, path, len(data))
+	step()
 	if err := ws.WriteMessage(websocket.TextMessage, []byte(read)); err != nil {
 		t.Fatal(err)
 	}
