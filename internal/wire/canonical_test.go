@@ -14,6 +14,9 @@ import (
 func slowCanonical(t *testing.T, raw []byte) []byte {
 	t.Helper()
 	generic, fe := genericOf("", raw)
+	if fe != nil && fe.Problem == "is sent more than once" {
+		return nil // refused, so there is no canonical form
+	}
 	if fe != nil {
 		t.Fatalf("%q: %v", raw, fe)
 	}
@@ -34,6 +37,12 @@ func checkCanonical(t *testing.T, raw []byte) {
 	}
 	raw = trimSpace(raw)
 	slow := slowCanonical(t, raw)
+	if slow == nil {
+		if canonical(raw) {
+			t.Fatalf("canonical kept %q, which names a member twice", raw)
+		}
+		return
+	}
 	if canonical(raw) && !bytes.Equal(slow, raw) {
 		t.Fatalf("canonical kept %q, but its canonical form is %q", raw, slow)
 	}

@@ -631,3 +631,64 @@ func TestDecodeLeavesAbsentMembersAlone(t *testing.T) {
 		t.Fatalf("got %+v %v", v, err)
 	}
 }
+
+// TestRepeatedNames: a name sent twice in one object is refused by name, at
+// any depth and in any destination, where encoding/json keeps the last.
+// Each case is decoded once as written and once with the repetition taken
+// out, which must pass: the refusal is the repetition's alone.
+func TestRepeatedNames(t *testing.T) {
+	for _, c := range []struct{ repeated, once, path string }{
+		{`{"name":"a","name":"b"}`, `{"name":"b"}`, "name"},
+		{`{"name":"a","n\u0061me":"b"}`, `{"name":"b"}`, "name"},
+		{`{"owner":{"universeId":"u","environmentId":"e","universeId":"v"}}`, `{"owner":{"universeId":"v","environmentId":"e"}}`, "owner.universeId"},
+		{`{"items":[{"b":"x"},{"b":"x","b":"y"}]}`, `{"items":[{"b":"x"},{"b":"y"}]}`, "items[1].b"},
+		{`{"counts":{"a":1,"a":2}}`, `{"counts":{"a":2}}`, "counts.a"},
+		{`{"raw":{"x":[{"k":1,"k":2}]}}`, `{"raw":{"x":[{"k":2}]}}`, "raw.x[0].k"},
+		{`{"raws":{"j":{"a":1,"a":1}}}`, `{"raws":{"j":{"a":1}}}`, "raws.j.a"},
+		{`{"any":{"b":false,"b":true}}`, `{"any":{"b":true}}`, "any.b"},
+	} {
+		var v fuzzDoc
+		if err := wire.Decode([]byte(c.once), &v); err != nil {
+			t.Fatalf("%s: %v", c.once, err)
+		}
+		err := wire.Decode([]byte(c.repeated), &v)
+		var fe *wire.FieldError
+		if !errors.As(err, &fe) || fe.Path != c.path || fe.Problem != "is sent more than once" {
+			t.Errorf("%s: got %v, want %s refused as sent more than once", c.repeated, err, c.path)
+		}
+	}
+}
+
+// TestStringsAreUnicode: invalid UTF-8 and a lone surrogate escape are
+// refused, where encoding/json makes U+FFFD of them; a surrogate pair is
+// one character.
+func TestStringsAreUnicode(t *testing.T) {
+	for _, c := range []struct {
+		doc  string
+		want string // the message decoded, or "" for a refusal
+	}{
+		{`{"message":"a\ud83d\ude00b"}`, "a\U0001F600b"},
+		{`{"message":"\uFFFD"}`, "\uFFFD"},
+		{`{"message":"\\ud800"}`, `\ud800`},
+		{`{"message":"a\ud800b"}`, ""},
+		{`{"message":"a\udc00b"}`, ""},
+		{`{"message":"\ud800\ud800"}`, ""},
+		{`{"message":"\ud800\u0041"}`, ""},
+		{`{"message":"\ude00\ud83d"}`, ""},
+		{`{"message":"\ud83d"}`, ""},
+		{"{\"message\":\"a\xffb\"}", ""},
+		{"{\"message\":\"\xed\xa0\x80\"}", ""}, // a surrogate, encoded in UTF-8
+		{"{\"m\xc3\":1}", ""},
+	} {
+		var v fuzzDoc
+		err := wire.Decode([]byte(c.doc), &v)
+		switch {
+		case c.want == "" && err == nil:
+			t.Errorf("%q: accepted as %q, want a refusal", c.doc, v.Message)
+		case c.want != "" && (err != nil || v.Message != c.want):
+			t.Errorf("%q: got %q, %v; want %q", c.doc, v.Message, err, c.want)
+		case c.want == "" && !strings.Contains(err.Error(), "is not valid JSON"):
+			t.Errorf("%q: refused as %v, want not valid JSON", c.doc, err)
+		}
+	}
+}

@@ -3,6 +3,7 @@ package wire
 import (
 	"encoding/json"
 	"fmt"
+	"unicode/utf8"
 )
 
 // MaxDepth is how deeply a value that Decode accepts may nest arrays and
@@ -19,6 +20,9 @@ type Member struct {
 	Name  string
 	Value json.RawMessage // as sent, without the white space around it
 	Depth int             // how deeply Value nests arrays and objects (0: a scalar)
+	// Repeated says that SplitNamed saw this name more than once; Value is
+	// the last. Split returns every occurrence and leaves it false.
+	Repeated bool
 }
 
 // Nesting checks that data is exactly one JSON value (white space around it
@@ -284,6 +288,7 @@ func (s *scanner) record(m Member) {
 	if s.keep != nil {
 		for i := range s.found {
 			if s.found[i].Name == m.Name {
+				m.Repeated = true
 				s.found[i] = m
 				return
 			}
@@ -292,8 +297,12 @@ func (s *scanner) record(m Member) {
 	s.found = append(s.found, m)
 }
 
-// str scans a string starting at its opening quote. Like encoding/json, it
-// takes any byte from 0x20 up (invalid UTF-8 included) as string content.
+// str scans a string starting at its opening quote. Unlike encoding/json,
+// which turns them into U+FFFD without a word, it refuses invalid UTF-8
+// and a \u escape of a UTF-16 surrogate that is not half of a pair: RFC
+// 8259 says JSON text is Unicode, and a peer that reads the same frame
+// strictly (serde_json, for one) refuses both, so a value this side
+// accepted would be read differently, or not at all, on the other.
 func (s *scanner) str() error {
 	s.i++
 	for s.i < len(s.data) {
@@ -313,21 +322,80 @@ func (s *scanner) str() error {
 			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
 				s.i++
 			case 'u':
-				s.i++
-				for range 4 {
-					if s.i >= len(s.data) || !isHex(s.data[s.i]) {
-						return s.fail("in a \\u escape")
-					}
-					s.i++
+				if err := s.escapedRune(); err != nil {
+					return err
 				}
 			default:
 				return s.fail("in a string escape")
 			}
-		default:
+		case c < utf8.RuneSelf:
 			s.i++
+		default:
+			r, size := utf8.DecodeRune(s.data[s.i:])
+			if r == utf8.RuneError && size == 1 {
+				return fmt.Errorf("invalid UTF-8 byte 0x%02x at byte %d, in a string", c, s.i)
+			}
+			s.i += size
 		}
 	}
 	return s.fail("in a string")
+}
+
+// escapedRune scans a \u escape (the scanner at its u) and, for the first
+// half of a UTF-16 surrogate pair, the second half that must follow it.
+func (s *scanner) escapedRune() error {
+	at := s.i - 1
+	v, err := s.hex4()
+	if err != nil {
+		return err
+	}
+	switch {
+	case v >= 0xDC00 && v <= 0xDFFF:
+		return loneSurrogate(v, at)
+	case v < 0xD800 || v > 0xDBFF:
+		return nil
+	}
+	if s.i+1 >= len(s.data) || s.data[s.i] != '\\' || s.data[s.i+1] != 'u' {
+		return loneSurrogate(v, at)
+	}
+	s.i++
+	low, err := s.hex4()
+	if err != nil {
+		return err
+	}
+	if low < 0xDC00 || low > 0xDFFF {
+		return loneSurrogate(v, at)
+	}
+	return nil
+}
+
+func loneSurrogate(v rune, at int) error {
+	return fmt.Errorf("a lone UTF-16 surrogate \\u%04x at byte %d, in a string: it is no Unicode character", v, at)
+}
+
+// hex4 reads the four hex digits after a u (the scanner at the u).
+func (s *scanner) hex4() (rune, error) {
+	s.i++
+	var v rune
+	for range 4 {
+		if s.i >= len(s.data) || !isHex(s.data[s.i]) {
+			return 0, s.fail("in a \\u escape")
+		}
+		v = v<<4 | hexValue(s.data[s.i])
+		s.i++
+	}
+	return v, nil
+}
+
+func hexValue(c byte) rune {
+	switch {
+	case c <= '9':
+		return rune(c - '0')
+	case c >= 'a':
+		return rune(c-'a') + 10
+	default:
+		return rune(c-'A') + 10
+	}
 }
 
 func isHex(c byte) bool {

@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
@@ -167,8 +169,8 @@ func FuzzNesting(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		depth, err := wire.Nesting(data)
-		if valid := json.Valid(data); valid != (err == nil) {
-			t.Fatalf("Nesting(%q) = %v; json.Valid says %v", data, err, valid)
+		if valid := json.Valid(data) && strictUnicode(data); valid != (err == nil) {
+			t.Fatalf("Nesting(%q) = %v; json.Valid and strictUnicode say %v", data, err, valid)
 		}
 		if err != nil {
 			return
@@ -195,11 +197,18 @@ func FuzzNesting(f *testing.F) {
 		// was given, and names the first other one.
 		last := map[string]wire.Member{}
 		var firstOther *string
+		counts := map[string]int{}
 		for _, m := range members {
+			counts[m.Name]++
 			if m.Name == "a" || m.Name == "b" {
 				last[m.Name] = m
 			} else if firstOther == nil {
 				firstOther = &m.Name
+			}
+		}
+		for _, m := range named {
+			if want := counts[m.Name] > 1; m.Repeated != want {
+				t.Fatalf("SplitNamed(%q): %q marked repeated %v, sent %d times", data, m.Name, m.Repeated, counts[m.Name])
 			}
 		}
 		if len(named) != len(last) || (unknown == nil) != (firstOther == nil) || unknown != nil && *unknown != *firstOther {
@@ -219,6 +228,24 @@ func FuzzNesting(f *testing.F) {
 			}
 		}
 	})
+}
+
+var (
+	surrogatePair = regexp.MustCompile(`\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}`)
+	surrogate     = regexp.MustCompile(`\\u[dD][89a-fA-F][0-9a-fA-F]{2}`)
+)
+
+// strictUnicode is an oracle, written another way than the scanner, for
+// text whose strings are Unicode: valid UTF-8, and every \u escape of a
+// UTF-16 surrogate half of a pair. Escaped backslashes are blanked first,
+// so that what is left of a backslash and a u is an escape.
+func strictUnicode(data []byte) bool {
+	if !utf8.Valid(data) {
+		return false
+	}
+	s := strings.ReplaceAll(string(data), `\\`, "__")
+	s = surrogatePair.ReplaceAllString(s, "")
+	return !surrogate.MatchString(s)
 }
 
 // tokenDepth is the depth encoding/json's tokenizer sees; unlike a decoded

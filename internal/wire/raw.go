@@ -125,11 +125,14 @@ func assignRaw(path string, raw []byte, dst reflect.Value) *FieldError {
 		if raw[0] != '{' {
 			return typeErrorRaw(path, "an object", raw)
 		}
-		// The destination holds every member, so they are all needed; a
-		// repeated name counts as its last, as encoding/json has it.
+		// The destination holds every member, so they are all needed.
 		obj := map[string][]byte{}
 		if fe := eachMember(raw, func(name, value []byte) *FieldError {
-			obj[unquote(name)] = value
+			k := unquote(name)
+			if _, seen := obj[k]; seen {
+				return repeatedMember(path, k)
+			}
+			obj[k] = value
 			return nil
 		}); fe != nil {
 			return fe
@@ -168,6 +171,9 @@ func assignStructRaw(path string, raw []byte, dst reflect.Value) *FieldError {
 			bare = []byte(unquote(name))
 		}
 		if i, known := info.byName[string(bare)]; known {
+			if values[i] != nil {
+				return repeatedMember(path, string(bare))
+			}
 			values[i] = value
 		} else if !seenUnknown || bytes.Compare(bare, unknown) < 0 {
 			unknown, seenUnknown = bare, true
@@ -203,6 +209,10 @@ func assignStructRaw(path string, raw []byte, dst reflect.Value) *FieldError {
 // genericOf is encoding/json's generic form of one value, for destinations
 // that keep it as it is.
 func genericOf(path string, raw []byte) (any, *FieldError) {
+	// encoding/json keeps the last of a repeated name without a word.
+	if fe := firstRepeated(path, raw); fe != nil {
+		return nil, fe
+	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.UseNumber()
 	var generic any
@@ -210,6 +220,43 @@ func genericOf(path string, raw []byte) (any, *FieldError) {
 		return nil, &FieldError{Path: path, Problem: "is not valid JSON: " + err.Error()}
 	}
 	return generic, nil
+}
+
+// repeatedMember refuses an object that names one member twice. JSON
+// leaves the meaning of that open; encoding/json keeps the last, other
+// decoders the first or refuse, so two peers could act on two different
+// values of one message. Strict decoding refuses it, at every depth.
+func repeatedMember(path, name string) *FieldError {
+	return &FieldError{Path: join(path, name), Problem: "is sent more than once"}
+}
+
+// firstRepeated finds, in a value about to be kept whole, the first object
+// (depth first, in byte order) that names a member twice. Its cost is that
+// of the value's names, which the caller builds anyway.
+func firstRepeated(path string, raw []byte) *FieldError {
+	switch raw[0] {
+	case '{':
+		var seen map[string]struct{}
+		return eachMember(raw, func(name, value []byte) *FieldError {
+			k := unquote(name)
+			if _, dup := seen[k]; dup {
+				return repeatedMember(path, k)
+			}
+			if seen == nil {
+				seen = map[string]struct{}{}
+			}
+			seen[k] = struct{}{}
+			return firstRepeated(join(path, k), value)
+		})
+	case '[':
+		i := 0
+		return eachElement(raw, func(item []byte) *FieldError {
+			fe := firstRepeated(indexed(path, i), item)
+			i++
+			return fe
+		})
+	}
+	return nil
 }
 
 // scalarOf stands in for a value where a number is wanted: the number

@@ -22,6 +22,13 @@ func agree(t *testing.T, data []byte) {
 	if errors.As(errGeneric, &deep) && deep.Problem == "is nested too deep" {
 		return // the limit's own wording is Decode's; nesting_test.go holds it
 	}
+	var repeated *wire.FieldError
+	if errors.As(errRaw, &repeated) && repeated.Problem == "is sent more than once" {
+		// The generic form keeps the last of a repeated name: it cannot
+		// see the repetition. That the text repeats a name is checked
+		// where the generic path is not the oracle (TestRepeatedNames).
+		return
+	}
 	switch {
 	case (errRaw == nil) != (errGeneric == nil):
 		t.Fatalf("%q: from the text %v, generic %v", data, errRaw, errGeneric)
