@@ -15,6 +15,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/internal/wire"
 )
 
 // frameSeeds are the frames both targets start from: one of each kind the
@@ -132,6 +133,12 @@ func expectedAnswer(binary bool, frame []byte) expectation {
 	if binary {
 		return refused(jsonrpc.KindInvalidRequest)
 	}
+	// What is JSON text, strictly (Unicode: no invalid UTF-8, no lone
+	// surrogate), is wire.Nesting's to say; FuzzNesting holds it to
+	// encoding/json and to an oracle of its own.
+	if _, err := wire.Nesting(frame); err != nil {
+		return refused(jsonrpc.KindParseError)
+	}
 	dec := json.NewDecoder(bytes.NewReader(frame))
 	dec.UseNumber()
 	var generic any
@@ -145,6 +152,7 @@ func expectedAnswer(binary bool, frame []byte) expectation {
 	if !ok {
 		return refused(jsonrpc.KindInvalidRequest) // a batch, or not an object
 	}
+	repeated := repeatedNames(frame)
 	rawID, hasID := obj["id"]
 	if !hasID {
 		if _, named := obj["method"].(string); named {
@@ -152,16 +160,62 @@ func expectedAnswer(binary bool, frame []byte) expectation {
 		}
 		return refused(jsonrpc.KindInvalidRequest)
 	}
+	if repeated["id"] {
+		return refused(jsonrpc.KindInvalidRequest)
+	}
+	var answer expectation
 	switch id := rawID.(type) {
 	case string:
 		b, _ := json.Marshal(id)
-		return expectation{id: string(b)}
+		answer.id = string(b)
 	case json.Number:
-		if _, err := id.Int64(); err == nil {
-			return expectation{id: id.String()}
+		n, err := id.Int64()
+		if err != nil {
+			return refused(jsonrpc.KindInvalidRequest)
 		}
+		answer.id = fmt.Sprint(n) // -0 is 0
+	default:
+		return refused(jsonrpc.KindInvalidRequest)
 	}
-	return refused(jsonrpc.KindInvalidRequest)
+	if len(repeated) > 0 {
+		answer.kind = jsonrpc.KindInvalidRequest
+	}
+	return answer
+}
+
+// repeatedNames is the set of the names a frame's top-level object sends
+// more than once, read with encoding/json's tokenizer (which, unlike a
+// decoded map, keeps every member).
+func repeatedNames(frame []byte) map[string]bool {
+	dec := json.NewDecoder(bytes.NewReader(frame))
+	seen, repeated := map[string]bool{}, map[string]bool{}
+	depth, expectName := 0, false
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return repeated
+		}
+		if d, ok := tok.(json.Delim); ok && (d == '}' || d == ']') {
+			depth--
+			expectName = depth == 1
+			continue
+		}
+		if depth == 1 && expectName {
+			name := tok.(string)
+			if seen[name] {
+				repeated[name] = true
+			}
+			seen[name] = true
+			expectName = false
+			continue
+		}
+		if d, ok := tok.(json.Delim); ok && (d == '{' || d == '[') {
+			depth++
+			expectName = depth == 1 && d == '{'
+			continue
+		}
+		expectName = depth == 1
+	}
 }
 
 // FuzzDecodeFrame holds the decoding of one text frame, the part of serving
@@ -230,7 +284,7 @@ func FuzzDecodeFrame(f *testing.F) {
 		if err := dec.Decode(&obj); err != nil {
 			t.Fatalf("frame %q: expectedAnswer took it for an object: %v", frame, err)
 		}
-		wellFormed := obj["jsonrpc"] == "2.0"
+		wellFormed := obj["jsonrpc"] == "2.0" && len(repeatedNames(frame)) == 0
 		for k := range obj {
 			wellFormed = wellFormed && (k == "jsonrpc" || k == "id" || k == "method" || k == "params")
 		}

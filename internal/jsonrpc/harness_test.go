@@ -3,6 +3,7 @@ package jsonrpc_test
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -552,4 +553,63 @@ func (l *listener) Accept() (net.Conn, error) {
 	default:
 	}
 	return w, nil
+}
+
+// recordingConn keeps every byte a client reads, so that a test can see
+// the frames themselves, which a WebSocket library hides.
+type recordingConn struct {
+	net.Conn
+	mu   sync.Mutex
+	read []byte
+}
+
+func (c *recordingConn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	c.mu.Lock()
+	c.read = append(c.read, b[:n]...)
+	c.mu.Unlock()
+	return n, err
+}
+
+type wireFrame struct {
+	fin    bool
+	opcode int
+	length uint64
+}
+
+// frames parses what the server sent after its handshake answer (RFC 6455
+// section 5.2; a server's frames are not masked).
+func (c *recordingConn) frames(t testing.TB) []wireFrame {
+	t.Helper()
+	c.mu.Lock()
+	data := c.read
+	c.mu.Unlock()
+	end := bytes.Index(data, []byte("\r\n\r\n"))
+	if end < 0 {
+		t.Fatal("no handshake answer on the tape")
+	}
+	data = data[end+4:]
+	var out []wireFrame
+	for len(data) > 0 {
+		if len(data) < 2 {
+			t.Fatalf("a frame header cut short: % x", data)
+		}
+		f := wireFrame{fin: data[0]&0x80 != 0, opcode: int(data[0] & 0x0f), length: uint64(data[1] & 0x7f)}
+		if data[1]&0x80 != 0 {
+			t.Fatal("the server masked a frame")
+		}
+		head := 2
+		switch f.length {
+		case 126:
+			f.length, head = uint64(binary.BigEndian.Uint16(data[2:4])), 4
+		case 127:
+			f.length, head = binary.BigEndian.Uint64(data[2:10]), 10
+		}
+		if uint64(len(data)-head) < f.length {
+			t.Fatalf("a frame of %d bytes with %d on the tape", f.length, len(data)-head)
+		}
+		out = append(out, f)
+		data = data[head+int(f.length):]
+	}
+	return out
 }

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"strconv"
 	"sync"
 	"time"
 
@@ -80,11 +81,11 @@ func RequestID(ctx context.Context) (json.RawMessage, bool) {
 var nullID = json.RawMessage("null")
 
 type conn struct {
-	srv     *Server
-	ws      *websocket.Conn
-	writeMu sync.Mutex
-	slots   chan struct{}
-	wg      sync.WaitGroup
+	srv   *Server
+	ws    *websocket.Conn
+	out   *outbox
+	slots chan struct{}
+	wg    sync.WaitGroup
 
 	initMu      sync.Mutex
 	initialized bool
@@ -102,13 +103,14 @@ func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
 		most = MinInFlight
 	}
 	c := &conn{srv: s, ws: ws, slots: make(chan struct{}, most)}
+	c.out = newOutbox(ws, c.writeTimeout())
+	go c.out.run()
 	ws.SetReadLimit(MaxMessageBytes)
-	// Pongs go out with WriteControl, which gorilla interleaves between the
-	// frames of a message being written; reply writes large answers in
-	// several frames so that a pong never waits for a whole 16 MiB answer.
-	// gorilla's default handler gives up on a pong after one second.
+	// The pong goes to the outbox, ahead of every queued answer; gorilla's
+	// default handler would write it here, in the read loop, and give up
+	// after one second behind an answer being written.
 	ws.SetPingHandler(func(appData string) error {
-		_ = ws.WriteControl(websocket.PongMessage, []byte(appData), time.Now().Add(c.writeTimeout()))
+		c.out.ping(appData)
 		return nil
 	})
 	stop := context.AfterFunc(ctx, func() {
@@ -126,9 +128,16 @@ func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
 		}
 		_ = ws.SetReadDeadline(deadline)
 	})
-	defer func() { _ = ws.Close() }()
 	defer stop()
 	defer c.wg.Wait()
+	defer func() {
+		// The read loop has ended: no answer can reach the peer any more.
+		// Closing the socket first ends a write that waits on a peer that
+		// does not read; what is queued is dropped, and every method's
+		// answer with it.
+		_ = ws.Close()
+		c.out.close()
+	}()
 	defer cancel()
 	for {
 		msgType, data, err := ws.ReadMessage()
@@ -139,7 +148,7 @@ func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
 			return fmt.Errorf("jsonrpc: read: %w", err)
 		}
 		if msgType != websocket.TextMessage {
-			c.reply("", nullID, nil, Errorf(KindInvalidRequest, "Binary frames are not part of the protocol; send each message as one text frame."))
+			c.reply("", nullID, nil, Errorf(KindInvalidRequest, "Binary frames are not part of the protocol; send each message as one text frame."), nil)
 			continue
 		}
 		// The frame is admitted before anything is decoded from it; one
@@ -159,6 +168,9 @@ type envelope struct {
 	// release returns the frame's budget; nil when the frame found none
 	// and is to be refused.
 	release func()
+	// queued, when set, is called as the outbox takes the answer (or drops
+	// it, the connection being gone).
+	queued func()
 }
 
 // envelopeMembers are the names a request may carry.
@@ -209,8 +221,16 @@ func decodeFrame(data []byte) frame {
 		obj[*unknown] = nested{}
 	}
 	var f frame
+	repeated := ""
 	for i, m := range members {
-		// A repeated member counts as its last, as encoding/json has it.
+		if m.Repeated {
+			if m.Name == "id" {
+				// Which of its ids the sender meant is unknown: the
+				// refusal cannot name one.
+				return frame{refusal: Errorf(KindInvalidRequest, "The envelope member id is sent more than once; send it once.")}
+			}
+			repeated = m.Name
+		}
 		if m.Name == "params" {
 			f.params = &members[i]
 			obj[m.Name] = nested{}
@@ -227,8 +247,8 @@ func decodeFrame(data []byte) frame {
 		// No id: a notification, well-formed or not, is never answered.
 		if methodIsString {
 			f.notification, f.method = true, method
-			if problem := envelopeProblem(obj); problem != "" {
-				f.refusal = Errorf(KindInvalidRequest, "%s", problem)
+			if problem := envelopeProblem(obj); problem != "" || repeated != "" {
+				f.refusal = Errorf(KindInvalidRequest, "A malformed notification is dropped.")
 			}
 			return f
 		}
@@ -237,6 +257,8 @@ func decodeFrame(data []byte) frame {
 	f.id, f.method = id, method
 	if problem := envelopeProblem(obj); problem != "" {
 		f.refusal = Errorf(KindInvalidRequest, "%s", problem)
+	} else if repeated != "" {
+		f.refusal = Errorf(KindInvalidRequest, "The envelope member %s is sent more than once; send it once.", repeated)
 	}
 	return f
 }
@@ -260,7 +282,7 @@ func (c *conn) handle(ctx context.Context, data []byte, release func()) {
 		}
 		return
 	case f.id == nil:
-		c.reply("", nullID, nil, f.refusal)
+		c.reply("", nullID, nil, f.refusal, nil)
 		return
 	}
 	env := envelope{id: f.id, method: f.method}
@@ -271,8 +293,9 @@ func (c *conn) handle(ctx context.Context, data []byte, release func()) {
 	if f.params != nil {
 		env.hasParam = true
 		// Handshake rule 1 comes first: before initialize, every other
-		// request is notInitialized, whatever its params.
-		if f.method == "initialize" || c.isInitialized() {
+		// request is notInitialized, whatever its params; and rule 3 after
+		// it: a second initialize is invalidRequest, whatever its params.
+		if initialized := c.isInitialized(); f.method == "initialize" && !initialized || f.method != "initialize" && initialized {
 			if e := paramsProblem(f.params); e != nil {
 				c.finish(env, time.Now(), nil, e)
 				return
@@ -321,10 +344,14 @@ func parseID(obj map[string]any) (id json.RawMessage, ok bool) {
 		b, _ := json.Marshal(v)
 		return b, true
 	case json.Number:
-		if _, err := v.Int64(); err != nil {
+		n, err := v.Int64()
+		if err != nil {
 			return nil, false
 		}
-		return json.RawMessage(v.String()), true
+		// The id's value, written as an integer is written: -0 is 0, and a
+		// peer that compares the answer's id with its request's by text
+		// (or by value) finds its own.
+		return json.RawMessage(strconv.FormatInt(n, 10)), true
 	}
 	return nil, false
 }
@@ -418,11 +445,13 @@ func (c *conn) request(ctx context.Context, env envelope) {
 	go func() {
 		defer c.wg.Done()
 		result, err := c.call(context.WithValue(ctx, ctxKey{}, env.id), m, env.params)
-		// The slot and the budget are free before the answer leaves: a
-		// client that sends its next request as soon as it reads this
-		// answer must find room.
+		// The budget is free, and the slot too, before the answer can leave:
+		// a client that sends its next request as soon as it reads this
+		// answer must find room. The slot is kept until the outbox takes
+		// the answer, so that answers waiting for room, for a peer that
+		// does not read, are bounded by the slots.
 		env.release()
-		<-c.slots
+		env.queued = func() { <-c.slots }
 		c.finish(env, start, result, err)
 	}()
 }
@@ -447,6 +476,9 @@ func (c *conn) initialize(ctx context.Context, params json.RawMessage) (any, err
 	head, _, isObject, err := wire.SplitNamed(params, "protocolVersion")
 	if err != nil || !isObject {
 		return nil, InvalidParams("", "The params must be an object.")
+	}
+	if len(head) == 1 && head[0].Repeated {
+		return nil, InvalidParams("protocolVersion", "The member protocolVersion is sent more than once; send it once.")
 	}
 	if len(head) == 0 {
 		return nil, InvalidParams("protocolVersion", "The member protocolVersion is required: state the %s plane version you speak (this server speaks %d).", c.srv.Plane, c.srv.ProtocolVersion)
@@ -479,7 +511,7 @@ func (c *conn) finish(env envelope, start time.Time, result any, err error) {
 		method = "unknown"
 	}
 	rpcErr := c.asError(method, err)
-	kind := c.reply(method, env.id, result, rpcErr)
+	kind := c.reply(method, env.id, result, rpcErr, env.queued)
 	if obs := c.srv.Observe; obs != nil {
 		obs(method, kind, time.Since(start))
 	}
@@ -510,12 +542,11 @@ func (c *conn) writeTimeout() time.Duration {
 	return 30 * time.Second
 }
 
-// writeChunk is the most reply puts in one frame of a message, so that a pong
-// can go out between two frames of a large answer.
-const writeChunk = 64 << 10
-
 // reply sends one response and returns the kind of error it carried ("" for a result).
-func (c *conn) reply(method string, id json.RawMessage, result any, rpcErr *Error) Kind {
+//
+// queued, when set, is called as the outbox takes the answer, or gives up
+// on it.
+func (c *conn) reply(method string, id json.RawMessage, result any, rpcErr *Error, queued func()) Kind {
 	resp := response{JSONRPC: "2.0", ID: id}
 	if rpcErr != nil {
 		resp.Error = rpcErr
@@ -544,33 +575,13 @@ func (c *conn) reply(method string, id json.RawMessage, result any, rpcErr *Erro
 	}
 	if err != nil {
 		c.defect(method, fmt.Errorf("encode response: %w", err))
+		if queued != nil {
+			queued()
+		}
 		return kind
 	}
-	c.writeMu.Lock()
-	defer c.writeMu.Unlock()
-	_ = c.ws.SetWriteDeadline(time.Now().Add(c.writeTimeout()))
-	if err := c.writeFrames(frame); err != nil {
-		// A failed or timed-out write leaves the connection unusable (gorilla
-		// refuses every later write): end it rather than read requests that
-		// can never be answered.
-		_ = c.ws.Close()
-	}
+	c.out.put(frame, queued)
 	return kind
-}
-
-func (c *conn) writeFrames(message []byte) error {
-	w, err := c.ws.NextWriter(websocket.TextMessage)
-	if err != nil {
-		return err
-	}
-	for len(message) > 0 {
-		n := min(len(message), writeChunk)
-		if _, err := w.Write(message[:n]); err != nil {
-			return err
-		}
-		message = message[n:]
-	}
-	return w.Close()
 }
 
 // DecodeParams decodes params strictly into v; a refusal is invalidParams

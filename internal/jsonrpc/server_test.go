@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"strconv"
 	"strings"
@@ -258,6 +257,11 @@ func TestHandshake(t *testing.T) {
 	r := p.call("v", "initialize", map[string]any{"protocolVersion": 5, "futureMember": true})
 	expectError(t, r, jsonrpc.KindVersionMismatch, `"v"`)
 
+	// A version sent twice is refused, whichever of the two matches.
+	p.send(`{"jsonrpc":"2.0","id":"pv","method":"initialize","params":{"protocolVersion":3,"protocolVersion":4,"clientInfo":{"name":"x"}}}`)
+	if r := p.read(); r.err == nil || r.err.Kind != jsonrpc.KindInvalidParams || r.err.Field != "protocolVersion" {
+		t.Fatalf("a repeated protocolVersion: %s", r.raw)
+	}
 	for _, params := range []map[string]any{
 		{"clientInfo": map[string]any{"name": "x"}},
 		{"protocolVersion": "4", "clientInfo": map[string]any{"name": "x"}},
@@ -292,6 +296,11 @@ func TestHandshake(t *testing.T) {
 	// A second initialize, right or wrong, is invalidRequest.
 	expectError(t, p.call(7, "initialize", map[string]any{"protocolVersion": 4, "clientInfo": map[string]any{"name": "x"}}), jsonrpc.KindInvalidRequest, "7")
 	expectError(t, p.call(8, "initialize", map[string]any{"protocolVersion": 3}), jsonrpc.KindInvalidRequest, "8")
+	// Its params, whatever they are, do not make it invalidParams.
+	for i, params := range []string{`[]`, `"x"`, `3`, `null`, `{"protocolVersion":4,"protocolVersion":4}`} {
+		p.send(fmt.Sprintf(`{"jsonrpc":"2.0","id":%d,"method":"initialize","params":%s}`, 80+i, params))
+		expectError(t, p.read(), jsonrpc.KindInvalidRequest, fmt.Sprint(80+i))
+	}
 	if r := p.call(9, "test/echo", nil); r.err != nil {
 		t.Fatalf("still initialized: %s", r.raw)
 	}
@@ -463,13 +472,16 @@ func TestRequestOverTheLimitEndsTheConnection(t *testing.T) {
 	}
 }
 
-func TestPingIsAnsweredWhileALargeAnswerIsWritten(t *testing.T) {
-	var serverConn *countingConn
+// TestPingIsAnsweredAheadOfQueuedAnswers: each answer is one frame, so a
+// pong cannot go between the frames of a large one; it goes ahead of every
+// answer still queued instead. Two 4 MiB answers wait for a client that
+// does not read; its ping is answered before the second of them.
+func TestPingIsAnsweredAheadOfQueuedAnswers(t *testing.T) {
 	accepted := make(chan net.Conn, 1)
 	s := newTestServer(t, func(s *testServer) {
 		s.http.Listener = &listener{Listener: s.http.Listener, accepted: accepted, wrap: func(c net.Conn) net.Conn {
 			// Small socket buffers, so the server is still writing the
-			// answer while the client holds off reading it.
+			// first answer while the client holds off reading.
 			_ = c.(*net.TCPConn).SetWriteBuffer(64 << 10)
 			return newCountingConn(c)
 		}}
@@ -490,26 +502,21 @@ func TestPingIsAnsweredWhileALargeAnswerIsWritten(t *testing.T) {
 	}
 	defer ws.Close()
 	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
-	serverConn = (<-accepted).(*countingConn)
+	serverConn := (<-accepted).(*countingConn)
 	p := &peer{t: t, ws: ws}
 	p.initialize()
 
-	const size = 15 << 20
+	const size = 4 << 20
 	p.request(1, "test/sized", map[string]any{"frameBytes": size})
-	_ = ws.SetReadDeadline(time.Now().Add(hangGuard))
-	_, r, err := ws.NextReader()
-	if err != nil {
-		t.Fatal(err)
-	}
-	buf := make([]byte, 32<<10)
-	total, err := io.ReadFull(r, buf[:1024])
-	if err != nil {
-		t.Fatal(err)
-	}
-	pongAt := -1
+	p.request(2, "test/sized", map[string]any{"frameBytes": size})
+	// Observe runs once an answer is queued: both are, before the ping.
+	s.waitObserved(t, "test/sized")
+	s.waitObserved(t, "test/sized")
+	answers := 0
+	pongAfter := -1
 	ws.SetPongHandler(func(data string) error {
-		if data == "are you there" && pongAt < 0 {
-			pongAt = total
+		if data == "are you there" && pongAfter < 0 {
+			pongAfter = answers
 		}
 		return nil
 	})
@@ -528,24 +535,64 @@ func TestPingIsAnsweredWhileALargeAnswerIsWritten(t *testing.T) {
 			t.Fatal("the server never read the ping")
 		}
 	}
-	for {
-		n, err := r.Read(buf)
-		total += n
-		if err == io.EOF {
-			break
+	for range 2 {
+		r := p.read()
+		if r.err != nil || len(r.raw) != size {
+			t.Fatalf("answer of %d bytes: %.200s", len(r.raw), r.raw)
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
+		answers++
 	}
-	if total != size {
-		t.Fatalf("read %d bytes, want %d", total, size)
+	if pongAfter < 0 || pongAfter > 1 {
+		t.Fatalf("the pong came after %d answers; want it before the second (the one still queued)", pongAfter)
 	}
-	if pongAt < 0 {
-		t.Fatal("no pong arrived while the answer was being written")
-	}
-	t.Logf("pong after %d of %d bytes", pongAt, size)
+	t.Logf("pong after %d of 2 answers", pongAfter)
 	p.sentinel("after")
+}
+
+// TestEachAnswerIsOneFrame: the contract's "each text frame holds exactly
+// one message", read off the wire: answers of every size, many at once,
+// each in one final text frame, never a continuation.
+func TestEachAnswerIsOneFrame(t *testing.T) {
+	s := newTestServer(t)
+	var tape *recordingConn
+	dialer := websocket.Dialer{NetDialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		tape = &recordingConn{Conn: c}
+		return tape, nil
+	}}
+	ws, _, err := dialer.Dial(s.url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ws.Close()
+	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
+	p := &peer{t: t, ws: ws}
+	p.initialize()
+	sizes := []int{200, 65<<10 + 3, jsonrpc.MaxMessageBytes}
+	for i, size := range sizes {
+		p.request(i, "test/sized", map[string]any{"frameBytes": size})
+	}
+	got := map[int]bool{}
+	for range sizes {
+		got[len(p.read().raw)] = true
+	}
+	for _, size := range sizes {
+		if !got[size] {
+			t.Fatalf("no answer of %d bytes among %v", size, got)
+		}
+	}
+	frames := tape.frames(t)
+	if len(frames) != len(sizes)+1 { // and initialize's
+		t.Fatalf("%d frames for %d answers: %+v", len(frames), len(sizes)+1, frames)
+	}
+	for _, f := range frames {
+		if !f.fin || f.opcode != websocket.TextMessage {
+			t.Fatalf("a frame of opcode %d, final %v, %d bytes: want each answer in one final text frame", f.opcode, f.fin, f.length)
+		}
+	}
 }
 
 func TestErrorObjects(t *testing.T) {
@@ -827,4 +874,50 @@ func TestNotInitializedBeforeParamsShape(t *testing.T) {
 	p.initialize()
 	p.send(`{"jsonrpc":"2.0","id":2,"method":"echo","params":[1]}`)
 	expectError(t, p.read(), jsonrpc.KindInvalidParams, "2")
+}
+
+// TestStrictEnvelopes: what encoding/json would read leniently is refused.
+// A repeated member is invalidRequest (with a null id when the id is the
+// one repeated, since which was meant is unknown); a frame whose text is
+// not Unicode is not JSON text (parseError); -0 is the id 0.
+func TestStrictEnvelopes(t *testing.T) {
+	s := newTestServer(t)
+	p := s.dial(t)
+	for _, initialized := range []bool{false, true} {
+		if initialized {
+			p.initialize()
+		}
+		for _, tc := range []struct {
+			frame string
+			kind  jsonrpc.Kind
+			id    string
+		}{
+			{`{"jsonrpc":"2.0","id":1,"id":2,"method":"test/echo"}`, jsonrpc.KindInvalidRequest, "null"},
+			{`{"jsonrpc":"2.0","id":"a","id":"a","method":"test/echo"}`, jsonrpc.KindInvalidRequest, "null"},
+			{`{"jsonrpc":"2.0","id":3,"method":"test/echo","method":"test/echo"}`, jsonrpc.KindInvalidRequest, "3"},
+			{`{"jsonrpc":"2.0","jsonrpc":"2.0","id":4,"method":"test/echo"}`, jsonrpc.KindInvalidRequest, "4"},
+			{`{"jsonrpc":"2.0","id":5,"method":"test/echo","params":{},"params":{}}`, jsonrpc.KindInvalidRequest, "5"},
+			{`{"jsonrpc":"2.0","id":"a\ud800b","method":"test/echo"}`, jsonrpc.KindParseError, "null"},
+			{`{"jsonrpc":"2.0","id":"\udc00","method":"test/echo"}`, jsonrpc.KindParseError, "null"},
+			{"{\"jsonrpc\":\"2.0\",\"id\":\"a\xffb\",\"method\":\"test/echo\"}", jsonrpc.KindParseError, "null"},
+			{`{"jsonrpc":"2.0","id":6,"method":"test/echo","params":{"s":"\ud83d"}}`, jsonrpc.KindParseError, "null"},
+		} {
+			p.send(tc.frame)
+			expectError(t, p.read(), tc.kind, tc.id)
+		}
+		// A malformed notification, however it is malformed, is dropped.
+		p.send(`{"jsonrpc":"2.0","method":"test/note","method":"test/note"}`)
+		p.sentinel(fmt.Sprint("notification ", initialized))
+	}
+	// Params that repeat a name are the method's to refuse, by name.
+	p.send(`{"jsonrpc":"2.0","id":7,"method":"test/typed","params":{"kind":"busy","kind":"busy","message":"m"}}`)
+	if r := p.read(); r.err == nil || r.err.Kind != jsonrpc.KindInvalidParams || r.err.Field != "kind" {
+		t.Fatalf("params with a repeated member: %s", r.raw)
+	}
+	// A surrogate pair is one character, echoed as such; -0 is the id 0.
+	p.send(`{"jsonrpc":"2.0","id":-0,"method":"test/echo","params":{"s":"\ud83d\ude00"}}`)
+	r := p.read()
+	if r.err != nil || r.id != "0" || string(r.result) != `{"s":"😀"}` {
+		t.Fatalf("a surrogate pair under id -0: %s", r.raw)
+	}
 }
