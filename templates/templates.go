@@ -183,8 +183,15 @@ func build(path string, f file) (*Catalog, error) {
 		if len(profiles) == 0 {
 			profiles = []string{"default"}
 		}
+		wireForm := e.Template
+		// The contract omits absent options and empty collections: a file
+		// that writes resources: {} states nothing, and the listing says
+		// nothing either.
+		if r := wireForm.Resources; r != nil && r.VCPUs == nil && r.MemoryBytes == nil && r.DiskBytes == nil {
+			wireForm.Resources = nil
+		}
 		t := &Template{
-			Wire:         e.Template,
+			Wire:         wireForm,
 			Fingerprint:  e.ImageFingerprint,
 			ImageAlias:   e.ImageAlias,
 			InstanceType: e.instanceType(),

@@ -1,6 +1,7 @@
 package templates
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -81,5 +82,24 @@ func TestLoadRefusesWithOneSentenceNamingFileTemplateAndMember(t *testing.T) {
 		if !strings.Contains(msg, path) || !strings.Contains(msg, c.want) || strings.Contains(msg, "\n") {
 			t.Errorf("%s: got %q, want one line naming %s and containing %q", name, msg, path, c.want)
 		}
+	}
+}
+
+// TestEmptyOptionsAreLeftOut: the contract omits absent options and empty
+// collections, so a file's resources: {} (or metadata: {}) is listed as
+// nothing, not as an empty object.
+func TestEmptyOptionsAreLeftOut(t *testing.T) {
+	body := strings.Replace(good, "    idle: {pauseAfterMs: 1000, closeAfterMs: 5000}\n", "", 1)
+	body = strings.Replace(body, "resources: {vcpus: 2, memoryBytes: 1073741824}", "resources: {}\n    metadata: {}\n    profiles: []", 1)
+	c, err := Load(write(t, "t.yaml", body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := json.Marshal(c.Wire())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `[{"templateId":"a","displayName":"A","powerStates":["running","paused","stopped"]}]`; string(raw) != want {
+		t.Fatalf("listed as %s, want %s", raw, want)
 	}
 }
