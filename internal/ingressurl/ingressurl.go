@@ -26,7 +26,8 @@ const standIn = "ingress-label-stand-in"
 
 // Base is a parsed public base.
 type Base struct {
-	raw      string
+	raw      string // canonical: lowercase scheme and host, no trailing slash
+	scheme   string // http or https
 	pre, suf string // the host around the label, lowercase
 }
 
@@ -53,7 +54,12 @@ func Parse(s string) (Base, error) {
 	if strings.Contains(pre, ".") || (suf != "" && suf[0] != '.') || len(suf) < 2 {
 		return Base{}, fmt.Errorf("%q must have %s as a whole DNS label under a domain, such as https://{label}.env.example.com", s, Placeholder)
 	}
-	return Base{raw: strings.TrimSuffix(s, "/"), pre: pre, suf: suf}, nil
+	// Written back in the URL's canonical case (RFC 3986: scheme and host
+	// are case-insensitive, lowercase is canonical), so that an endpoint
+	// handed out, and the scheme the edge forwards, are the same whatever
+	// case the operator wrote.
+	raw := u.Scheme + "://" + strings.Replace(strings.ToLower(u.Host), standIn, Placeholder, 1)
+	return Base{raw: raw, scheme: u.Scheme, pre: pre, suf: suf}, nil
 }
 
 // Endpoint is the URL of the label's host.
@@ -61,7 +67,7 @@ func (b Base) Endpoint(label string) string {
 	return strings.Replace(b.raw, Placeholder, label, 1)
 }
 
-// String is the base as configured.
+// String is the base as configured, in canonical case.
 func (b Base) String() string { return b.raw }
 
 // Label reads the label out of a request's Host (port ignored, case
@@ -113,8 +119,8 @@ func Valid(s string) bool {
 // Scheme is the base's scheme, the X-Forwarded-Proto of every request: the
 // public side's, whatever terminates TLS in front of the edge.
 func (b Base) Scheme() string {
-	if strings.HasPrefix(b.raw, "https:") {
-		return "https"
+	if b.scheme == "" {
+		return "http" // the zero Base
 	}
-	return "http"
+	return b.scheme
 }

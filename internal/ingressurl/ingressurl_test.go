@@ -43,3 +43,23 @@ func TestParseAndLabel(t *testing.T) {
 		}
 	}
 }
+
+// TestBaseIsCanonicalWhateverItsCase: an operator's HTTPS://{label}.Env.Example.COM
+// hands out https://….env.example.com endpoints and forwards the scheme
+// https, as the lowercase base does.
+func TestBaseIsCanonicalWhateverItsCase(t *testing.T) {
+	for _, c := range []struct{ base, endpoint, scheme string }{
+		{"HTTPS://{label}.Env.Example.COM", "https://L.env.example.com", "https"},
+		{"Https://{label}.env.example.com:8443/", "https://L.env.example.com:8443", "https"},
+		{"HTTP://{label}.LOCALHOST:8482", "http://L.localhost:8482", "http"},
+		{"http://{label}.localhost:8482", "http://L.localhost:8482", "http"},
+	} {
+		b, err := Parse(c.base)
+		if err != nil {
+			t.Fatalf("%s: %v", c.base, err)
+		}
+		if got := b.Endpoint("L"); got != c.endpoint || b.Scheme() != c.scheme {
+			t.Errorf("%s: endpoint %s, scheme %s; want %s, %s", c.base, got, b.Scheme(), c.endpoint, c.scheme)
+		}
+	}
+}
