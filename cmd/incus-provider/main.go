@@ -192,6 +192,11 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	rl.targets = prov.Targets
 	if cfg.TLSCert != "" {
 		main.TLSConfig = rl.tlsConfig()
+		// HTTP/1.1 alone in ALPN: a WebSocket opens by an HTTP/1.1
+		// upgrade, and a client that offers h2 first would be given it
+		// and could not upgrade (net/http offers h2 on TLS by default).
+		main.Protocols = new(http.Protocols)
+		main.Protocols.SetHTTP1(true)
 	}
 
 	var wg sync.WaitGroup

@@ -159,7 +159,11 @@ func TestSighupReloadsTheCertificate(t *testing.T) {
 	// The test's own self-signed certificates, on loopback: nothing to verify.
 	tlsConf := &tls.Config{InsecureSkipVerify: true} //nolint:gosec
 	served := func() []byte {
-		d := tls.Dialer{Config: tlsConf, NetDialer: &net.Dialer{Timeout: 10 * time.Second}}
+		// A client that offers h2 first, as browsers and many HTTP stacks
+		// do, must still be given HTTP/1.1, the only way to a WebSocket.
+		offer := tlsConf.Clone()
+		offer.NextProtos = []string{"h2", "http/1.1"}
+		d := tls.Dialer{Config: offer, NetDialer: &net.Dialer{Timeout: 10 * time.Second}}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		conn, err := d.DialContext(ctx, "tcp", c.listen)
@@ -167,7 +171,11 @@ func TestSighupReloadsTheCertificate(t *testing.T) {
 			t.Fatalf("TLS dial: %v", err)
 		}
 		defer conn.Close()
-		return conn.(*tls.Conn).ConnectionState().PeerCertificates[0].Raw
+		state := conn.(*tls.Conn).ConnectionState()
+		if state.NegotiatedProtocol != "http/1.1" {
+			t.Fatalf("ALPN gave %q to a client offering h2 and http/1.1; want http/1.1", state.NegotiatedProtocol)
+		}
+		return state.PeerCertificates[0].Raw
 	}
 	pemDER := func(path string) []byte {
 		cert, err := tls.LoadX509KeyPair(path, strings.TrimSuffix(path, ".crt")+".key")
