@@ -360,6 +360,17 @@ func TestIngress(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		for deadline := time.Now().Add(60 * time.Second); ; {
+			// An ensure meanwhile routes nothing: it observes the target
+			// closing, without an endpoint, or (once it is gone) notFound.
+			if o, err := r.ensure(web.Owner, ""); err == nil && (o.Phase != controller.PhaseClosing || o.Ingress != nil) {
+				t.Fatalf("ingress/ensure on a closing target answered %+v", o)
+			} else if err != nil {
+				// notFound once it is gone; unavailable when Incus is slow.
+				var rpcErr *jsonrpc.Error
+				if !errors.As(err, &rpcErr) || rpcErr.Kind != jsonrpc.KindNotFound && rpcErr.Kind != jsonrpc.KindUnavailable {
+					t.Fatalf("ingress/ensure on a closing target: %v", err)
+				}
+			}
 			o, err := r.closeTarget(web.Owner)
 			if err == nil && o.Phase == controller.PhaseClosed {
 				break

@@ -209,9 +209,9 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 			return change{}, err
 		}
 		if StateOf(cur).Phase == controller.PhaseClosing {
-			if route {
-				return change{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "The target is being closed; a closing target serves no public ingress.")
-			}
+			// The target still exists, so notFound (final for the
+			// runtime) would be untrue; nothing is routed to it, and the
+			// observation says why: it is closing, without an endpoint.
 			return change{}, nil
 		}
 		rec := recordOf(cur.Config, fTemplate|fIngressLabel|fIngressRouted|fIngressPort)
