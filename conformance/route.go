@@ -160,7 +160,17 @@ type RouteDial struct {
 // RouteDialer dials data routes; its zero value uses the system's TLS roots.
 type RouteDialer struct {
 	TLSConfig *tls.Config
+	// AsARuntime dials as a runtime does, not as a checker of the hold
+	// bound: it waits up to RuntimeDialWait for the answer and does not
+	// call a late one an error. The answer itself is checked all the same.
+	// A test whose subject is not the hold (a wake racing a power change,
+	// on a machine loaded past what a hold can promise) dials this way;
+	// the bound is the subject of checks that dial without it.
+	AsARuntime bool
 }
+
+// RuntimeDialWait bounds a dial made AsARuntime.
+const RuntimeDialWait = 30 * time.Second
 
 // DialRoute dials a data route (ws:// or wss://) with the bearer
 // credential (none when empty) and checks the answer: an upgrade, or a
@@ -181,12 +191,16 @@ func (d RouteDialer) Dial(ctx context.Context, routeURL, credential string) (Rou
 		return RouteDial{}, fmt.Errorf("the route %q is not a ws:// or wss:// URL", routeURL)
 	}
 	bound := MaxDataRouteHold + RouteHoldGrace
-	ctx, cancel := context.WithTimeout(ctx, bound)
+	wait := bound
+	if d.AsARuntime {
+		wait = RuntimeDialWait
+	}
+	ctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 
 	var rec *recordingConn
 	var dialer net.Dialer
-	wd := websocket.Dialer{ReadBufferSize: 64 << 10, WriteBufferSize: 64 << 10, HandshakeTimeout: bound}
+	wd := websocket.Dialer{ReadBufferSize: 64 << 10, WriteBufferSize: 64 << 10, HandshakeTimeout: wait}
 	wd.NetDialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
 		c, err := dialer.DialContext(ctx, network, addr)
 		if err != nil {
@@ -231,7 +245,7 @@ func (d RouteDialer) Dial(ctx context.Context, routeURL, credential string) (Rou
 		_ = resp.Body.Close()
 	}
 	late := func() error {
-		if out.Elapsed > bound {
+		if out.Elapsed > bound && !d.AsARuntime {
 			return fmt.Errorf("the route answered HTTP %d after %s, over the %s hold bound (allowing %s for the dial itself)",
 				out.Status, out.Elapsed.Round(time.Millisecond), MaxDataRouteHold, RouteHoldGrace)
 		}
@@ -248,7 +262,7 @@ func (d RouteDialer) Dial(ctx context.Context, routeURL, credential string) (Rou
 			rec.release()
 		}
 		if ctx.Err() != nil {
-			return out, fmt.Errorf("the route gave no answer within %s (the hold bound is %s): %w", bound, MaxDataRouteHold, err)
+			return out, fmt.Errorf("the route gave no answer within %s (the hold bound is %s): %w", wait, MaxDataRouteHold, err)
 		}
 		return out, fmt.Errorf("dial %s: %w", routeURL, err)
 	}

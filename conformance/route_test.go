@@ -246,6 +246,17 @@ func TestDialRouteRefusesALateAnswer(t *testing.T) {
 	if d.Refusal == nil || d.Refusal.State != "booting" {
 		t.Errorf("the late refusal was not read: %+v", d.Refusal)
 	}
+	// Dialled as a runtime dials, the same late answer is an answer; a
+	// malformed one is still refused.
+	calls = 0
+	if d, err := (RouteDialer{AsARuntime: true}).Dial(t.Context(), url, ""); err != nil || d.Refusal == nil || d.Refusal.State != "booting" {
+		t.Errorf("AsARuntime: %+v, %v; want the late refusal read, without an error", d.Refusal, err)
+	}
+	calls = 0
+	bad, _, _ := routeServer(t, refusal{503, jsonType, nil, `{"state":"booting"}`}, false)
+	if _, err := (RouteDialer{AsARuntime: true}).Dial(t.Context(), bad, ""); err == nil {
+		t.Error("AsARuntime: a 503 without Retry-After passed")
+	}
 }
 
 func TestDialRouteRefusesABadURL(t *testing.T) {

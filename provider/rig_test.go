@@ -324,7 +324,7 @@ func (r *rig) dial(route routes.Route) conformance.RouteDial {
 // is an error. redials is how many refusals came first.
 func (r *rig) dialAsTheRuntime(route routes.Route) (conn *websocket.Conn, redials int, err error) {
 	for redials = 0; ; redials++ {
-		d, err := conformance.DialRoute(context.Background(), r.url(route), credential)
+		d, err := conformance.RouteDialer{AsARuntime: true}.Dial(context.Background(), r.url(route), credential)
 		if err != nil {
 			return nil, redials, err
 		}
@@ -355,8 +355,12 @@ func (r *rig) mustUpgrade(route routes.Route) *websocket.Conn {
 func (r *rig) upgradeAsARuntime(route routes.Route) *websocket.Conn {
 	r.t.Helper()
 	for try := 1; ; try++ {
-		d := r.dial(route)
+		d, err := conformance.RouteDialer{AsARuntime: true}.Dial(context.Background(), r.url(route), credential)
+		if err != nil {
+			r.t.Fatalf("dial %d: %v", try, err)
+		}
 		if d.Conn != nil {
+			r.t.Cleanup(func() { d.Conn.Close() })
 			initialize(r.t, d.Conn)
 			return d.Conn
 		}
