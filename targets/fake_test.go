@@ -629,3 +629,52 @@ func TestFakeAReadFromInsideAWakeFindsItsRecord(t *testing.T) {
 		t.Fatalf("setPower paused asked after the wake is not pending for a use older than it\n%s", r.history(name))
 	}
 }
+
+// An idle close takes the target's public ingress away at once, as
+// target/close does, not at the next reconcile pass: the edge answers the
+// host 404 from the close on, and the closing record carries no route.
+func TestFakeAnIdleCloseTakesIngressAtOnce(t *testing.T) {
+	base, err := ingressurl.Parse("http://{label}.localhost:1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{IngressBase: &base, ReconcileInterval: time.Hour})
+	o := fakeOwner("env-idle-ingress")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	obs, err := r.svc.EnsureIngress(ctx, controller.TargetRef{Owner: o, TargetID: name})
+	if err != nil || obs.Ingress == nil {
+		t.Fatalf("ensure answered %+v, %v", obs, err)
+	}
+	label, ok := base.Label(strings.TrimPrefix(obs.Ingress.Endpoint, "http://"))
+	if !ok {
+		t.Fatalf("endpoint %s has no label", obs.Ingress.Endpoint)
+	}
+	views, err := r.svc.IdleTargets(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var view IdleView
+	for _, v := range views {
+		if v.Name == name {
+			view = v
+		}
+	}
+	if view.Name == "" {
+		t.Fatal("the idle inventory does not hold the target")
+	}
+	if err := r.svc.IdleClose(ctx, view); err != nil {
+		t.Fatal(err)
+	}
+	if _, routed := r.svc.IngressLookup(label); routed {
+		t.Fatal("the edge still routes the host of a target the idle loop closed")
+	}
+	inst, _, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inst.Config[keyClosing] == "" || inst.Config[keyIngressRouted] != "" {
+		t.Fatalf("the closing record: closing %q, routed %q; want closing and no route", inst.Config[keyClosing], inst.Config[keyIngressRouted])
+	}
+}

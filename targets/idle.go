@@ -202,10 +202,21 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 			return ErrRelayOpen
 		}
 		defer release()
+		// Public ingress goes first, as on target/close: the edge answers
+		// the host 404 from now on, not once a reconcile pass (up to its
+		// interval later) finds the target closing.
+		s.ingress.drop(t.Name)
 		if !r.has(fClosing) {
-			if err := s.patch(ctx, t.Name, change{keys: fClosing, to: record{Closing: s.now()}}.config()); err != nil {
+			c := change{keys: fClosing, to: record{Closing: s.now()}}
+			if recordOf(inst.Config, fIngressRouted).has(fIngressRouted) {
+				c.keys |= fIngressRouted // to not routed: removed
+			}
+			if err := s.patch(ctx, t.Name, c.config()); err != nil {
 				return err
 			}
+			// Again after the write: a reconcile pass that listed before
+			// it must not put the route back.
+			s.ingress.drop(t.Name)
 		}
 		s.own.kick(t.Name)
 		return nil
