@@ -182,7 +182,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	}
 	// The listener's own hardening: a ceiling on open connections, HTTP
 	// timeouts that spare upgraded WebSockets, request bodies refused unread.
-	serveOpts := serve.Options{MaxConnections: cfg.MaxConnections, Metrics: serve.NewMetrics(reg), Log: log.Named("listener")}
+	serveOpts := serve.Options{MaxConnections: cfg.MaxConnections, Metrics: serve.NewMetrics(reg), Log: log.Named("listener"), PlainHTTP: cfg.TLSCert == ""}
 	main := serve.Server(prov.Handler(), serveOpts, log.Named("http"))
 	rawLn, scheme, err := listen(ctx, cfg)
 	if err != nil {
@@ -266,7 +266,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		}
 		// The same ceiling on open connections as the controller's listener,
 		// counted on its own.
-		eln := serve.Listener(rawEdge, serve.Options{MaxConnections: cfg.MaxConnections, Log: log.Named("ingress-listener")})
+		eln := serve.Listener(rawEdge, serve.Options{MaxConnections: cfg.MaxConnections, Log: log.Named("ingress-listener"), PlainHTTP: cfg.IngressTLSCert == ""})
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

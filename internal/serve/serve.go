@@ -58,7 +58,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "incus_provider_listener_refused_total",
-			Help: "Connections and requests the controller listener refused before any handler: connectionLimit (accepted and closed at once, over PROVIDER_MAX_CONNECTIONS), requestBody (a request that carries a body, answered 400 unread).",
+			Help: "Connections and requests the controller listener refused before any handler: connectionLimit (over PROVIDER_MAX_CONNECTIONS: answered 503 with Retry-After at once on plain HTTP, closed at once below TLS), requestBody (a request that carries a body, answered 400 unread).",
 		}, []string{"reason"}),
 	}
 	reg.MustRegister(m.open, m.refused)
@@ -86,6 +86,10 @@ type Options struct {
 	MaxConnections int
 	Metrics        *Metrics
 	Log            *zap.Logger
+	// PlainHTTP says the listener carries HTTP itself, not TLS: a
+	// connection over the ceiling is then answered 503 with Retry-After
+	// (see Listener) rather than closed bare.
+	PlainHTTP bool
 	// The HTTP bounds (zero: the constants above).
 	ReadHeaderTimeout, ReadTimeout, WriteTimeout, IdleTimeout time.Duration
 }
@@ -110,21 +114,29 @@ func (o Options) withDefaults() Options {
 
 // Listener counts the connections ln accepts, until each is closed
 // (hijacked ones included), and holds them to opts.MaxConnections. A
-// connection over the ceiling is accepted and closed at once, without a
-// byte: holding it in the kernel's backlog instead would let whoever holds
-// the ceiling's connections keep every other client waiting in connect,
-// whereas a closed connection is a refusal a client sees and can retry
-// (and nothing but a close is possible below TLS).
+// connection over the ceiling is refused at once: holding it in the
+// kernel's backlog instead would let whoever holds the ceiling's
+// connections keep every other client waiting in connect. On plain HTTP
+// (opts.PlainHTTP) the refusal is an answer, 503 with Retry-After, which a
+// runtime's data-route dial retries after it, as the contract has every
+// 503 do; below TLS nothing can be said, and the connection is closed
+// without a byte. The answers in progress are bounded (refusingMost); past
+// them a connection is closed bare too.
 func Listener(ln net.Listener, opts Options) net.Listener {
 	opts = opts.withDefaults()
-	return &listener{Listener: ln, opts: opts, logEvery: NewEvery(opts.Log, 10*time.Second)}
+	return &listener{Listener: ln, opts: opts, logEvery: NewEvery(opts.Log, 10*time.Second), refusing: make(chan struct{}, refusingMost)}
 }
+
+// refusingMost bounds the over-ceiling connections being answered at once:
+// each holds a goroutine and a socket for at most lingerBound.
+const refusingMost = 64
 
 type listener struct {
 	net.Listener
 	opts     Options
 	open     atomic.Int64
 	logEvery *Every
+	refusing chan struct{}
 }
 
 func (l *listener) Accept() (net.Conn, error) {
@@ -138,14 +150,44 @@ func (l *listener) Accept() (net.Conn, error) {
 			// Counted before the close, so a client that sees the close
 			// also sees the refusal in the metrics.
 			l.opts.Metrics.refuse(ReasonConnectionLimit)
-			_ = c.Close()
-			l.logEvery.Warn("the controller listener is at its connection ceiling; closing new connections at once",
+			l.refuse(c)
+			l.logEvery.Warn("the controller listener is at its connection ceiling; refusing new connections at once",
 				zap.Int("maxConnections", l.opts.MaxConnections))
 			continue
 		}
 		l.opts.Metrics.opened(1)
 		return &conn{Conn: c, l: l}, nil
 	}
+}
+
+// refuse answers a connection over the ceiling, or closes it.
+func (l *listener) refuse(c net.Conn) {
+	if !l.opts.PlainHTTP {
+		_ = c.Close()
+		return
+	}
+	select {
+	case l.refusing <- struct{}{}:
+	default:
+		_ = c.Close()
+		return
+	}
+	go func() {
+		defer func() { <-l.refusing }()
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(lingerBound))
+		const msg = "The provider is at its connection ceiling; retry after the Retry-After seconds.\n"
+		if _, err := io.WriteString(c, "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: text/plain; charset=utf-8\r\n"+
+			"Cache-Control: no-store\r\nConnection: close\r\nContent-Length: "+strconv.Itoa(len(msg))+"\r\n\r\n"+msg); err != nil {
+			return
+		}
+		// As NoBody does: a FIN, so that the request the client is still
+		// sending does not turn the close into a reset that loses the
+		// answer, then what it sends is dropped until it closes too.
+		if cw, ok := c.(interface{ CloseWrite() error }); ok && cw.CloseWrite() == nil {
+			_, _ = io.CopyN(io.Discard, c, 64<<10)
+		}
+	}()
 }
 
 type conn struct {

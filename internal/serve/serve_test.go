@@ -111,6 +111,39 @@ func TestConnectionsOverTheCeilingAreClosedAtOnce(t *testing.T) {
 	}
 }
 
+// On plain HTTP a connection over the ceiling is answered, at once and
+// before its request is read, 503 with a Retry-After the contract allows
+// (1 to 60 s), so that a runtime's dial retries it rather than failing on a
+// reset; a place freed is taken again as before.
+func TestOverTheCeilingPlainHTTPIsAnswered503(t *testing.T) {
+	addr, m := start(t, http.HandlerFunc(ok), serve.Options{MaxConnections: 2, PlainHTTP: true})
+	held := []net.Conn{dial(t, addr), dial(t, addr)}
+	for i, c := range held {
+		if got := get(t, c); got != "200 OK ok" {
+			t.Fatalf("connection %d: %s", i, got)
+		}
+	}
+	for range 3 {
+		over := dial(t, addr)
+		_ = over.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(over, "GET /routes/u/e/t HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(over), nil)
+		if err != nil {
+			t.Fatalf("over the ceiling: %v", err)
+		}
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "1" {
+			t.Fatalf("over the ceiling: %s, Retry-After %q; want 503 with Retry-After 1", resp.Status, resp.Header.Get("Retry-After"))
+		}
+		_ = over.Close()
+	}
+	if n := testutil.ToFloat64(m.Refused(serve.ReasonConnectionLimit)); n != 3 {
+		t.Fatalf("refusals counted: %v, want 3", n)
+	}
+}
+
 // A request that announces a body which never comes is answered 400 at
 // once and its connection closed; before, the server waited for the body
 // before it sent even a 401.
