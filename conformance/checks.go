@@ -21,6 +21,7 @@ import (
 var checks = []check{
 	{"handshake", checkHandshake},
 	{"framing", checkFraming},
+	{"strict-envelope", checkStrictEnvelope},
 	{"credential", checkCredential},
 	{"strict-params", checkStrictParams},
 	{"template-list", checkTemplateList},
@@ -115,21 +116,7 @@ func checkFraming(ctx context.Context, r *checkRun) {
 	request := func(id string) string {
 		return fmt.Sprintf(`{"jsonrpc":"2.0","id":%s,"method":"template/list","params":%s}`, id, listParams)
 	}
-	// probe shows the connection still serves, with a string id the answer must echo.
-	probe := func(after string) {
-		id := fmt.Sprintf("probe-%d", c.newID())
-		if err := c.request(ctx, id, controller.MethodTemplateList, json.RawMessage(listParams)); err != nil {
-			r.fatalf("after %s: %v", after, err)
-		}
-		quoted, _ := json.Marshal(id)
-		f, err := c.expectID(ctx, controller.MethodTemplateList, string(quoted))
-		if err != nil {
-			r.fatalf("after %s the connection no longer serves: %v", after, err)
-		}
-		if f.rpcErr != nil {
-			r.failf("after %s, template/list answered %s", after, describeErr(f.rpcErr))
-		}
-	}
+	probe := func(after string) { r.probeServes(ctx, c, after) }
 	cases := []struct {
 		what   string
 		binary bool
@@ -178,6 +165,101 @@ func checkFraming(ctx context.Context, r *checkRun) {
 		probe(n.what + " (it must not be answered)")
 	}
 	r.notef("%d framing errors answered and %d notifications dropped, the connection open throughout", len(cases), len(notifications))
+}
+
+// probeServes shows that c still serves, and that nothing was answered in
+// between: the next frame must answer a template/list under a string id.
+func (r *checkRun) probeServes(ctx context.Context, c *conn, after string) {
+	listParams := fmt.Sprintf(`{"universeId":%q}`, r.s.cfg.UniverseID)
+	id := fmt.Sprintf("probe-%d", c.newID())
+	if err := c.request(ctx, id, controller.MethodTemplateList, json.RawMessage(listParams)); err != nil {
+		r.fatalf("after %s: %v", after, err)
+	}
+	quoted, _ := json.Marshal(id)
+	f, err := c.expectID(ctx, controller.MethodTemplateList, string(quoted))
+	if err != nil {
+		r.fatalf("after %s the connection no longer serves: %v", after, err)
+	}
+	if f.rpcErr != nil {
+		r.failf("after %s, template/list answered %s", after, describeErr(f.rpcErr))
+	}
+}
+
+// checkStrictEnvelope: the contract's strict decoding, on the envelope and
+// on params, where a lenient JSON reader gives in: a member named twice
+// (encoding/json and many others keep the last), text that is not
+// Unicode (invalid UTF-8, a lone UTF-16 surrogate: many readers make
+// U+FFFD of it), the id -0, and a second initialize whose params are not
+// an object. Each is refused, or answered, as a strict peer would, and the
+// connection serves on.
+func checkStrictEnvelope(ctx context.Context, r *checkRun) {
+	c, _ := r.mustOpen(ctx)
+	defer c.close()
+	listParams := fmt.Sprintf(`{"universeId":%q}`, r.s.cfg.UniverseID)
+	list := func(head string) string {
+		return fmt.Sprintf(`{"jsonrpc":"2.0",%s,"method":"template/list","params":%s}`, head, listParams)
+	}
+	cases := []struct {
+		what  string
+		frame string
+		kinds []jsonrpc.Kind // any of them
+		ids   []string       // the ids the answer may carry
+	}{
+		{"an id sent twice", list(`"id":2001,"id":2002`), []jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"null"}},
+		{"a method sent twice", fmt.Sprintf(`{"jsonrpc":"2.0","id":2003,"method":"template/list","method":"template/list","params":%s}`, listParams),
+			[]jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"2003", "null"}},
+		{"params sent twice", fmt.Sprintf(`{"jsonrpc":"2.0","id":2004,"method":"template/list","params":%s,"params":%s}`, listParams, listParams),
+			[]jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"2004", "null"}},
+		{"a params member sent twice", fmt.Sprintf(`{"jsonrpc":"2.0","id":2005,"method":"template/list","params":{"universeId":%q,"universeId":%q}}`, r.s.cfg.UniverseID, r.s.cfg.UniverseID),
+			[]jsonrpc.Kind{jsonrpc.KindInvalidParams, jsonrpc.KindInvalidRequest}, []string{"2005", "null"}},
+		{"an id holding a lone UTF-16 surrogate", list(`"id":"a\ud800b"`), []jsonrpc.Kind{jsonrpc.KindParseError, jsonrpc.KindInvalidRequest}, []string{"null"}},
+		{"an id holding invalid UTF-8", list("\"id\":\"a\xffb\""), []jsonrpc.Kind{jsonrpc.KindParseError, jsonrpc.KindInvalidRequest}, []string{"null"}},
+		{"a second initialize with params that are not an object", `{"jsonrpc":"2.0","id":2006,"method":"initialize","params":[]}`,
+			[]jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"2006"}},
+	}
+	for _, tc := range cases {
+		if err := c.sendText(ctx, tc.frame); err != nil {
+			r.fatalf("%s: %v", tc.what, err)
+		}
+		f, err := c.next(ctx, tc.what)
+		if err != nil {
+			r.fatalf("%s: %v", tc.what, err)
+		}
+		switch {
+		case f.rpcErr == nil:
+			r.failf("%s: answered a result under id %s; want %s", tc.what, f.id, kindsText(tc.kinds))
+		case !slices.Contains(tc.kinds, f.rpcErr.Kind):
+			r.failf("%s: answered %s; want %s", tc.what, describeErr(f.rpcErr), kindsText(tc.kinds))
+		case !slices.Contains(tc.ids, f.id):
+			r.failf("%s: the answer carries id %s, want %s", tc.what, f.id, strings.Join(tc.ids, " or "))
+		}
+		r.probeServes(ctx, c, tc.what)
+	}
+	// The id -0 is the integer 0: its answer carries 0.
+	if err := c.sendText(ctx, list(`"id":-0`)); err != nil {
+		r.fatalf("the id -0: %v", err)
+	}
+	f, err := c.next(ctx, "the id -0")
+	if err != nil {
+		r.fatalf("the id -0: %v", err)
+	}
+	// The client reads ids by value, as a peer does; the text is what a
+	// peer comparing ids as sent would trip on.
+	var members map[string]json.RawMessage
+	if f.rpcErr != nil || json.Unmarshal(f.raw, &members) != nil {
+		r.failf("the id -0: want a result, got %s", f)
+	} else if got := string(members["id"]); got != "0" {
+		r.failf("the id -0 was answered with id %s; want 0, the integer it is", got)
+	}
+	r.notef("%d malformed envelopes refused and the id -0 answered as 0, the connection open throughout", len(cases))
+}
+
+func kindsText(kinds []jsonrpc.Kind) string {
+	out := make([]string, len(kinds))
+	for i, k := range kinds {
+		out[i] = string(k)
+	}
+	return strings.Join(out, " or ")
 }
 
 // checkCredential: the bearer credential is required before the upgrade.

@@ -1,7 +1,9 @@
 package conformance_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -11,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/gorilla/websocket"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
@@ -238,4 +242,74 @@ func serveUnix(t *testing.T, b controller.Backend) string {
 		_ = srv.Close()
 	})
 	return "unix://" + path
+}
+
+// lenientProxy stands in front of a correct controller as a lenient one
+// would read or answer: with rewrite, each client frame that encoding/json
+// reads is passed on as encoding/json writes it back (a member named twice
+// kept once, as its last; invalid UTF-8 and lone surrogates made U+FFFD);
+// with echoMinusZero every answer to the id 0 says -0. It returns the
+// proxy's ws:// URL.
+func lenientProxy(t *testing.T, upstream string, rewrite, echoMinusZero bool) string {
+	t.Helper()
+	up := websocket.Upgrader{CheckOrigin: func(*http.Request) bool { return true }}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		header := http.Header{}
+		if a := r.Header.Get("Authorization"); a != "" {
+			header.Set("Authorization", a)
+		}
+		back, resp, err := websocket.DefaultDialer.DialContext(r.Context(), upstream, header)
+		if resp != nil && resp.Body != nil {
+			_ = resp.Body.Close()
+		}
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		defer back.Close()
+		front, err := up.Upgrade(w, r, nil)
+		if err != nil {
+			return
+		}
+		defer front.Close()
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			for {
+				kind, data, err := back.ReadMessage()
+				if err != nil {
+					return
+				}
+				if echoMinusZero {
+					data = bytes.Replace(data, []byte(`"id":0,`), []byte(`"id":-0,`), 1)
+				}
+				if front.WriteMessage(kind, data) != nil {
+					return
+				}
+			}
+		}()
+		for {
+			kind, data, err := front.ReadMessage()
+			if err != nil {
+				break
+			}
+			if rewrite && kind == websocket.TextMessage {
+				dec := json.NewDecoder(bytes.NewReader(data))
+				dec.UseNumber()
+				var v any
+				if dec.Decode(&v) == nil {
+					if again, err := json.Marshal(v); err == nil {
+						data = again
+					}
+				}
+			}
+			if back.WriteMessage(kind, data) != nil {
+				break
+			}
+		}
+		_ = back.Close()
+		<-done
+	}))
+	t.Cleanup(srv.Close)
+	return "ws" + strings.TrimPrefix(srv.URL, "http") + "/control"
 }

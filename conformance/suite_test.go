@@ -100,6 +100,29 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 	}
 }
 
+// A controller that reads envelopes leniently fails strict-envelope on
+// each way it gives in, and only then: the same controller read strictly
+// passes it (TestSuitePassesAgainstACorrectController).
+func TestStrictEnvelopeFailsAgainstALenientController(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		echoMinusZero bool
+		says          string
+	}{
+		{"a member named twice", false, "an id sent twice: answered a result"},
+		{"a params member named twice", false, "a params member sent twice: answered a result"},
+		{"a lone surrogate", false, "an id holding a lone UTF-16 surrogate: answered a result"},
+		{"invalid UTF-8", false, "an id holding invalid UTF-8: answered a result"},
+		{"the id -0 echoed", true, "the id -0 was answered with id -0"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := fast(lenientProxy(t, serve(t, newFake(correct), controller.Options{}), !tc.echoMinusZero, tc.echoMinusZero))
+			cfg.Checks = []string{"strict-envelope"}
+			wantFailure(t, conformance.Run(t.Context(), cfg), "strict-envelope", tc.says)
+		})
+	}
+}
+
 func wantFailure(t *testing.T, results []conformance.Result, check, says string) {
 	t.Helper()
 	for _, r := range results {
