@@ -48,6 +48,9 @@ type Config struct {
 	MaxInFlight       int
 	RelayIdleTimeout  time.Duration
 	RouteMaxHeld      int
+	// RoutePath is the path the data routes are served under
+	// (routes.DefaultPrefix when empty).
+	RoutePath string
 	// RelayCloseWait bounds how long a relay told to go away may take to
 	// end before it is killed (default 4 s).
 	RelayCloseWait time.Duration
@@ -159,6 +162,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		Log:         log.Named("routes"),
 		IdleTimeout: cfg.RelayIdleTimeout,
 		MaxHeld:     cfg.RouteMaxHeld,
+		Prefix:      cfg.RoutePath,
 	})
 	if err != nil {
 		cancel()
@@ -189,17 +193,17 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		Log:            log.Named("controller"),
 	})
 	mux := http.NewServeMux()
-	// Any path is allowed for a controller URL, and a unix:// registration
-	// names none, so the root serves the controller too.
-	mux.Handle("/control", ctrl)
-	mux.Handle("/{$}", ctrl)
+	// The contract allows any path for a controller URL (and a unix://
+	// registration names none): every path outside the data routes serves
+	// the controller plane.
+	mux.Handle("/", ctrl)
 	mux.Handle(rh.Prefix()+"/", rh)
 	return &Provider{Targets: svc, Relays: reg, Wake: wk, Routes: rh, Idle: loop, Control: ctrl, Ingress: edge,
 		log: log, handler: mux, cancel: cancel, ctx: ctx}, nil
 }
 
-// Handler serves the controller plane at /control (and /) and the data
-// routes under their prefix.
+// Handler serves the data routes under their prefix and the controller
+// plane on every other path.
 func (p *Provider) Handler() http.Handler { return p.handler }
 
 // Run runs the reconciler and the idle loop until ctx ends (or the

@@ -22,13 +22,19 @@ import (
 )
 
 // memberName is what Incus accepts as a cluster member's name (a host name).
+// routePath is a data route base's path as the contract has it, kept to
+// characters that need no escaping.
+var routePath = regexp.MustCompile(`^(/[A-Za-z0-9._~-]+)+$`)
+
 var memberName = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]{0,61}[A-Za-z0-9])?$`)
 
 // config is every setting, from the environment. The tags are the one
 // definition of each: its variable, its default, what it allows (the text
 // of its refusal, too) and what it means; --help prints them (reference.go).
 type config struct {
-	Listen            string        `env:"PROVIDER_LISTEN" envDefault:"127.0.0.1:8480" allowed:"host:port (such as 127.0.0.1:8480) or unix:/absolute/path" help:"the controller listener: /control and the data routes"`
+	Listen            string        `env:"PROVIDER_LISTEN" envDefault:"127.0.0.1:8480" allowed:"host:port (such as 127.0.0.1:8480) or unix:/absolute/path" help:"the controller listener: the controller plane on any path, the data routes under PROVIDER_ROUTE_PATH"`
+	RouteListen       string        `env:"PROVIDER_ROUTE_LISTEN" allowed:"host:port (such as 0.0.0.0:8481), or empty" help:"a second listener serving what PROVIDER_LISTEN serves, for a data route base a runtime can dial when PROVIDER_LISTEN is a unix socket"`
+	RoutePath         string        `env:"PROVIDER_ROUTE_PATH" envDefault:"/routes" allowed:"an absolute path of one or more segments of letters, digits and - . _ ~, not ending in /, such as /routes" help:"the path of the data route base the provider is registered with; the runtime's default is /routes"`
 	TLSCert           string        `env:"PROVIDER_TLS_CERT" allowed:"a readable PEM file; set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither" help:"serve wss:// with this certificate (reloaded on SIGHUP)"`
 	TLSKey            string        `env:"PROVIDER_TLS_KEY" allowed:"a readable PEM file; set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither" help:"the private key of PROVIDER_TLS_CERT"`
 	CredentialFile    string        `env:"PROVIDER_CREDENTIAL_FILE" allowed:"a readable file holding the bearer credential" help:"when set, /control and every route answer 401 without Authorization: Bearer <credential>"`
@@ -107,6 +113,14 @@ func (c *config) check() error {
 	}
 	if err := checkListen(c.Listen); err != nil {
 		return bad("PROVIDER_LISTEN", c.Listen, err.Error())
+	}
+	if c.RouteListen != "" {
+		if err := checkListen(c.RouteListen); err != nil || strings.HasPrefix(c.RouteListen, "unix:") {
+			return bad("PROVIDER_ROUTE_LISTEN", c.RouteListen, allowed("PROVIDER_ROUTE_LISTEN"))
+		}
+	}
+	if !routePath.MatchString(c.RoutePath) {
+		return bad("PROVIDER_ROUTE_PATH", c.RoutePath, allowed("PROVIDER_ROUTE_PATH"))
 	}
 	if c.MetricsListen != "off" {
 		if err := checkListen(c.MetricsListen); err != nil || strings.HasPrefix(c.MetricsListen, "unix:") {

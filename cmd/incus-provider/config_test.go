@@ -37,6 +37,13 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		{"INCUS_URL", "https://admin@10.0.0.1:8443", "user"},
 		{"INCUS_URL", "https://10.0.0.1:8443?project=x", "query"},
 		{"PROVIDER_METRICS_LISTEN", "unix:/x", "host:port"},
+		{"PROVIDER_ROUTE_LISTEN", "unix:/x", "host:port"},
+		{"PROVIDER_ROUTE_LISTEN", "8481", "host:port"},
+		{"PROVIDER_ROUTE_PATH", "routes", "an absolute path"},
+		{"PROVIDER_ROUTE_PATH", "/routes/", "not ending in /"},
+		{"PROVIDER_ROUTE_PATH", "/", "one or more segments"},
+		{"PROVIDER_ROUTE_PATH", "/a//b", "one or more segments"},
+		{"PROVIDER_ROUTE_PATH", "/a?b", "letters, digits"},
 		{"PROVIDER_MEMORY_LIMIT", "lots", "such as 768MiB or 2GiB, or off"},
 		{"PROVIDER_MEMORY_LIMIT", "768MB", "such as 768MiB"},
 		{"PROVIDER_MEMORY_LIMIT", "1MiB", "from 64MiB"},
@@ -181,5 +188,27 @@ func TestConfigPeers(t *testing.T) {
 	}
 	if len(c.peerSecret) != 40 || c.peers["node1"] != "127.0.0.2:8483" || c.peers["node2"] != "127.0.0.3:8483" || len(c.peers) != 2 {
 		t.Fatalf("read %d secret bytes and peers %v", len(c.peerSecret), c.peers)
+	}
+}
+
+// TestRouteBaseIsWhatARuntimeDials: the data route base printed at start is
+// the route listener's when there is one, else the controller listener's,
+// and there is none for a unix socket alone (the contract: a unix://
+// controller has no derivable base).
+func TestRouteBaseIsWhatARuntimeDials(t *testing.T) {
+	for _, c := range []struct {
+		cfg    config
+		scheme string
+		want   string
+	}{
+		{config{Listen: "127.0.0.1:8480", RoutePath: "/routes"}, "ws", "ws://127.0.0.1:8480/routes"},
+		{config{Listen: "127.0.0.1:8480", RoutePath: "/env/data", TLSCert: "c"}, "wss", "wss://127.0.0.1:8480/env/data"},
+		{config{Listen: "unix:/run/p.sock", RoutePath: "/routes"}, "unix", ""},
+		{config{Listen: "unix:/run/p.sock", RouteListen: "0.0.0.0:8481", RoutePath: "/routes"}, "unix", "ws://0.0.0.0:8481/routes"},
+		{config{Listen: "unix:/run/p.sock", RouteListen: "[::1]:8481", RoutePath: "/r", TLSCert: "c"}, "unix", "wss://[::1]:8481/r"},
+	} {
+		if got := routeBaseURL(c.cfg, c.scheme); got != c.want {
+			t.Errorf("%+v: route base %q, want %q", c.cfg, got, c.want)
+		}
 	}
 }

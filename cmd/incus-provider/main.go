@@ -173,7 +173,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	prov, err := provider.New(srvCtx, provider.Config{
 		Incus: client, Catalog: catalog, Dialer: dialer, Credential: credential, Log: log, Metrics: reg,
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
-		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld,
+		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld, RoutePath: cfg.RoutePath,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
 		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn, CacheCorrection: cfg.CacheCorrection,
 	})
@@ -199,8 +199,24 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		main.Protocols.SetHTTP1(true)
 	}
 
+	// The second listener serves the same handler on TCP, so that a
+	// controller on a unix socket still has a data route base a runtime
+	// can dial; it shares the first one's hardening and TLS.
+	var routeSrv *http.Server
+	var routeLn net.Listener
+	if cfg.RouteListen != "" {
+		var lc net.ListenConfig
+		raw, err := lc.Listen(ctx, "tcp", cfg.RouteListen)
+		if err != nil {
+			return bindError(fmt.Errorf("PROVIDER_ROUTE_LISTEN=%q cannot be bound: %w", cfg.RouteListen, err))
+		}
+		routeLn = serve.Listener(raw, serveOpts)
+		routeSrv = serve.Server(prov.Handler(), serveOpts, log.Named("http"))
+		routeSrv.TLSConfig, routeSrv.Protocols = main.TLSConfig, main.Protocols
+	}
+
 	var wg sync.WaitGroup
-	errc := make(chan error, 4)
+	errc := make(chan error, 5)
 	if cfg.PeerListen != "off" {
 		servePeer, err := servePeers(srvCtx, cfg, member, client, peerMx, peerLog)
 		if err != nil {
@@ -234,6 +250,21 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 			errc <- fmt.Errorf("controller listener: %w", err)
 		}
 	}()
+	if routeSrv != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var err error
+			if cfg.TLSCert != "" {
+				err = routeSrv.ServeTLS(routeLn, "", "")
+			} else {
+				err = routeSrv.Serve(routeLn)
+			}
+			if err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("route listener: %w", err)
+			}
+		}()
+	}
 	var metricsSrv *http.Server
 	if cfg.MetricsListen != "off" {
 		mmux := http.NewServeMux()
@@ -286,13 +317,21 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 
 	ids := templateIDs(catalog)
 	url := controlURL(cfg, scheme)
-	log.Info("incus-provider is serving", zap.String("controller", url), zap.Strings("templates", ids),
+	routeBase := routeBaseURL(cfg, scheme)
+	if routeBase == "" {
+		log.Warn("the controller listens on a unix socket and PROVIDER_ROUTE_LISTEN is unset: no runtime can dial a data route; set PROVIDER_ROUTE_LISTEN, and register its ws:// or wss:// base with the provider")
+	}
+	log.Info("incus-provider is serving", zap.String("controller", url), zap.String("dataRouteBase", routeBase), zap.Strings("templates", ids),
 		zap.String("guestDialer", dialer.Name()), zap.String("peerListen", cfg.PeerListen), zap.Int("peers", len(cfg.peers)), zap.String("incusProject", cfg.IncusProject), zap.String("replica", cfg.Replica),
 		zap.Bool("credential", credential.Enabled()), zap.String("metrics", cfg.MetricsListen),
 		zap.String("memoryLimit", cfg.MemoryLimit), zap.String("decodeBudget", cfg.DecodeBudget),
 		zap.Int("maxConnections", cfg.MaxConnections), zap.Int("maxControlConnections", cfg.MaxControl))
 	warnIfFewFiles(log, cfg.MaxConnections)
-	fmt.Printf("controller URL: %s\ntemplates: %s\n", url, strings.Join(ids, ", "))
+	fmt.Printf("controller URL: %s\n", url)
+	if routeBase != "" {
+		fmt.Printf("data route base: %s\n", routeBase)
+	}
+	fmt.Printf("templates: %s\n", strings.Join(ids, ", "))
 	if prov.Ingress != nil {
 		fmt.Printf("public ingress: %s (edge on %s)\n", cfg.ingressBase, cfg.IngressListen)
 	}
@@ -312,6 +351,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	shutdownCtx, cancelShutdown := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancelShutdown()
 	_ = main.Shutdown(shutdownCtx)
+	if routeSrv != nil {
+		_ = routeSrv.Shutdown(shutdownCtx)
+	}
 	if metricsSrv != nil {
 		_ = metricsSrv.Shutdown(shutdownCtx)
 	}
@@ -448,6 +490,23 @@ func controlURL(cfg config, scheme string) string {
 		return "unix://" + strings.TrimPrefix(cfg.Listen, "unix:")
 	}
 	return scheme + "://" + cfg.Listen + "/control"
+}
+
+// routeBaseURL is the data route base to register the provider with: the
+// route listener's, else the controller listener's when it is TCP; empty
+// when a runtime cannot dial one (a unix socket alone).
+func routeBaseURL(cfg config, scheme string) string {
+	wsScheme := "ws"
+	if cfg.TLSCert != "" {
+		wsScheme = "wss"
+	}
+	switch {
+	case cfg.RouteListen != "":
+		return wsScheme + "://" + cfg.RouteListen + cfg.RoutePath
+	case scheme == "unix":
+		return ""
+	}
+	return scheme + "://" + cfg.Listen + cfg.RoutePath
 }
 
 // readyz answers 200 "ok" when Incus answers and every template's image is
