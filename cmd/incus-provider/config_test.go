@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/lightspeed-dev/incus-provider/targets"
 )
 
 func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
@@ -210,5 +212,24 @@ func TestRouteBaseIsWhatARuntimeDials(t *testing.T) {
 		if got := routeBaseURL(c.cfg, c.scheme); got != c.want {
 			t.Errorf("%+v: route base %q, want %q", c.cfg, got, c.want)
 		}
+	}
+}
+
+// TestDefaultReplicaOfAnyListener: a replica id for every listener, a unix
+// socket's of any length included (a long path once sliced the host name
+// out of range, and the process panicked at start), and different ids for
+// two sockets on one host.
+func TestDefaultReplicaOfAnyListener(t *testing.T) {
+	long := "unix:/tmp/" + strings.Repeat("d", 200) + "/provider.sock"
+	seen := map[string]string{}
+	for _, listen := range []string{"127.0.0.1:8480", "127.0.0.1:8481", "[::1]:8480", "unix:/run/a.sock", "unix:/run/b.sock", long} {
+		id := defaultReplica(listen)
+		if !targets.ValidReplica(id) {
+			t.Fatalf("%s: replica id %q is not valid", listen, id)
+		}
+		if other, dup := seen[id]; dup && !strings.HasSuffix(listen, ":8480") {
+			t.Fatalf("%s and %s share the replica id %q", listen, other, id)
+		}
+		seen[id] = listen
 	}
 }

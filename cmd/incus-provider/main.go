@@ -4,6 +4,8 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -414,13 +416,18 @@ func defaultReplica(listen string) string {
 			b.WriteByte('-')
 		}
 	}
-	port := "unix"
-	if _, p, err := net.SplitHostPort(listen); err == nil {
+	var port string
+	if path, ok := strings.CutPrefix(listen, "unix:"); ok {
+		// A socket's path, not a port, tells replicas on one host apart;
+		// it can be as long as a path is, so it is named by a digest.
+		sum := sha256.Sum256([]byte(path))
+		port = "u" + hex.EncodeToString(sum[:4])
+	} else if _, p, err := net.SplitHostPort(listen); err == nil {
 		port = p
 	}
 	name := strings.Trim(b.String(), "-")
-	if len(name) > 32-len(port)-1 {
-		name = strings.Trim(name[:32-len(port)-1], "-")
+	if most := 32 - len(port) - 1; len(name) > most {
+		name = strings.Trim(name[:max(most, 0)], "-")
 	}
 	if name == "" {
 		name = "provider"
