@@ -678,3 +678,42 @@ func TestFakeAnIdleCloseTakesIngressAtOnce(t *testing.T) {
 		t.Fatalf("the closing record: closing %q, routed %q; want closing and no route", inst.Config[keyClosing], inst.Config[keyIngressRouted])
 	}
 }
+
+// A setPower that finds its target already there, while the project keeps
+// an older request of a killed process for another power, not yet taken
+// into memory by a pass, must outrank that request: the kill matrix with a
+// warm pool found one answered "stopped" (already stopped), after which a
+// pass restored the dead process's "running" and started the target.
+func TestFakeAlreadyThereOutranksAStoredRequest(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{GracefulStop: time.Second, ReconcileInterval: time.Hour})
+	o := fakeOwner("env-already")
+	name := r.seedTarget(o, incus.InstanceStopped, controller.PowerStopped)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	stored := pendingWrite{intent: Intent{Power: controller.PowerRunning, At: time.Now().Add(-30 * time.Minute), By: BySetPower}}
+	if err := r.svc.storePending(ctx, name, stored); err != nil {
+		t.Fatal(err)
+	}
+	if _, held := r.svc.pending.get(name); held {
+		t.Fatal("the stored request is in memory already: the test tests nothing")
+	}
+	obs, err := r.svc.SetPower(ctx, controller.TargetRef{Owner: o, TargetID: name}, controller.PowerStopped)
+	if err != nil || obs.Power != controller.PowerStopped {
+		t.Fatalf("setPower stopped answered %+v, %v", obs, err)
+	}
+	// The pass that would have restored the stored request, then its flush.
+	r.svc.restorePending(ctx)
+	r.svc.own.kick(name)
+	r.awaitFake("the stored request cleared", 10*time.Second, func() bool {
+		cfg, _, ok := r.fake.Project(fakeProject)
+		if !ok {
+			return false
+		}
+		_, present, _ := pendingIn(cfg, name)
+		return !present
+	})
+	inst := r.instance(name)
+	if inst.Status != incus.InstanceStopped || inst.Config[keyPower] != string(controller.PowerStopped) {
+		t.Fatalf("after the stored request's flush the target is %s with power %q recorded; want stopped", inst.Status, inst.Config[keyPower])
+	}
+}

@@ -8,6 +8,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 )
 
@@ -95,6 +96,27 @@ func (s *Service) editProject(ctx context.Context, edit func(map[string]string) 
 			return err
 		}
 	}
+}
+
+// adoptStoredPending takes name's request from the project into memory
+// when it asks for another power than power and is newer than what memory
+// holds, and says whether it did. A read that fails adopts nothing: the
+// pass restores it later, as it restores every stored request.
+func (s *Service) adoptStoredPending(ctx context.Context, name string, power controller.Power) bool {
+	p, err := s.incus.GetProject(ctx, s.projectName())
+	if err != nil {
+		s.log.Debug("reading a stored power request failed", zap.String("instance", name), zap.Error(err))
+		return false
+	}
+	w, _, ok := pendingIn(p.Config, name)
+	if !ok || w.intent.Power == power {
+		return false
+	}
+	if cur, held := s.pending.get(name); held && !w.intent.At.After(cur.intent.At) {
+		return false
+	}
+	s.pending.put(name, w)
+	return true
 }
 
 // restorePending takes every request the project stores back into memory

@@ -372,19 +372,28 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		}
 		return nil
 	}
-	_, wrote, err := s.wantPatient(ctx, patience, name, in, extra,
-		func(inst *incus.Instance, st State) error {
-			if err := acceptable(inst, st); err != nil {
-				return err
-			}
-			if w, ok := s.pending.get(name); ok && w.intent.At.After(st.Intent.At) {
-				st.Intent = w.intent
-			}
-			if st.Intent.Power == power || (st.Intent.Power == "" && st.Resting && st.Power == power) {
-				return errAlready
-			}
-			return nil
-		})
+	decide := func(inst *incus.Instance, st State) error {
+		if err := acceptable(inst, st); err != nil {
+			return err
+		}
+		if w, ok := s.pending.get(name); ok && w.intent.At.After(st.Intent.At) {
+			st.Intent = w.intent
+		}
+		if st.Intent.Power == power || (st.Intent.Power == "" && st.Resting && st.Power == power) {
+			return errAlready
+		}
+		return nil
+	}
+	_, wrote, err := s.wantPatient(ctx, patience, name, in, extra, decide)
+	if errors.Is(err, errAlready) && s.adoptStoredPending(ctx, name, power) {
+		// A request the project keeps for the target (one a killed
+		// process, or another replica, answered and could not record yet)
+		// asks for another power and is not in memory yet: answered
+		// "already there" without a write, this request would be outranked
+		// by that older one once a pass restores it, and lost. Decided
+		// again with it, this one is recorded and outranks it.
+		_, wrote, err = s.wantPatient(ctx, patience, name, in, extra, decide)
+	}
 	if err == nil && s.pending.drop(name, in.At) {
 		wrote = true // an older request kept in memory is replaced: converge again
 	}
