@@ -41,6 +41,10 @@ const (
 	// contract's retryable unavailable, as a provider whose Incus did not
 	// answer in time does: no flaw, and the suite must ask again.
 	unavailableOnce
+	// createUnavailableOnce answers an owner's repeated create with
+	// unavailable once, as a provider whose Incus did not answer the
+	// owner's lookup in time: no flaw either.
+	createUnavailableOnce
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -60,7 +64,7 @@ type fakeTarget struct {
 	owner   controller.Owner
 	phase   controller.Phase
 	seen    int
-	refused bool // unavailableOnce: its get was answered unavailable
+	refused bool // unavailableOnce, createUnavailableOnce: it was answered unavailable once
 }
 
 func newFake(f flaw) *fakeBackend {
@@ -104,6 +108,10 @@ func (f *fakeBackend) CreateTarget(_ context.Context, p controller.CreateParams)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if t := f.byOwner[p.Owner]; t != nil && f.flaw != newTargetPerCreate {
+		if f.flaw == createUnavailableOnce && !t.refused {
+			t.refused = true
+			return controller.Observation{}, jsonrpc.Unavailable(150, "Incus did not answer while looking up the owner's target; retry shortly.")
+		}
 		return f.observe(t, p.Owner), nil
 	}
 	var tmpl *controller.Template

@@ -29,11 +29,13 @@ func TestSuitePassesAgainstACorrectController(t *testing.T) {
 // not answer in time: retryable by the contract, so a suite polling a
 // create towards active asks again rather than failing it.
 func TestSuiteRetriesAnUnavailableGet(t *testing.T) {
-	cfg := fast(serve(t, newFake(unavailableOnce), controller.Options{}))
-	cfg.Checks = []string{"create-idempotency"}
-	for _, r := range conformance.Run(t.Context(), cfg) {
-		if r.Failed() {
-			t.Fatalf("%s failed on a retryable answer: %s", r.Name, r.Detail)
+	for _, f := range []flaw{unavailableOnce, createUnavailableOnce} {
+		cfg := fast(serve(t, newFake(f), controller.Options{}))
+		cfg.Checks = []string{"create-idempotency"}
+		for _, r := range conformance.Run(t.Context(), cfg) {
+			if r.Failed() {
+				t.Fatalf("%s failed on a retryable answer: %s", r.Name, r.Detail)
+			}
 		}
 	}
 }
