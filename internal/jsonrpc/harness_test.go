@@ -297,6 +297,26 @@ func (s *testServer) dial(t testing.TB) *peer {
 	return &peer{t: t, ws: ws}
 }
 
+// dialThrough is dial, over the client's connection as wrap makes it (to
+// count, record or size it).
+func (s *testServer) dialThrough(t testing.TB, wrap func(net.Conn) net.Conn) *peer {
+	t.Helper()
+	dialer := websocket.Dialer{NetDialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return wrap(c), nil
+	}}
+	ws, _, err := dialer.Dial(s.url, nil)
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
+	t.Cleanup(func() { ws.Close() })
+	return &peer{t: t, ws: ws}
+}
+
 func (p *peer) send(frame string) {
 	p.t.Helper()
 	if err := p.ws.WriteMessage(websocket.TextMessage, []byte(frame)); err != nil {

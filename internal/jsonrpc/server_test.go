@@ -1,7 +1,6 @@
 package jsonrpc_test
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -487,23 +486,13 @@ func TestPingIsAnsweredAheadOfQueuedAnswers(t *testing.T) {
 		}}
 	})
 	var clientConn *countingConn
-	dialer := websocket.Dialer{NetDialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-		if err != nil {
-			return nil, err
-		}
+	p := s.dialThrough(t, func(c net.Conn) net.Conn {
 		_ = c.(*net.TCPConn).SetReadBuffer(64 << 10)
 		clientConn = newCountingConn(c)
-		return clientConn, nil
-	}}
-	ws, _, err := dialer.Dial(s.url, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ws.Close()
-	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
+		return clientConn
+	})
+	ws := p.ws
 	serverConn := (<-accepted).(*countingConn)
-	p := &peer{t: t, ws: ws}
 	p.initialize()
 
 	const size = 4 << 20
@@ -555,21 +544,10 @@ func TestPingIsAnsweredAheadOfQueuedAnswers(t *testing.T) {
 func TestEachAnswerIsOneFrame(t *testing.T) {
 	s := newTestServer(t)
 	var tape *recordingConn
-	dialer := websocket.Dialer{NetDialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-		if err != nil {
-			return nil, err
-		}
+	p := s.dialThrough(t, func(c net.Conn) net.Conn {
 		tape = &recordingConn{Conn: c}
-		return tape, nil
-	}}
-	ws, _, err := dialer.Dial(s.url, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ws.Close()
-	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
-	p := &peer{t: t, ws: ws}
+		return tape
+	})
 	p.initialize()
 	sizes := []int{200, 65<<10 + 3, jsonrpc.MaxMessageBytes}
 	for i, size := range sizes {
@@ -908,6 +886,11 @@ func TestStrictEnvelopes(t *testing.T) {
 		// A malformed notification, however it is malformed, is dropped.
 		p.send(`{"jsonrpc":"2.0","method":"test/note","method":"test/note"}`)
 		p.sentinel(fmt.Sprint("notification ", initialized))
+		select {
+		case n := <-s.notes:
+			t.Fatalf("a notification naming its method twice was delivered: %v", n)
+		default:
+		}
 	}
 	// Params that repeat a name are the method's to refuse, by name.
 	p.send(`{"jsonrpc":"2.0","id":7,"method":"test/typed","params":{"kind":"busy","kind":"busy","message":"m"}}`)
