@@ -717,3 +717,45 @@ func TestFakeAlreadyThereOutranksAStoredRequest(t *testing.T) {
 		t.Fatalf("after the stored request's flush the target is %s with power %q recorded; want stopped", inst.Status, inst.Config[keyPower])
 	}
 }
+
+// A setPower that finds its target stopped as recorded while a start sent
+// before it (a dead process's wake) is still under way in Incus must
+// outrank that start: the kill matrix with a warm pool found one answered
+// "stopped" (already there), after which the start landed, read as a use
+// since the power-down, and the target ended running.
+func TestFakeAPowerDownOutranksAWakeInFlight(t *testing.T) {
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Start = 700 * time.Millisecond
+	r := newFakeRig(t, fcfg, Config{GracefulStop: time.Second, ReconcileInterval: time.Hour})
+	o := fakeOwner("env-wake-in-flight")
+	name := r.seedTarget(o, incus.InstanceStopped, controller.PowerStopped)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// The dead process's wake: sent, not waited for, nothing recorded.
+	op, err := r.client.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cur, err := r.client.GetOperation(ctx, op.ID); err != nil || cur.Final() {
+		t.Fatalf("the start ended before setPower was asked (%v): the test staged nothing", err)
+	}
+	obs, err := r.svc.SetPower(ctx, controller.TargetRef{Owner: o, TargetID: name}, controller.PowerStopped)
+	if err != nil {
+		t.Fatalf("setPower stopped: %v", err)
+	}
+	if obs.Power != controller.PowerStopped {
+		t.Fatalf("setPower stopped answered %+v", obs)
+	}
+	if _, err := r.client.Wait(ctx, op); err != nil {
+		t.Fatalf("the staged start: %v", err)
+	}
+	r.svc.own.kick(name)
+	r.awaitFake("the target stopped again", 10*time.Second, func() bool {
+		v, ok := r.fake.Instance(fakeProject, name)
+		return ok && v.Status == incus.InstanceStopped && v.HeldBy == ""
+	})
+	inst := r.instance(name)
+	if inst.Config[keyPower] != string(controller.PowerStopped) {
+		t.Fatalf("the target is stopped with power %q recorded; want stopped", inst.Config[keyPower])
+	}
+}

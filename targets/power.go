@@ -380,6 +380,14 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 			st.Intent = w.intent
 		}
 		if st.Intent.Power == power || (st.Intent.Power == "" && st.Resting && st.Power == power) {
+			if power != controller.PowerRunning && s.wakeInFlight(ctx, inst) {
+				// Recorded, then a wake began: a dead process's start
+				// that Incus still carries out. Once it lands, the
+				// carried-out power-down reads as woken since (State.Intent)
+				// and this later request would be lost. Recorded anew,
+				// it outranks that wake.
+				return nil
+			}
 			return errAlready
 		}
 		return nil
@@ -476,6 +484,23 @@ func (s *Service) progressOf(name string, st State) *progress {
 		p.failures, p.retryAt = f.n, f.retryAt
 	}
 	return p
+}
+
+// wakeInFlight says inst rests in a power-down marked carried out while
+// an Incus task moves it: a start or an unfreeze whose sender (a wake of
+// a process killed since, an operator) recorded nothing, and that Incus
+// does not show until it ends. A failed read says no: the answer is then
+// what it was before the read was made.
+func (s *Service) wakeInFlight(ctx context.Context, inst *incus.Instance) bool {
+	if r := recordOf(inst.Config, fState); r.PowerDone.IsZero() || !r.PowerDone.Equal(r.Intent.At) {
+		return false // not marked: a wake landing is a pending power-down, carried out again
+	}
+	op, err := s.operationOn(ctx, inst.Name)
+	if err != nil {
+		s.log.Debug("listing Incus tasks failed", zap.String("instance", inst.Name), zap.Error(err))
+		return false
+	}
+	return op != nil
 }
 
 // errAlready: the target has, or is moving to, the power asked.

@@ -466,3 +466,46 @@ func TestAWokenTargetUnderAMarkedPauseStaysUp(t *testing.T) {
 		t.Fatalf("Incus shows %s after the next process's passes, want Running", st)
 	}
 }
+
+// A setPower that finds the power-down it asks for recorded and carried
+// out while a start sent before it (a dead process's wake) is still under
+// way in Incus outranks that start. On the real Incus: the stop is marked,
+// the process is gone, a start is sent and not waited for, and the next
+// process is asked for stopped before Incus ends it.
+func TestAPowerDownOutranksAWakeInFlight(t *testing.T) {
+	h := newHarness(t)
+	cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: 300 * time.Millisecond}
+	svc, stop := h.startCfg(h.catalog, cfg)
+	ctx := ctxT(t)
+	ref := activeTarget(t, svc, owner("env-wake-in-flight-real"))
+	setPower(t, svc, ref, controller.PowerStopped)
+	until(t, "stopped", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerStopped))
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		c := h.instance(ref.TargetID).Config
+		if c[keyPowerDone] != "" && c[keyPowerDone] == c[keyPowerAt] {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the stop carried out was never marked: %v", c)
+		}
+	}
+	stop()
+
+	next, _ := h.startCfg(h.catalog, cfg)
+	op, err := h.client.UpdateInstanceState(ctx, ref.TargetID, incus.InstanceStatePut{Action: incus.ActionStart})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cur, err := h.client.GetOperation(ctx, op.ID); err != nil || cur.Final() {
+		t.Fatalf("the start ended before setPower was asked (%v): the test staged nothing", err)
+	}
+	obs := setPower(t, next, ref, controller.PowerStopped)
+	if _, err := h.client.Wait(ctx, op); err != nil {
+		t.Fatalf("the staged start: %v", err)
+	}
+	t.Logf("answered %s %q while the start ran", obs.Power, obs.Message)
+	until(t, "stopped again", func() (controller.Observation, error) { return next.GetTarget(ctx, ref) }, powerIs(controller.PowerStopped))
+	if st := h.instance(ref.TargetID).Status; st != incus.InstanceStopped {
+		t.Fatalf("Incus shows %s, want Stopped", st)
+	}
+}
