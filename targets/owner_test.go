@@ -25,7 +25,30 @@ func TestOwnWritesNeverMeetEachOtherBusy(t *testing.T) {
 	for _, down := range []controller.Power{controller.PowerStopped, controller.PowerPaused, controller.PowerStopped} {
 		setPower(t, svc, ref, down)
 		until(t, string(down), func() (controller.Observation, error) { return svc.GetTarget(ctxT(t), ref) }, powerIs(down))
-		inst := h.instance(ref.TargetID)
+		// The wake is staged on the target as Incus shows it at rest in
+		// that power, read here: one fresh clone's run met a wake that saw
+		// the target running right after the provider had observed it
+		// stopped (its graceful stop had timed out and been forced on a
+		// loaded machine). Waiting for Incus to show the power at rest
+		// stages the wake on what it means to test, and says what Incus
+		// showed meanwhile should it never come.
+		var inst *incus.Instance
+		var seen []incus.InstanceStatus
+		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			inst = h.instance(ref.TargetID)
+			if len(seen) == 0 || seen[len(seen)-1] != inst.Status {
+				seen = append(seen, inst.Status)
+			}
+			if st := StateOf(inst); st.Power == down && st.Resting {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the provider observed %s, and Incus then showed %v for 20 s", down, seen)
+			}
+		}
+		if len(seen) > 1 {
+			t.Logf("Incus showed %v before resting %s", seen, down)
+		}
 
 		// Writers of the same instance, as the lease loop and the idle
 		// loop would make them, all through the wake's window.
