@@ -119,7 +119,9 @@ func (c Config) normalized() (Config, error) {
 // Result is the outcome of one check. A check that neither passed nor was
 // skipped failed; Detail says why (or, on a pass, what was seen).
 type Result struct {
-	Name    string
+	Name string
+	// Rule is the contract's section and sentence the check enforces.
+	Rule    string
 	Passed  bool
 	Skipped bool
 	Detail  string
@@ -128,9 +130,17 @@ type Result struct {
 // Failed reports a check that neither passed nor was skipped.
 func (r Result) Failed() bool { return !r.Passed && !r.Skipped }
 
-// String is the one line a runner prints: PASS, FAIL or SKIP, the name, and
-// the detail.
+// String is the line a runner prints: PASS, FAIL or SKIP, the name, and
+// the detail; a failure names the contract's rule on a second line.
 func (r Result) String() string {
+	line := r.verdict()
+	if r.Failed() && r.Rule != "" {
+		line += "\n    contract " + r.Rule
+	}
+	return line
+}
+
+func (r Result) verdict() string {
 	verdict := "PASS"
 	switch {
 	case r.Skipped:

@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -45,6 +46,15 @@ const (
 	// unavailable once, as a provider whose Incus did not answer the
 	// owner's lookup in time: no flaw either.
 	createUnavailableOnce
+	// powerAnyState moves a target to a state its template does not offer.
+	powerAnyState
+	// powerNeverMoves answers setPower and never carries it out.
+	powerNeverMoves
+	// powerMovesClosing moves a closing target's power.
+	powerMovesClosing
+	// powerless serves no power: no flaw, and the controller does not
+	// advertise it.
+	powerless
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -63,6 +73,9 @@ type fakeTarget struct {
 	id      string
 	owner   controller.Owner
 	phase   controller.Phase
+	power   controller.Power // while active; running when empty
+	moving  controller.Power // a setPower not carried out yet
+	states  []controller.Power
 	seen    int
 	refused bool // unavailableOnce, createUnavailableOnce: it was answered unavailable once
 }
@@ -84,6 +97,12 @@ func (f *fakeBackend) observe(t *fakeTarget, owner controller.Owner) controller.
 	o := controller.Observation{TargetID: t.id, Owner: owner, Phase: t.phase}
 	if t.phase == controller.PhaseActive && f.flaw != activeWithoutPower {
 		o.Power = controller.PowerRunning
+		if t.power != "" {
+			o.Power = t.power
+		}
+		if t.moving != "" {
+			o.Message = "Moving to " + string(t.moving) + "."
+		}
 	}
 	if t.phase == controller.PhaseActive && f.flaw == ftpIngress {
 		o.Ingress = &controller.Ingress{Endpoint: "ftp://acorn.env.example.com"}
@@ -91,9 +110,9 @@ func (f *fakeBackend) observe(t *fakeTarget, owner controller.Owner) controller.
 	return o
 }
 
-func (f *fakeBackend) create(owner controller.Owner) *fakeTarget {
+func (f *fakeBackend) create(owner controller.Owner, states []controller.Power) *fakeTarget {
 	f.next++
-	t := &fakeTarget{id: fmt.Sprintf("fake-%d", f.next), owner: owner, phase: controller.PhaseProvisioning}
+	t := &fakeTarget{id: fmt.Sprintf("fake-%d", f.next), owner: owner, phase: controller.PhaseProvisioning, states: states}
 	f.byOwner[owner] = t
 	f.byID[t.id] = t
 	return t
@@ -126,7 +145,7 @@ func (f *fakeBackend) CreateTarget(_ context.Context, p controller.CreateParams)
 	if tmpl.Deprecated {
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated", "The template %q is deprecated.", p.TemplateID)
 	}
-	return f.observe(f.create(p.Owner), p.Owner), nil
+	return f.observe(f.create(p.Owner, tmpl.PowerStates), p.Owner), nil
 }
 
 // resolve finds the target a reference names; nil when there is none.
@@ -150,7 +169,7 @@ func (f *fakeBackend) GetTarget(_ context.Context, ref controller.TargetRef) (co
 		return controller.Observation{}, err
 	}
 	if t == nil && ref.TargetID == "" && f.flaw == getCreates {
-		t = f.create(ref.Owner)
+		t = f.create(ref.Owner, nil)
 	}
 	if t == nil || (ref.TargetID != "" && t.id != ref.TargetID) {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No target for this owner.")
@@ -160,6 +179,9 @@ func (f *fakeBackend) GetTarget(_ context.Context, ref controller.TargetRef) (co
 		return controller.Observation{}, jsonrpc.Unavailable(150, "Incus did not answer in time; retry shortly.")
 	}
 	t.seen++
+	if t.moving != "" && f.flaw != powerNeverMoves {
+		t.power, t.moving = t.moving, ""
+	}
 	switch {
 	case t.phase == controller.PhaseProvisioning && t.seen >= 2:
 		t.phase = controller.PhaseActive
@@ -192,8 +214,38 @@ func (f *fakeBackend) CloseTarget(_ context.Context, ref controller.TargetRef) (
 	return f.observe(t, ref.Owner), nil
 }
 
-func (f *fakeBackend) SetPower(context.Context, controller.TargetRef, controller.Power) (controller.Observation, error) {
-	return controller.Observation{}, jsonrpc.CapabilityUnavailable("power", "Not served.")
+// SetPower records the move; the target's next observation by target/get
+// carries it out.
+func (f *fakeBackend) SetPower(_ context.Context, ref controller.TargetRef, p controller.Power) (controller.Observation, error) {
+	if f.flaw == powerless {
+		return controller.Observation{}, jsonrpc.CapabilityUnavailable("power", "Not served.")
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.resolve(ref)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	if t == nil || (ref.TargetID != "" && t.id != ref.TargetID) {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No target for this owner.")
+	}
+	if t.phase != controller.PhaseActive && f.flaw != powerMovesClosing {
+		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "targetNotActive", "The target is %s.", t.phase)
+	}
+	if !slices.Contains(t.states, p) && f.flaw != powerAnyState {
+		return controller.Observation{}, jsonrpc.InvalidParams("power", "The template does not offer %s.", p)
+	}
+	cur := t.power
+	if cur == "" {
+		cur = controller.PowerRunning
+	}
+	if p != cur && p != t.moving {
+		t.moving = p
+	}
+	if t.phase != controller.PhaseActive {
+		t.phase = controller.PhaseActive // the flaw: a closing target moved, and active again
+	}
+	return f.observe(t, ref.Owner), nil
 }
 
 func (f *fakeBackend) EnsureIngress(context.Context, controller.TargetRef) (controller.Observation, error) {
@@ -220,6 +272,9 @@ func (f *fakeBackend) live() []string {
 func serve(t *testing.T, b controller.Backend, opts controller.Options) string {
 	t.Helper()
 	opts.Backend = b
+	if f, ok := b.(*fakeBackend); ok && f.flaw != powerless {
+		opts.Capabilities.Power = true
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	srv := httptest.NewServer(controller.NewHandler(ctx, opts))

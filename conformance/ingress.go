@@ -18,8 +18,9 @@ import (
 // template's target and is idempotent, every observation carries the
 // endpoint exactly while routed, remove stops it and is idempotent, both
 // methods are fenced and answer notFound for an owner with nothing, a
-// template without public ingress is ingressUnsupported, and a closed
-// target's host answers 404.
+// template without public ingress is ingressUnsupported. A host that
+// answers something else than 404 once unrouted is reported as a
+// recommendation: the contract says the route stops, not what answers.
 func checkIngress(ctx context.Context, r *checkRun) {
 	c, init := r.mustOpen(ctx)
 	defer c.close()
@@ -98,12 +99,15 @@ func checkIngress(ctx context.Context, r *checkRun) {
 		r.failf("a closed target is observed with ingress endpoint %s", closing.Ingress.Endpoint)
 	}
 	r.wantHostGone(ctx, endpoint, "after target/close")
-	r.notef("target %s routed at %s; ensure and remove idempotent and fenced; 404 after remove and after close", id, endpoint)
+	r.notef("target %s routed at %s; ensure and remove idempotent and fenced", id, endpoint)
 }
 
-// wantHostGone asks the endpoint until it answers 404, for at most 2 s.
-// A *.localhost host is dialled on loopback, as a browser does, without
-// a DNS query.
+// wantHostGone asks the endpoint until it answers 404, for at most 2 s,
+// and otherwise records a recommendation, not a failure: the contract
+// says that ingress/remove and target/close stop the route, and a black
+// box cannot tell a guest's answer from the provider's, but a 404 says
+// plainly that nothing is routed there any more. A *.localhost host is
+// dialled on loopback, as a browser does, without a DNS query.
 func (r *checkRun) wantHostGone(ctx context.Context, endpoint, when string) {
 	u, err := url.Parse(endpoint)
 	if err != nil {
@@ -127,13 +131,14 @@ func (r *checkRun) wantHostGone(ctx context.Context, endpoint, when string) {
 	for {
 		status, err := get(ctx, client, u.String())
 		if err == nil && status == http.StatusNotFound {
+			r.notef("404 %s", when)
 			return
 		}
 		if time.Now().After(deadline) {
 			if err != nil {
-				r.failf("the endpoint %s %s: %v; want 404", endpoint, when, err)
+				r.recommendf("the endpoint %s %s: %v; a 404 would say that nothing is routed there any more", endpoint, when, err)
 			} else {
-				r.failf("the endpoint %s %s answers %d; want 404", endpoint, when, status)
+				r.recommendf("the endpoint %s %s answers %d; a 404 would say that nothing is routed there any more", endpoint, when, status)
 			}
 			return
 		}

@@ -20,10 +20,23 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
-// check is one named check of the suite.
+// check is one named check of the suite, with the contract's words it
+// enforces.
 type check struct {
 	name string
+	rule string
 	run  func(ctx context.Context, r *checkRun)
+}
+
+// CheckRule is the contract's section and sentence a check enforces;
+// empty for a name that is no check.
+func CheckRule(name string) string {
+	for _, c := range checks {
+		if c.name == name {
+			return c.rule
+		}
+	}
+	return ""
 }
 
 // CheckNames lists the suite's checks in the order they run.
@@ -159,7 +172,7 @@ func (s *suite) run(ctx context.Context, c check) Result {
 		c.run(ctx, r)
 	}()
 	r.cleanup(ctx)
-	res := Result{Name: c.name}
+	res := Result{Name: c.name, Rule: c.rule}
 	switch {
 	case len(r.failures) > 0:
 		res.Detail = strings.Join(r.failures, "; ")
@@ -190,6 +203,12 @@ func (r *checkRun) skipf(format string, args ...any) {
 
 func (r *checkRun) notef(format string, args ...any) {
 	r.notes = append(r.notes, fmt.Sprintf(format, args...))
+}
+
+// recommendf notes what the contract does not require but a careful
+// provider does; it never fails the check.
+func (r *checkRun) recommendf(format string, args ...any) {
+	r.notes = append(r.notes, "RECOMMENDATION (not required by the contract): "+fmt.Sprintf(format, args...))
 }
 
 // owner invents an owner no earlier run used and registers it for cleanup.
@@ -463,6 +482,8 @@ func sleep(ctx context.Context, d time.Duration) error {
 type templateChoice struct {
 	id         string
 	deprecated string
+	// powerStates are the states id's template offers target/setPower.
+	powerStates []controller.Power
 	// ingress serves public ingress and private does not (both not
 	// deprecated); empty when template/list offers none.
 	ingress, private string
@@ -510,10 +531,10 @@ func (s *suite) template(ctx context.Context) (templateChoice, error) {
 				if t.Deprecated {
 					return templateChoice{}, fmt.Errorf("the template %q is deprecated and creates no targets; name another", t.TemplateID)
 				}
-				choice.id = t.TemplateID
+				choice.id, choice.powerStates = t.TemplateID, t.PowerStates
 			}
 		} else if !t.Deprecated && choice.id == "" {
-			choice.id = t.TemplateID
+			choice.id, choice.powerStates = t.TemplateID, t.PowerStates
 		}
 	}
 	if choice.id == "" {

@@ -14,7 +14,7 @@ import (
 
 // fast keeps the suite's waits short against the in-memory fake.
 func fast(url string) conformance.Config {
-	return conformance.Config{URL: url, Timeout: 10 * time.Second, PollInterval: 10 * time.Millisecond}
+	return conformance.Config{URL: url, Timeout: 10 * time.Second, SettleTimeout: 5 * time.Second, PollInterval: 10 * time.Millisecond}
 }
 
 func TestSuitePassesAgainstACorrectController(t *testing.T) {
@@ -37,6 +37,17 @@ func TestSuiteRetriesAnUnavailableGet(t *testing.T) {
 				t.Fatalf("%s failed on a retryable answer: %s", r.Name, r.Detail)
 			}
 		}
+	}
+}
+
+// A controller that does not advertise power is not asked to move
+// anything, and must refuse target/setPower as capabilityUnavailable.
+func TestSuiteWithoutPower(t *testing.T) {
+	cfg := fast(serve(t, newFake(powerless), controller.Options{}))
+	cfg.Checks = []string{"set-power", "capability-unavailable"}
+	results := conformance.Run(t.Context(), cfg)
+	if len(results) != 2 || !results[0].Skipped || !results[1].Passed || !strings.Contains(results[1].Detail, "target/setPower") {
+		t.Fatalf("want set-power skipped and capability-unavailable passed on target/setPower: %v", results)
 	}
 }
 
@@ -92,6 +103,10 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 		{"a repeated close answers notFound", closeForgets, "close-by-owner", "target/close repeated"},
 		{"an active observation without power", activeWithoutPower, "create-idempotency", "power: must be present exactly when phase is active"},
 		{"an ftp ingress endpoint", ftpIngress, "pure-get", "http or https URL"},
+		{"a power the template does not offer", powerAnyState, "set-power", "which the template's powerStates [running stopped] do not offer: want a invalidParams error"},
+		{"a setPower never carried out", powerNeverMoves, "set-power", "target/setPower stopped: target/get still observes"},
+		{"a closing target moved", powerMovesClosing, "set-power", "of a target whose close answered closing: answered a result"},
+		{"another owner's setPower", ignoreOwners, "set-power", "target/setPower by another owner naming this target's id: want a failedPrecondition error"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

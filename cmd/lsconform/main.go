@@ -53,7 +53,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	}
 	if list {
 		for _, name := range conformance.CheckNames() {
-			writeLine(stdout, name)
+			writeLine(stdout, name+"\t"+conformance.CheckRule(name))
 		}
 		return exitPassed
 	}
@@ -96,7 +96,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		unixPath       = fs.String("unix-request-path", env("LSCONFORM_UNIX_REQUEST_PATH", conformance.DefaultUnixRequestPath), "the HTTP request path sent over a unix:// socket ($LSCONFORM_UNIX_REQUEST_PATH)")
 		caFile         = fs.String("ca-file", env("LSCONFORM_CA_FILE", ""), "PEM certificates to trust for wss:// instead of the system's ($LSCONFORM_CA_FILE)")
 		checks         = fs.String("checks", env("LSCONFORM_CHECKS", ""), "a comma-separated list of checks to run; default all (see -list) ($LSCONFORM_CHECKS)")
-		list           = fs.Bool("list", false, "print the checks' names and exit")
+		list           = fs.Bool("list", false, "print the checks' names, each with the contract's section and sentence it enforces, and exit")
 		timeout        durationFlag
 		settle         durationFlag
 		poll           durationFlag

@@ -142,8 +142,16 @@ func TestList(t *testing.T) {
 	if code := run(context.Background(), []string{"-list"}, noEnv, &out, &out, (&capture{}).run); code != exitPassed {
 		t.Fatalf("exit %d", code)
 	}
-	if got := strings.Fields(out.String()); !reflect.DeepEqual(got, conformance.CheckNames()) {
-		t.Errorf("-list printed %v, want %v", got, conformance.CheckNames())
+	var names []string
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		name, rule, ok := strings.Cut(line, "\t")
+		if !ok || !strings.HasPrefix(rule, "§") || !strings.Contains(rule, ": \"") {
+			t.Errorf("-list line %q: want the name, a tab, and the contract's section and sentence", line)
+		}
+		names = append(names, name)
+	}
+	if !reflect.DeepEqual(names, conformance.CheckNames()) {
+		t.Errorf("-list named %v, want %v", names, conformance.CheckNames())
 	}
 }
 
@@ -160,7 +168,19 @@ func TestRealSuiteAgainstNothing(t *testing.T) {
 	if last := lines[len(lines)-1]; last != want {
 		t.Errorf("closing line %q, want %q", last, want)
 	}
-	if len(lines) != len(conformance.CheckNames())+1 {
-		t.Errorf("%d lines, want one per check and the summary:\n%s", len(lines), out.String())
+	verdicts := 0
+	for i, line := range lines {
+		switch {
+		case strings.HasPrefix(line, "FAIL "):
+			verdicts++
+			if i+1 >= len(lines) || !strings.HasPrefix(lines[i+1], "    contract §") {
+				t.Errorf("the failure %q is not followed by the contract's rule it enforces", line)
+			}
+		case strings.HasPrefix(line, "PASS "), strings.HasPrefix(line, "SKIP "):
+			verdicts++
+		}
+	}
+	if verdicts != len(conformance.CheckNames()) {
+		t.Errorf("%d verdicts, want one per check:\n%s", verdicts, out.String())
 	}
 }
