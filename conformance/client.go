@@ -3,6 +3,7 @@ package conformance
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -31,6 +32,12 @@ var clientInfo = controller.BuildInfo{Name: "lightspeed-conformance"}
 // initialize. On a refused upgrade the HTTP status of the answer comes back
 // with the error; it is 0 when no HTTP answer came.
 func (s *suite) dial(ctx context.Context, header http.Header) (*websocket.Conn, int, error) {
+	return s.dialVia(ctx, header, nil)
+}
+
+// dialVia is dial with every byte the server sends read through wrap
+// (nil: as it comes), below TLS: wrap sees the WebSocket frames.
+func (s *suite) dialVia(ctx context.Context, header http.Header, wrap func(net.Conn) net.Conn) (*websocket.Conn, int, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
 	d := websocket.Dialer{
@@ -40,13 +47,45 @@ func (s *suite) dial(ctx context.Context, header http.Header) (*websocket.Conn, 
 		WriteBufferSize:  64 << 10,
 	}
 	target := s.cfg.URL
-	if u, _ := url.Parse(s.cfg.URL); u != nil && u.Scheme == "unix" {
-		socket := u.Path
-		d.NetDialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
+	u, _ := url.Parse(s.cfg.URL)
+	plain := func(network, addr string) func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return func(ctx context.Context, _, _ string) (net.Conn, error) {
 			var nd net.Dialer
-			return nd.DialContext(ctx, "unix", socket)
+			c, err := nd.DialContext(ctx, network, addr)
+			if err != nil || wrap == nil {
+				return c, err
+			}
+			return wrap(c), nil
 		}
+	}
+	switch {
+	case u != nil && u.Scheme == "unix":
+		d.NetDialContext = plain("unix", u.Path)
 		target = "ws://localhost" + s.cfg.UnixRequestPath
+	case wrap != nil && u != nil && u.Scheme == "ws":
+		d.NetDialContext = plain("tcp", hostPort(u))
+	case wrap != nil && u != nil && u.Scheme == "wss":
+		d.NetDialTLSContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var nd net.Dialer
+			raw, err := nd.DialContext(ctx, "tcp", hostPort(u))
+			if err != nil {
+				return nil, err
+			}
+			cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+			if s.cfg.TLSConfig != nil {
+				cfg = s.cfg.TLSConfig.Clone()
+			}
+			if cfg.ServerName == "" {
+				cfg.ServerName = u.Hostname()
+			}
+			cfg.NextProtos = []string{"http/1.1"}
+			tc := tls.Client(raw, cfg)
+			if err := tc.HandshakeContext(ctx); err != nil {
+				_ = raw.Close()
+				return nil, err
+			}
+			return wrap(tc), nil
+		}
 	}
 	ws, resp, err := d.DialContext(ctx, target, header)
 	status := 0
@@ -61,6 +100,17 @@ func (s *suite) dial(ctx context.Context, header http.Header) (*websocket.Conn, 
 	}
 	ws.SetReadLimit(jsonrpc.MaxMessageBytes)
 	return ws, status, nil
+}
+
+// hostPort is u's host with its scheme's port when it names none.
+func hostPort(u *url.URL) string {
+	if u.Port() != "" {
+		return u.Host
+	}
+	if u.Scheme == "wss" {
+		return net.JoinHostPort(u.Hostname(), "443")
+	}
+	return net.JoinHostPort(u.Hostname(), "80")
 }
 
 // authHeader carries the configured credential, or nothing.

@@ -140,6 +140,41 @@ func TestStrictEnvelopeFailsAgainstALenientController(t *testing.T) {
 	}
 }
 
+// A controller that breaks a wire rule fails the check of that rule; the
+// proxy without flaws passes each (so the proxy itself breaks nothing).
+func TestWireChecksFailAgainstWrongControllers(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		flaws wireFlaws
+		check string
+		says  string
+	}{
+		{"fragmented answers", wireFlaws{fragment: true}, "one-frame", "came as 49 frames (text without FIN of 4096 bytes, continuation without FIN"},
+		{"a 1 MiB read limit", wireFlaws{readLimit: 1 << 20}, "message-limit", "a request of exactly 16777216 bytes (16 MiB, the message limit) was not answered"},
+		{"busy past 4 in flight", wireFlaws{busyOver: 4}, "pipelining", "template/list 5 of 16 in flight answered busy"},
+		{"no pong", wireFlaws{noPong: true}, "ping", "no pong to a ping sent"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := fast(flawProxy(t, serve(t, newFake(correct), controller.Options{}), tc.flaws))
+			// A bound, not an expectation: 16 MiB through the proxy and
+			// a strict decoder takes seconds under -race on a busy machine.
+			cfg.Timeout = time.Minute
+			cfg.Checks = []string{tc.check}
+			wantFailure(t, conformance.Run(t.Context(), cfg), tc.check, tc.says)
+			if tc.flaws.readLimit > 0 {
+				// 16 MiB twice through a strict decoder under -race takes
+				// half a minute; the check passes against the controller
+				// itself in TestSuitePassesAgainstACorrectController.
+				return
+			}
+			cfg.URL = flawProxy(t, serve(t, newFake(correct), controller.Options{}), wireFlaws{})
+			if res := conformance.Run(t.Context(), cfg); len(res) != 1 || !res[0].Passed {
+				t.Fatalf("the proxy without flaws fails %s: %v", tc.check, res)
+			}
+		})
+	}
+}
+
 func wantFailure(t *testing.T, results []conformance.Result, check, says string) {
 	t.Helper()
 	for _, r := range results {

@@ -1,0 +1,144 @@
+package conformance_test
+
+import (
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gorilla/websocket"
+)
+
+// wireFlaws are the ways flawProxy breaks the wire rules of a correct
+// controller behind it.
+type wireFlaws struct {
+	// fragment writes every answer in frames of 4 KiB.
+	fragment bool
+	// readLimit, when set, is the proxy's own limit on a client message.
+	readLimit int64
+	// busyOver answers busy (requestLimit) to a request sent while that
+	// many are in flight already.
+	busyOver int
+	// noPong answers no ping.
+	noPong bool
+}
+
+// flawProxy stands in front of the controller at upstream with flaws and
+// returns its ws:// URL.
+func flawProxy(t *testing.T, upstream string, flaws wireFlaws) string {
+	t.Helper()
+	up := websocket.Upgrader{CheckOrigin: func(*http.Request) bool { return true }, WriteBufferSize: 4096}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		back, resp, err := websocket.DefaultDialer.DialContext(r.Context(), upstream, nil)
+		if resp != nil && resp.Body != nil {
+			_ = resp.Body.Close()
+		}
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		back.SetReadLimit(32 << 20)
+		defer back.Close()
+		front, err := up.Upgrade(w, r, nil)
+		if err != nil {
+			return
+		}
+		defer front.Close()
+		front.SetReadLimit(32 << 20)
+		if flaws.readLimit > 0 {
+			front.SetReadLimit(flaws.readLimit)
+		}
+		if flaws.noPong {
+			front.SetPingHandler(func(string) error { return nil })
+		}
+		var (
+			mu      sync.Mutex // one writer of front at a time; guards pending
+			pending = map[string]bool{}
+		)
+		write := func(data []byte) error {
+			mu.Lock()
+			defer mu.Unlock()
+			if !flaws.fragment {
+				return front.WriteMessage(websocket.TextMessage, data)
+			}
+			wr, err := front.NextWriter(websocket.TextMessage)
+			if err != nil {
+				return err
+			}
+			for len(data) > 0 {
+				n := min(len(data), 4096)
+				if _, err := wr.Write(data[:n]); err != nil {
+					return err
+				}
+				data = data[n:]
+			}
+			return wr.Close()
+		}
+		idOf := func(data []byte) string {
+			var env struct {
+				ID json.RawMessage `json:"id"`
+			}
+			_ = json.Unmarshal(data, &env)
+			return string(env.ID)
+		}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			for {
+				_, data, err := back.ReadMessage()
+				if err != nil {
+					// The controller ended the connection: so does the
+					// proxy, with the controller's close code when it sent one.
+					code := websocket.CloseGoingAway
+					var ce *websocket.CloseError
+					if errors.As(err, &ce) {
+						code = ce.Code
+					}
+					mu.Lock()
+					_ = front.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(code, ""), time.Now().Add(time.Second))
+					mu.Unlock()
+					_ = front.Close()
+					return
+				}
+				mu.Lock()
+				delete(pending, idOf(data))
+				mu.Unlock()
+				if write(data) != nil {
+					return
+				}
+			}
+		}()
+		for {
+			kind, data, err := front.ReadMessage()
+			if err != nil {
+				break
+			}
+			if id := idOf(data); flaws.busyOver > 0 && id != "" && id != "null" {
+				mu.Lock()
+				full := len(pending) >= flaws.busyOver
+				if !full {
+					pending[id] = true
+				}
+				mu.Unlock()
+				if full {
+					busy := `{"jsonrpc":"2.0","id":` + id + `,"error":{"code":-32008,"message":"Too many requests in flight.","data":{"kind":"busy","reason":"requestLimit","retryAfterMs":100}}}`
+					if write([]byte(busy)) != nil {
+						break
+					}
+					continue
+				}
+			}
+			if back.WriteMessage(kind, data) != nil {
+				break
+			}
+		}
+		_ = back.Close()
+		<-done
+	}))
+	t.Cleanup(srv.Close)
+	return "ws" + strings.TrimPrefix(srv.URL, "http") + "/control"
+}
