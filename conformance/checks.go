@@ -53,6 +53,10 @@ var checks = []check{
 		checkCapabilityUnavailable},
 	{"ingress", `§Methods, ingress/ensure: "Route the template's public ingress to the target. Idempotent."; ingress/remove: "Stop routing public ingress to a target that stays."`,
 		checkIngress},
+	{"data-route", `§Data routes: "The provider serves the data plane unchanged on that route, under the liveness rule and the message limit above, and refuses a route whose owner does not own the target." (each segment percent-encoded; 401 without the credential; 410 gone once closed)`,
+		checkDataRoute},
+	{"route-wake", `§Data routes: "A dial of a powered-down target's data route wakes the target." … "The provider may hold the dial for at most 5 seconds" … "Every 503 carries Retry-After in whole seconds, from 1 to 60."`,
+		checkRouteWake},
 	{"error-answers", `§Errors: "An error is a JSON-RPC error object. Its code is fixed by its kind, and its data carries the kind and its typed fields." … "A message is at most 4096 bytes."`,
 		checkErrorAnswers},
 }

@@ -37,6 +37,11 @@ type Config struct {
 	// UnixRequestPath is the HTTP request path sent over a unix:// socket,
 	// whose URL names only the socket (default "/control").
 	UnixRequestPath string
+	// RouteBase is the provider's data route base: ws:// or wss://, a
+	// host, an optional path not ending in "/". Empty: derived from URL as
+	// the runtime derives it (scheme, host and port, then /routes); a
+	// unix:// controller has none, and the data route checks skip.
+	RouteBase string
 	// TLSConfig is used for wss:// (nil: the system's roots).
 	TLSConfig *tls.Config
 	// Checks, when not empty, names the checks to run (see CheckNames).
@@ -93,6 +98,16 @@ func (c Config) normalized() (Config, error) {
 	default:
 		return c, fmt.Errorf("the controller URL %q must start with ws://, wss:// or unix://", c.URL)
 	}
+	if c.RouteBase == "" && u.Scheme != "unix" {
+		c.RouteBase = u.Scheme + "://" + u.Host + "/routes"
+	} else if c.RouteBase != "" {
+		if problem := routeBaseProblem(c.RouteBase); problem != "" {
+			return c, fmt.Errorf("the data route base %q %s", c.RouteBase, problem)
+		}
+		if u.Scheme == "wss" && strings.HasPrefix(c.RouteBase, "ws://") {
+			return c, fmt.Errorf("the data route base %q is ws:// for a wss:// controller: the credential would travel in cleartext", c.RouteBase)
+		}
+	}
 	if !strings.HasPrefix(c.UnixRequestPath, "/") {
 		return c, fmt.Errorf("the unix request path %q must start with /", c.UnixRequestPath)
 	}
@@ -114,6 +129,27 @@ func (c Config) normalized() (Config, error) {
 		}
 	}
 	return c, nil
+}
+
+// routeBaseProblem says what is wrong with a data route base, as the
+// contract defines one; empty when nothing is.
+func routeBaseProblem(base string) string {
+	u, err := url.Parse(base)
+	switch {
+	case err != nil:
+		return "does not parse: " + err.Error()
+	case u.Scheme != "ws" && u.Scheme != "wss" || !strings.HasPrefix(base, u.Scheme+"://"):
+		return "must start with ws:// or wss:// (lowercase)"
+	case u.Host == "":
+		return "names no host"
+	case u.User != nil:
+		return "carries user information"
+	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "" || strings.ContainsAny(base, "?#"):
+		return "carries a query or a fragment"
+	case strings.HasSuffix(u.Path, "/"):
+		return "ends with /"
+	}
+	return ""
 }
 
 // Result is the outcome of one check. A check that neither passed nor was

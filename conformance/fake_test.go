@@ -61,7 +61,8 @@ const (
 // for its first two observations, then active and running; a close makes it
 // closing, and the next close or get removes it.
 type fakeBackend struct {
-	flaw flaw
+	flaw  flaw
+	route routeFlaw
 
 	mu      sync.Mutex
 	next    int
@@ -277,7 +278,12 @@ func serve(t *testing.T, b controller.Backend, opts controller.Options) string {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	srv := httptest.NewServer(controller.NewHandler(ctx, opts))
+	mux := http.NewServeMux()
+	mux.Handle("/", controller.NewHandler(ctx, opts))
+	if f, ok := b.(*fakeBackend); ok {
+		mux.Handle("/routes/", &fakeRoutes{b: f, flaw: f.route, credential: opts.Credential})
+	}
+	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 	return "ws" + strings.TrimPrefix(srv.URL, "http") + "/control"
 }

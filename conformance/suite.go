@@ -461,7 +461,11 @@ func (r *checkRun) createActive(ctx context.Context, c *conn, label string) (con
 
 // createActiveFrom is createActive from the named template.
 func (r *checkRun) createActiveFrom(ctx context.Context, c *conn, label, templateID string) (controller.Owner, controller.Observation) {
-	owner := r.owner(label)
+	return r.createActiveAs(ctx, c, r.owner(label), templateID)
+}
+
+// createActiveAs is createActive for an owner the check registered.
+func (r *checkRun) createActiveAs(ctx context.Context, c *conn, owner controller.Owner, templateID string) (controller.Owner, controller.Observation) {
 	first := r.mustTarget(ctx, c, "target/create", controller.MethodTargetCreate,
 		controller.CreateParams{Owner: owner, TemplateID: templateID}, owner)
 	obs := r.waitActive(ctx, c, controller.TargetRef{Owner: owner}, first.TargetID)

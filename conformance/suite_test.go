@@ -175,6 +175,33 @@ func TestWireChecksFailAgainstWrongControllers(t *testing.T) {
 	}
 }
 
+// A provider whose data routes break a rule fails the check of that rule.
+func TestRouteChecksFailAgainstWrongRoutes(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		flaw  routeFlaw
+		check string
+		says  string
+	}{
+		{"routes ignore owners", routeIgnoresOwner, "data-route", "upgraded; a route whose owner does not own the target is refused"},
+		{"routes take anyone", routeNoCredential, "data-route", "dialed without a credential answered HTTP 101; want 401"},
+		{"segments not percent-decoded", routeRawSegments, "data-route", "answered HTTP 410 (gone); only a 503 may succeed later"},
+		{"a 404 once closed", routeGoneAs404, "data-route", "the route of a closed target: "},
+		{"no pongs relayed", routeNoPongs, "data-route", "got no pong"},
+		{"no wake", routeNoWake, "route-wake", "the data route still refuses (waking, Retry-After 1s)"},
+		{"a 503 without Retry-After", routeNoRetryAfter, "route-wake", "a 503 carries 0 Retry-After headers"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fake := newFake(correct)
+			fake.route = tc.flaw
+			cfg := fast(serve(t, fake, controller.Options{Credential: bearer.New("s3cret-routes")}))
+			cfg.Credential = "s3cret-routes"
+			cfg.Checks = []string{tc.check}
+			wantFailure(t, conformance.Run(t.Context(), cfg), tc.check, tc.says)
+		})
+	}
+}
+
 func wantFailure(t *testing.T, results []conformance.Result, check, says string) {
 	t.Helper()
 	for _, r := range results {
@@ -199,6 +226,13 @@ func TestRunRefusesABadConfig(t *testing.T) {
 		{URL: "unix://relative/path"},
 		{URL: "ws://127.0.0.1:1/control", UniverseID: "not a universe id"},
 		{URL: "ws://127.0.0.1:1/control", Checks: []string{"no-such-check"}},
+		{URL: "ws://127.0.0.1:1/control", RouteBase: "http://127.0.0.1:1/routes"},
+		{URL: "ws://127.0.0.1:1/control", RouteBase: "WS://127.0.0.1:1/routes"},
+		{URL: "ws://127.0.0.1:1/control", RouteBase: "ws://127.0.0.1:1/routes/"},
+		{URL: "ws://127.0.0.1:1/control", RouteBase: "ws://user@127.0.0.1:1/routes"},
+		{URL: "ws://127.0.0.1:1/control", RouteBase: "ws://127.0.0.1:1/routes?a=b"},
+		{URL: "ws://127.0.0.1:1/control", RouteBase: "ws:///routes"},
+		{URL: "wss://127.0.0.1:1/control", RouteBase: "ws://127.0.0.1:1/routes"},
 	} {
 		results := conformance.Run(context.Background(), cfg)
 		if len(results) != 1 || results[0].Name != "config" || !results[0].Failed() {

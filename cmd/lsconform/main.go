@@ -95,6 +95,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		universe       = fs.String("universe", env("LSCONFORM_UNIVERSE", conformance.DefaultUniverseID), "the universe id of the owners the suite invents ($LSCONFORM_UNIVERSE)")
 		unixPath       = fs.String("unix-request-path", env("LSCONFORM_UNIX_REQUEST_PATH", conformance.DefaultUnixRequestPath), "the HTTP request path sent over a unix:// socket ($LSCONFORM_UNIX_REQUEST_PATH)")
 		caFile         = fs.String("ca-file", env("LSCONFORM_CA_FILE", ""), "PEM certificates to trust for wss:// instead of the system's ($LSCONFORM_CA_FILE)")
+		routeBase      = fs.String("route-base", env("LSCONFORM_ROUTE_BASE", ""), "the provider's data route base (ws://… or wss://…); default the controller's scheme, host and port, then /routes; required for the data route checks of a unix:// controller ($LSCONFORM_ROUTE_BASE)")
 		checks         = fs.String("checks", env("LSCONFORM_CHECKS", ""), "a comma-separated list of checks to run; default all (see -list) ($LSCONFORM_CHECKS)")
 		list           = fs.Bool("list", false, "print the checks' names, each with the contract's section and sentence it enforces, and exit")
 		timeout        durationFlag
@@ -141,6 +142,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		TemplateID:      *template,
 		UniverseID:      *universe,
 		UnixRequestPath: *unixPath,
+		RouteBase:       *routeBase,
 		Timeout:         time.Duration(timeout),
 		SettleTimeout:   time.Duration(settle),
 		PollInterval:    time.Duration(poll),
