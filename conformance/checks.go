@@ -39,7 +39,7 @@ var checks = []check{
 		checkStrictParams},
 	{"template-list", `§Templates: "A template has a templateId, a non-empty displayName, and these optional fields."`,
 		checkTemplateList},
-	{"create-idempotency", `§Methods, target/create: "Idempotent per owner. If the provider already holds a target for the owner, answer its observation."`,
+	{"create-idempotency", `§Methods, target/create: "Idempotent per owner. If the provider already holds a target for the owner, answer its observation." … "Otherwise apply policy" (failedPrecondition templateDeprecated)`,
 		checkCreateIdempotency},
 	{"pure-get", `§Methods, target/get: "A pure read: it never creates, starts, or changes anything."`,
 		checkPureGet},
@@ -458,6 +458,17 @@ func checkCreateIdempotency(ctx context.Context, r *checkRun) {
 	r.wantError(f, jsonrpc.KindNotFound, "target/create with an unknown template")
 	f = r.rt(ctx, c, "target/get after the refused create", controller.MethodTargetGet, getParams(controller.TargetRef{Owner: stranger}))
 	r.wantError(f, jsonrpc.KindNotFound, "target/get for the owner whose create named an unknown template")
+
+	if tmpl.deprecated != "" {
+		fresh := r.owner("create-deprecated")
+		what := fmt.Sprintf("target/create from the deprecated template %q for an owner with nothing", tmpl.deprecated)
+		f := r.rt(ctx, c, what, controller.MethodTargetCreate, controller.CreateParams{Owner: fresh, TemplateID: tmpl.deprecated})
+		if e := r.errorAnswer(f, jsonrpc.KindFailedPrecondition, what); e != nil && e.Reason != "templateDeprecated" {
+			r.failf("%s: failedPrecondition with reason %q, want templateDeprecated", what, e.Reason)
+		}
+		f = r.rt(ctx, c, "target/get after the refused create", controller.MethodTargetGet, getParams(controller.TargetRef{Owner: fresh}))
+		r.wantError(f, jsonrpc.KindNotFound, "target/get for the owner whose create named a deprecated template")
+	}
 
 	active := r.waitActive(ctx, c, controller.TargetRef{Owner: owner}, targetID)
 	same("target/get", active)

@@ -55,6 +55,10 @@ const (
 	// powerless serves no power: no flaw, and the controller does not
 	// advertise it.
 	powerless
+	// closingWithoutID leaves targetId out of closing observations.
+	closingWithoutID
+	// deprecatedCreates creates targets from a deprecated template.
+	deprecatedCreates
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -96,6 +100,9 @@ func (f *fakeBackend) ListTemplates(context.Context, string) ([]controller.Templ
 
 func (f *fakeBackend) observe(t *fakeTarget, owner controller.Owner) controller.Observation {
 	o := controller.Observation{TargetID: t.id, Owner: owner, Phase: t.phase}
+	if t.phase == controller.PhaseClosing && f.flaw == closingWithoutID {
+		o.TargetID = ""
+	}
 	if t.phase == controller.PhaseActive && f.flaw != activeWithoutPower {
 		o.Power = controller.PowerRunning
 		if t.power != "" {
@@ -143,7 +150,7 @@ func (f *fakeBackend) CreateTarget(_ context.Context, p controller.CreateParams)
 	if tmpl == nil {
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q.", p.TemplateID)
 	}
-	if tmpl.Deprecated {
+	if tmpl.Deprecated && f.flaw != deprecatedCreates {
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated", "The template %q is deprecated.", p.TemplateID)
 	}
 	return f.observe(f.create(p.Owner, tmpl.PowerStates), p.Owner), nil

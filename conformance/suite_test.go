@@ -103,6 +103,8 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 		{"a repeated close answers notFound", closeForgets, "close-by-owner", "target/close repeated"},
 		{"an active observation without power", activeWithoutPower, "create-idempotency", "power: must be present exactly when phase is active"},
 		{"an ftp ingress endpoint", ftpIngress, "pure-get", "http or https URL"},
+		{"a deprecated template creates", deprecatedCreates, "create-idempotency", "for an owner with nothing: want a failedPrecondition error"},
+		{"a closing observation without targetId", closingWithoutID, "close-by-owner", "targetId: must be present unless phase is provisioning or closed"},
 		{"a power the template does not offer", powerAnyState, "set-power", "which the template's powerStates [running stopped] do not offer: want a invalidParams error"},
 		{"a setPower never carried out", powerNeverMoves, "set-power", "target/setPower stopped: target/get still observes"},
 		{"a closing target moved", powerMovesClosing, "set-power", "of a target whose close answered closing: answered a result"},

@@ -154,10 +154,15 @@ type Observation struct {
 	Ingress  *Ingress `json:"ingress,omitempty"`
 }
 
-// CheckWire enforces that power is present exactly when the phase is active.
+// CheckWire enforces that power is present exactly when the phase is
+// active, and that targetId is absent only where the contract lets it be:
+// while provisioning (before an id exists) and once closed.
 func (o *Observation) CheckWire() *wire.FieldError {
 	if (o.Phase == PhaseActive) != (o.Power != "") {
 		return &wire.FieldError{Path: "power", Problem: "must be present exactly when phase is active"}
+	}
+	if o.TargetID == "" && o.Phase != PhaseProvisioning && o.Phase != PhaseClosed {
+		return &wire.FieldError{Path: "targetId", Problem: "must be present unless phase is provisioning or closed"}
 	}
 	return nil
 }
