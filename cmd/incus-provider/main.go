@@ -185,6 +185,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	// The listener's own hardening: a ceiling on open connections, HTTP
 	// timeouts that spare upgraded WebSockets, request bodies refused unread.
 	serveOpts := serve.Options{MaxConnections: cfg.MaxConnections, Metrics: serve.NewMetrics(reg), Log: log.Named("listener"), PlainHTTP: cfg.TLSCert == ""}
+	if cfg.TLSCert != "" {
+		serveOpts.TLS = rl.tlsConfig() // past the ceiling, a dial is answered 503 over TLS too
+	}
 	main := serve.Server(prov.Handler(), serveOpts, log.Named("http"))
 	rawLn, scheme, err := listen(ctx, cfg)
 	if err != nil {

@@ -7,6 +7,8 @@
 package serve
 
 import (
+	"context"
+	"crypto/tls"
 	"io"
 	"net"
 	"net/http"
@@ -58,7 +60,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "incus_provider_listener_refused_total",
-			Help: "Connections and requests the controller listener refused before any handler: connectionLimit (over PROVIDER_MAX_CONNECTIONS: answered 503 with Retry-After at once on plain HTTP, closed at once below TLS), requestBody (a request that carries a body, answered 400 unread).",
+			Help: "Connections and requests the controller listener refused before any handler: connectionLimit (over PROVIDER_MAX_CONNECTIONS: answered 503 with Retry-After at once on plain HTTP, and after a handshake below TLS), requestBody (a request that carries a body, answered 400 unread).",
 		}, []string{"reason"}),
 	}
 	reg.MustRegister(m.open, m.refused)
@@ -90,6 +92,11 @@ type Options struct {
 	// connection over the ceiling is then answered 503 with Retry-After
 	// (see Listener) rather than closed bare.
 	PlainHTTP bool
+	// TLS, for a listener that carries TLS, is its configuration: a
+	// connection over the ceiling is then answered the same 503 once a
+	// handshake is made (bounded as the plain answers are), rather than
+	// closed bare. Nil below TLS: closed bare.
+	TLS *tls.Config
 	// The HTTP bounds (zero: the constants above).
 	ReadHeaderTimeout, ReadTimeout, WriteTimeout, IdleTimeout time.Duration
 }
@@ -119,9 +126,10 @@ func (o Options) withDefaults() Options {
 // connections keep every other client waiting in connect. On plain HTTP
 // (opts.PlainHTTP) the refusal is an answer, 503 with Retry-After, which a
 // runtime's data-route dial retries after it, as the contract has every
-// 503 do; below TLS nothing can be said, and the connection is closed
-// without a byte. The answers in progress are bounded (refusingMost); past
-// them a connection is closed bare too.
+// 503 do. Below TLS the answer needs a handshake first: it is made with
+// opts.TLS, and without one the connection is closed without a byte. The
+// answers in progress are bounded (refusingMost), handshakes included;
+// past them a connection is closed bare too.
 func Listener(ln net.Listener, opts Options) net.Listener {
 	opts = opts.withDefaults()
 	return &listener{Listener: ln, opts: opts, logEvery: NewEvery(opts.Log, 10*time.Second), refusing: make(chan struct{}, refusingMost)}
@@ -162,7 +170,7 @@ func (l *listener) Accept() (net.Conn, error) {
 
 // refuse answers a connection over the ceiling, or closes it.
 func (l *listener) refuse(c net.Conn) {
-	if !l.opts.PlainHTTP {
+	if !l.opts.PlainHTTP && l.opts.TLS == nil {
 		_ = c.Close()
 		return
 	}
@@ -176,6 +184,18 @@ func (l *listener) refuse(c net.Conn) {
 		defer func() { <-l.refusing }()
 		defer c.Close()
 		_ = c.SetDeadline(time.Now().Add(lingerBound))
+		if l.opts.TLS != nil {
+			cfg := l.opts.TLS.Clone()
+			cfg.NextProtos = []string{"http/1.1"} // the answer is HTTP/1.1 whatever the client offers
+			tc := tls.Server(c, cfg)
+			ctx, cancel := context.WithTimeout(context.Background(), lingerBound)
+			err := tc.HandshakeContext(ctx)
+			cancel()
+			if err != nil {
+				return
+			}
+			c = tc
+		}
 		const msg = "The provider is at its connection ceiling; retry after the Retry-After seconds.\n"
 		if _, err := io.WriteString(c, "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: text/plain; charset=utf-8\r\n"+
 			"Cache-Control: no-store\r\nConnection: close\r\nContent-Length: "+strconv.Itoa(len(msg))+"\r\n\r\n"+msg); err != nil {

@@ -3,8 +3,15 @@ package serve_test
 import (
 	"bufio"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"errors"
 	"io"
+	"math/big"
 	"net"
 	"net/http"
 	"strings"
@@ -227,4 +234,82 @@ func TestTimeoutsSpareHijackedConnections(t *testing.T) {
 	if err != nil || line != "still here\n" {
 		t.Fatalf("the hijacked connection did not outlive the HTTP bounds: %q %v", line, err)
 	}
+}
+
+// Below TLS a connection over the ceiling is answered too, once a
+// handshake is made: 503 with Retry-After 1 over HTTP/1.1, whatever the
+// client offers in ALPN.
+func TestOverTheCeilingTLSIsAnswered503(t *testing.T) {
+	cert := selfSigned(t)
+	reg := prometheus.NewRegistry()
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{cert}}
+	opts := serve.Options{MaxConnections: 2, Metrics: serve.NewMetrics(reg), TLS: cfg}
+	var lc net.ListenConfig
+	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serve.Server(http.HandlerFunc(ok), opts, nil)
+	srv.TLSConfig = cfg
+	srv.Protocols = new(http.Protocols)
+	srv.Protocols.SetHTTP1(true) // as the provider serves it
+	go func() { _ = srv.ServeTLS(serve.Listener(ln, opts), "", "") }()
+	t.Cleanup(func() { _ = srv.Close() })
+	addr := ln.Addr().String()
+	client := &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"h2", "http/1.1"}} //nolint:gosec // a test's self-signed certificate
+	held := make([]*tls.Conn, 2)
+	for i := range held {
+		held[i] = tls.Client(dial(t, addr), client)
+		if got := get(t, held[i]); got != "200 OK ok" {
+			t.Fatalf("connection %d: %s", i, got)
+		}
+	}
+	for range 3 {
+		over := tls.Client(dial(t, addr), client)
+		_ = over.SetDeadline(time.Now().Add(5 * time.Second))
+		if err := over.Handshake(); err != nil {
+			t.Fatalf("over the ceiling, the handshake: %v", err)
+		}
+		if p := over.ConnectionState().NegotiatedProtocol; p == "h2" {
+			t.Fatalf("over the ceiling, ALPN chose %q", p)
+		}
+		if _, err := io.WriteString(over, "GET /routes/u/e/t HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(over), nil)
+		if err != nil {
+			t.Fatalf("over the ceiling: %v", err)
+		}
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") != "1" {
+			t.Fatalf("over the ceiling: %s, Retry-After %q; want 503 with Retry-After 1", resp.Status, resp.Header.Get("Retry-After"))
+		}
+		_ = over.Close()
+	}
+	if n := testutil.ToFloat64(opts.Metrics.Refused(serve.ReasonConnectionLimit)); n != 3 {
+		t.Fatalf("refusals counted: %v, want 3", n)
+	}
+}
+
+// selfSigned is a certificate for 127.0.0.1, made for one test.
+func selfSigned(t *testing.T) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1),
+		Subject:      pkix.Name{CommonName: "serve test"},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(time.Hour),
+		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
 }
