@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/gorilla/websocket"
 
@@ -57,6 +58,8 @@ var checks = []check{
 		checkDataRoute},
 	{"route-wake", `§Data routes: "A dial of a powered-down target's data route wakes the target." … "The provider may hold the dial for at most 5 seconds" … "Every 503 carries Retry-After in whole seconds, from 1 to 60."`,
 		checkRouteWake},
+	{"bounded-calls", `§Bounded calls: "Every method answers within a bounded time, a few seconds. Slow work … continues in the background, and the runtime follows it with target/get."`,
+		checkBoundedCalls},
 	{"error-answers", `§Errors: "An error is a JSON-RPC error object. Its code is fixed by its kind, and its data carries the kind and its typed fields." … "A message is at most 4096 bytes."`,
 		checkErrorAnswers},
 }
@@ -654,6 +657,25 @@ func checkCapabilityUnavailable(ctx context.Context, r *checkRun) {
 		r.skipf("the controller advertises power and ingress, so no optional method is unavailable")
 	}
 	r.notef("%s answered capabilityUnavailable", strings.Join(tested, ", "))
+}
+
+// checkBoundedCalls reviews every answer the earlier checks waited for,
+// one request at a time: none may take more than a few seconds
+// (Config.AnswerBound).
+// It runs after the checks that create, move and close targets.
+func checkBoundedCalls(ctx context.Context, r *checkRun) {
+	if _, _, _, n := r.s.slow.snapshot(); n == 0 {
+		// Run alone: one answer of its own to review.
+		c, _ := r.mustOpen(ctx)
+		r.rt(ctx, c, "template/list", controller.MethodTemplateList, controller.TemplateListParams{UniverseID: r.s.cfg.UniverseID})
+		c.close()
+	}
+	took, method, check, n := r.s.slow.snapshot()
+	if took > r.s.cfg.AnswerBound {
+		r.failf("%s (in check %s) answered after %v; every method answers within a few seconds (this suite allows %v)", method, check, took.Round(time.Millisecond), r.s.cfg.AnswerBound)
+		return
+	}
+	r.notef("the slowest of %d answers took %v (%s, in check %s)", n, took.Round(time.Millisecond), method, check)
 }
 
 // checkErrorAnswers provokes one error of every kind a controller can be

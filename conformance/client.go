@@ -279,10 +279,15 @@ func (c *conn) next(ctx context.Context, method string) (*frame, error) {
 // which must be the very next frame.
 func (c *conn) roundTrip(ctx context.Context, method string, params any) (*frame, error) {
 	id := c.newID()
+	start := time.Now()
 	if err := c.request(ctx, id, method, params); err != nil {
 		return nil, err
 	}
-	return c.expectID(ctx, method, strconv.FormatInt(id, 10))
+	f, err := c.expectID(ctx, method, strconv.FormatInt(id, 10))
+	if err == nil {
+		c.s.slow.add(c.check, method, time.Since(start))
+	}
+	return f, err
 }
 
 // expectID reads the next frame and requires the given id.

@@ -28,6 +28,9 @@ type Config struct {
 	UniverseID string
 	// Timeout bounds each dial and each answer (default 30 s).
 	Timeout time.Duration
+	// AnswerBound is the longest answer the suite takes as the contract's
+	// "a few seconds" (default 10 s).
+	AnswerBound time.Duration
 	// SettleTimeout bounds the wait for a target to become active, and for
 	// a close to reach closed (default 60 s).
 	SettleTimeout time.Duration
@@ -52,6 +55,7 @@ type Config struct {
 const (
 	DefaultUniverseID      = "conformance"
 	DefaultTimeout         = 30 * time.Second
+	DefaultAnswerBound     = 10 * time.Second
 	DefaultSettleTimeout   = 60 * time.Second
 	DefaultPollInterval    = 500 * time.Millisecond
 	DefaultUnixRequestPath = "/control"
@@ -69,6 +73,9 @@ func (c Config) normalized() (Config, error) {
 	}
 	if c.Timeout <= 0 {
 		c.Timeout = DefaultTimeout
+	}
+	if c.AnswerBound <= 0 {
+		c.AnswerBound = DefaultAnswerBound
 	}
 	if c.SettleTimeout <= 0 {
 		c.SettleTimeout = DefaultSettleTimeout

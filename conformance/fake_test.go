@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/gorilla/websocket"
 
@@ -59,6 +60,8 @@ const (
 	closingWithoutID
 	// deprecatedCreates creates targets from a deprecated template.
 	deprecatedCreates
+	// slowGet answers target/get after 300 ms.
+	slowGet
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -170,6 +173,9 @@ func (f *fakeBackend) resolve(ref controller.TargetRef) (*fakeTarget, error) {
 }
 
 func (f *fakeBackend) GetTarget(_ context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	if f.flaw == slowGet {
+		time.Sleep(300 * time.Millisecond)
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	t, err := f.resolve(ref)

@@ -10,10 +10,6 @@ import (
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
-// promptly is the longest answer the suite takes as "a few seconds"
-// (§Bounded calls) from a method that answers with a transition.
-const promptly = 10 * time.Second
-
 // checkSetPower: with power advertised, target/setPower refuses a state
 // outside the template's powerStates (and one the protocol does not
 // know) as invalidParams naming power, an owner with nothing as
@@ -96,7 +92,7 @@ func (r *checkRun) movePower(ctx context.Context, c *conn, ref controller.Target
 	what := fmt.Sprintf("target/setPower %s", p)
 	start := time.Now()
 	obs := r.mustTarget(ctx, c, what, controller.MethodTargetSet, controller.SetPowerParams{Target: ref, Power: p}, ref.Owner)
-	if took := time.Since(start); took > promptly {
+	if took := time.Since(start); took > r.s.cfg.AnswerBound {
 		r.failf("%s answered after %v; a method answers within a few seconds and the move goes on in the background", what, took.Round(time.Millisecond))
 	}
 	if obs.Phase != controller.PhaseActive || obs.TargetID != ref.TargetID {

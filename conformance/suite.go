@@ -93,6 +93,7 @@ type suite struct {
 	runID string
 	seq   atomic.Int64
 	errs  errorLog
+	slow  slowest
 
 	tmplMu sync.Mutex
 	tmpl   *templateChoice
@@ -144,6 +145,31 @@ func (l *errorLog) snapshot() (int, []string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.seen, slices.Clone(l.problems)
+}
+
+// slowest keeps the longest a request of the run waited for its answer,
+// over every check's sequential round trips.
+type slowest struct {
+	mu     sync.Mutex
+	took   time.Duration
+	method string
+	check  string
+	count  int
+}
+
+func (l *slowest) add(check, method string, took time.Duration) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.count++
+	if took > l.took {
+		l.took, l.method, l.check = took, method, check
+	}
+}
+
+func (l *slowest) snapshot() (time.Duration, string, string, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.took, l.method, l.check, l.count
 }
 
 // abort ends a check early; the runner recovers it.

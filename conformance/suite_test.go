@@ -153,7 +153,7 @@ func TestWireChecksFailAgainstWrongControllers(t *testing.T) {
 	}{
 		{"fragmented answers", wireFlaws{fragment: true}, "one-frame", "came as 49 frames (text without FIN of 4096 bytes, continuation without FIN"},
 		{"a 1 MiB read limit", wireFlaws{readLimit: 1 << 20}, "message-limit", "a request of exactly 16777216 bytes (16 MiB, the message limit) was not answered"},
-		{"busy past 4 in flight", wireFlaws{busyOver: 4}, "pipelining", "template/list 5 of 16 in flight answered busy"},
+		{"busy past 4 requests", wireFlaws{busyAfter: 4}, "pipelining", "template/list 4 of 16 in flight answered busy"},
 		{"no pong", wireFlaws{noPong: true}, "ping", "no pong to a ping sent"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -202,6 +202,14 @@ func TestRouteChecksFailAgainstWrongRoutes(t *testing.T) {
 			wantFailure(t, conformance.Run(t.Context(), cfg), tc.check, tc.says)
 		})
 	}
+}
+
+// A controller whose answers come later than the bound fails bounded-calls.
+func TestBoundedCallsFailsAgainstASlowController(t *testing.T) {
+	cfg := fast(serve(t, newFake(slowGet), controller.Options{}))
+	cfg.AnswerBound = 200 * time.Millisecond
+	cfg.Checks = []string{"pure-get", "bounded-calls"}
+	wantFailure(t, conformance.Run(t.Context(), cfg), "bounded-calls", "target/get (in check pure-get) answered after")
 }
 
 func wantFailure(t *testing.T, results []conformance.Result, check, says string) {

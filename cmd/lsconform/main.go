@@ -99,6 +99,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		checks         = fs.String("checks", env("LSCONFORM_CHECKS", ""), "a comma-separated list of checks to run; default all (see -list) ($LSCONFORM_CHECKS)")
 		list           = fs.Bool("list", false, "print the checks' names, each with the contract's section and sentence it enforces, and exit")
 		timeout        durationFlag
+		answer         durationFlag
 		settle         durationFlag
 		poll           durationFlag
 	)
@@ -110,6 +111,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		usage    string
 	}{
 		{&timeout, "timeout", "LSCONFORM_TIMEOUT", conformance.DefaultTimeout, "the bound on each dial and each answer"},
+		{&answer, "answer-bound", "LSCONFORM_ANSWER_BOUND", conformance.DefaultAnswerBound, "the longest answer taken as the contract's \"a few seconds\" (bounded-calls, set-power)"},
 		{&settle, "settle-timeout", "LSCONFORM_SETTLE_TIMEOUT", conformance.DefaultSettleTimeout, "the bound on a target becoming active, or a close reaching closed"},
 		{&poll, "poll", "LSCONFORM_POLL", conformance.DefaultPollInterval, "the pause between two observations while waiting"},
 	} {
@@ -144,6 +146,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		UnixRequestPath: *unixPath,
 		RouteBase:       *routeBase,
 		Timeout:         time.Duration(timeout),
+		AnswerBound:     time.Duration(answer),
 		SettleTimeout:   time.Duration(settle),
 		PollInterval:    time.Duration(poll),
 	}
