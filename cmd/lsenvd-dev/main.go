@@ -2,9 +2,10 @@
 // guest daemon that serves the environment protocol's data plane (version 5)
 // over WebSocket JSON-RPC at path "/", so the provider runs end to end on one
 // machine with no internet. It implements initialize, env/getIdle,
-// $/cancelRequest, fs/readFile, fs/writeFile and process/start, read, write
-// and terminate, advertises exactly that, and nothing else; see package
-// internal/devguest.
+// $/cancelRequest, the whole fs/* family (read, write, createDirectory,
+// getMetadata, readDirectory, remove, rename, searchText, globFiles, scan)
+// and process/start, read, write and terminate, advertises exactly that, and
+// nothing else; see package internal/devguest.
 //
 // Usage:
 //

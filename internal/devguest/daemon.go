@@ -38,6 +38,9 @@ type Config struct {
 	ShutdownGrace time.Duration
 	// Limits overrides the advertised ceilings (tests). Zero: the defaults.
 	Limits Limits
+	// ResultBudgetBytes overrides the result budget of fs/searchText,
+	// fs/globFiles and fs/scan (tests). Zero: the spec's 12 MiB.
+	ResultBudgetBytes int64
 	// Now is the monotonic clock (tests). Default time.Now.
 	Now func() time.Time
 	// Logf logs a line. Default: discard.
@@ -50,8 +53,10 @@ var DefaultLimits = Limits{
 	MaxConcurrentRequests: 32,
 	MaxWaitMs:             60_000,
 	Filesystem: FilesystemLimits{
-		MaxReadBytes:  8 << 20,
-		MaxWriteBytes: 8 << 20,
+		MaxReadBytes:        8 << 20,
+		MaxWriteBytes:       8 << 20,
+		MaxDirectoryEntries: 4096,
+		MaxScanRoots:        64,
 	},
 	Process: ProcessLimits{
 		MaxReadBytes:           1 << 20,
@@ -72,7 +77,11 @@ type Daemon struct {
 	baseEnv          []string
 	terminationGrace time.Duration
 	shutdownGrace    time.Duration
+	resultBudget     int64
 	logf             func(string, ...any)
+	// walkPaused, when set before the daemon serves, runs before each
+	// entry of a walk (tests hold a walk open to cancel it).
+	walkPaused func(context.Context)
 
 	idle       *idleClock
 	procs      procTable
@@ -114,6 +123,7 @@ func New(ctx context.Context, cfg Config) (*Daemon, error) {
 		limits:           cfg.Limits,
 		terminationGrace: cmp.Or(cfg.TerminationGrace, 2*time.Second),
 		shutdownGrace:    cmp.Or(cfg.ShutdownGrace, 300*time.Millisecond),
+		resultBudget:     cmp.Or(cfg.ResultBudgetBytes, ResultBudgetBytes),
 		logf:             cfg.Logf,
 		writeLocks:       newWriteLocks(),
 		conns:            map[*connection]struct{}{},
@@ -264,13 +274,21 @@ func (d *Daemon) server(c *connection) *jsonrpc.Server {
 		}
 	}
 	methods := map[string]jsonrpc.Method{
-		"env/getIdle":       d.getIdle,
-		"fs/readFile":       counted(d.readFile),
-		"fs/writeFile":      counted(d.writeFile),
-		"process/start":     counted(d.processStart),
-		"process/read":      counted(abortable(d.processRead)),
-		"process/write":     counted(d.processWrite),
-		"process/terminate": counted(d.processTerminate),
+		"env/getIdle":        d.getIdle,
+		"fs/readFile":        counted(d.readFile),
+		"fs/writeFile":       counted(d.writeFile),
+		"fs/createDirectory": counted(d.createDirectory),
+		"fs/getMetadata":     counted(d.getMetadata),
+		"fs/readDirectory":   counted(d.readDirectory),
+		"fs/remove":          counted(d.remove),
+		"fs/rename":          counted(d.rename),
+		"fs/searchText":      counted(abortable(d.searchText)),
+		"fs/globFiles":       counted(abortable(d.globFiles)),
+		"fs/scan":            abortable(d.scan), // a scan is not use
+		"process/start":      counted(d.processStart),
+		"process/read":       counted(abortable(d.processRead)),
+		"process/write":      counted(d.processWrite),
+		"process/terminate":  counted(d.processTerminate),
 	}
 	// Methods of families this daemon does not advertise exist on the plane
 	// all the same: they are refused as capabilityUnavailable, before any
@@ -280,15 +298,6 @@ func (d *Daemon) server(c *connection) *jsonrpc.Server {
 	}
 	for _, m := range transferMethods {
 		methods[m] = counted(unavailable("filesystemTransfer", m))
-	}
-	// The filesystem family is advertised, but this stand-in implements
-	// only readFile and writeFile of it; the others say so plainly.
-	for _, m := range unimplementedFSMethods {
-		if m == "fs/scan" {
-			methods[m] = unimplemented(m) // fs/scan is not use
-		} else {
-			methods[m] = counted(unimplemented(m))
-		}
 	}
 	return &jsonrpc.Server{
 		Plane:           Plane,
@@ -317,19 +326,11 @@ var (
 	jobMethods      = []string{"job/start", "job/read", "job/cancel"}
 	transferMethods = []string{"transfer/begin", "transfer/advance", "transfer/getStatus", "transfer/readInventory",
 		"transfer/append", "transfer/listMissing", "transfer/read", "transfer/write", "transfer/commit", "transfer/abort"}
-	unimplementedFSMethods = []string{"fs/createDirectory", "fs/getMetadata", "fs/readDirectory", "fs/remove",
-		"fs/rename", "fs/searchText", "fs/globFiles", "fs/scan"}
 )
 
 func unavailable(capability, method string) jsonrpc.Method {
 	return func(context.Context, json.RawMessage) (any, error) {
 		return nil, jsonrpc.CapabilityUnavailable(capability, "lsenvd-dev does not offer %s: the capability %s is not advertised.", method, capability)
-	}
-}
-
-func unimplemented(method string) jsonrpc.Method {
-	return func(context.Context, json.RawMessage) (any, error) {
-		return nil, jsonrpc.Errorf(jsonrpc.KindMethodNotFound, "lsenvd-dev, the development stand-in for lightspeed-envd, does not implement %s; of the filesystem family it serves fs/readFile and fs/writeFile only.", method)
 	}
 }
 

@@ -39,12 +39,22 @@ func (c *fakeClock) advance(d time.Duration) {
 // serve runs a daemon on a loopback httptest server and returns its ws URL.
 func serve(t *testing.T, cfg Config) (*Daemon, string) {
 	t.Helper()
+	return serveWith(t, cfg, nil)
+}
+
+// serveWith is serve, with prepare (if set) run on the daemon before it
+// serves.
+func serveWith(t *testing.T, cfg Config, prepare func(*Daemon)) (*Daemon, string) {
+	t.Helper()
 	if cfg.Cwd == "" {
 		cfg.Cwd = t.TempDir()
 	}
 	d, err := New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if prepare != nil {
+		prepare(d)
 	}
 	srv := httptest.NewServer(d)
 	t.Cleanup(func() {
@@ -152,7 +162,12 @@ func TestHandshakeRules(t *testing.T) {
 	err = c.Call(ctx(t), "initialize", map[string]any{"protocolVersion": 5, "clientInfo": testClient}, nil)
 	rpcError(t, err, jsonrpc.KindInvalidRequest)
 
-	rpcError(t, c.Call(ctx(t), "fs/readDirectory", map[string]any{"path": "/"}, nil), jsonrpc.KindMethodNotFound)
+	// Every fs/* method is served, as the filesystem capability promises:
+	// empty params are refused by the method itself, not as methodNotFound.
+	for _, m := range []string{"fs/readFile", "fs/writeFile", "fs/createDirectory", "fs/getMetadata", "fs/readDirectory",
+		"fs/remove", "fs/rename", "fs/searchText", "fs/globFiles", "fs/scan"} {
+		rpcError(t, c.Call(ctx(t), m, map[string]any{}, nil), jsonrpc.KindInvalidParams)
+	}
 	rpcError(t, c.Call(ctx(t), "no/such", nil, nil), jsonrpc.KindMethodNotFound)
 	if e := rpcError(t, c.Call(ctx(t), "job/start", map[string]any{}, nil), jsonrpc.KindCapabilityUnavailable); e.Capability != "job" {
 		t.Fatalf("capability %q", e.Capability)

@@ -6,17 +6,24 @@
 // What it implements, and advertises in its initialize response:
 //
 //   - initialize, env/getIdle and the $/cancelRequest notification;
-//   - fs/readFile and fs/writeFile (capability filesystem, with write);
+//   - the whole fs/* family (capability filesystem, with write):
+//     fs/readFile, fs/writeFile, fs/createDirectory, fs/getMetadata,
+//     fs/readDirectory, fs/remove, fs/rename, and the walks fs/searchText,
+//     fs/globFiles and fs/scan, which $/cancelRequest aborts and which stop
+//     at the spec's 12 MiB result budget (fs/scan does not count as use);
 //   - process/start, process/read, process/write and process/terminate
 //     (capability process: POSIX process groups, graceful-then-kill
 //     termination, interrupt of pipe processes).
 //
 // job/* and transfer/* exist on the plane but their families are not
 // advertised, so they are refused with capabilityUnavailable (job,
-// filesystemTransfer). The filesystem family is advertised, yet of it only
-// fs/readFile and fs/writeFile are implemented: the other fs/* methods answer
-// methodNotFound with a sentence saying so. There is no PTY
-// (process.pty is not advertised; a start with pty is capabilityUnavailable).
+// filesystemTransfer). There is no PTY (process.pty is not advertised; a
+// start with pty is capabilityUnavailable).
+//
+// The walks share one filter (WalkFilter). Of the ignore rules the spec
+// names, this stand-in reads `.gitignore` and `.ignore` files at and below
+// a walk's root, not git's info/exclude or global excludes; WalkFilter says
+// how it reads the rest of the pattern grammar.
 //
 // The filesystem root is "/" (the environment's own namespace), so
 // permissionDenied (outsideRoot) never arises, and the daemon keeps no state

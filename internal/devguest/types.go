@@ -71,10 +71,17 @@ type Limits struct {
 	Process               ProcessLimits    `json:"process"`
 }
 
-// FilesystemLimits bound fs/readFile's maxBytes and fs/writeFile's data.
+// FilesystemLimits bound fs/readFile's maxBytes, fs/writeFile's data,
+// fs/readDirectory's maxEntries and the number of fs/scan roots. The last
+// two member names (maxDirectoryEntries, maxScanRoots) are this package's
+// guesses.
 type FilesystemLimits struct {
 	MaxReadBytes  uint64 `json:"maxReadBytes"`
 	MaxWriteBytes uint64 `json:"maxWriteBytes"`
+	// MaxDirectoryEntries bounds fs/readDirectory's maxEntries.
+	MaxDirectoryEntries uint32 `json:"maxDirectoryEntries"`
+	// MaxScanRoots bounds how many roots one fs/scan observes.
+	MaxScanRoots uint32 `json:"maxScanRoots"`
 }
 
 // ProcessLimits bound the process family.
@@ -164,6 +171,255 @@ type WriteFileParams struct {
 // WriteFileResult is fs/writeFile's answer: the new version.
 type WriteFileResult struct {
 	Version string `json:"version"`
+}
+
+// CreateDirectoryParams are fs/createDirectory's params. With parents, the
+// missing parents are created too and an existing directory is success;
+// without it, the parent must exist and nothing may exist at the path.
+// Guessed name: parents.
+type CreateDirectoryParams struct {
+	Path    string `json:"path"`
+	Parents bool   `json:"parents,omitempty"`
+}
+
+// Entry kinds of fs/getMetadata, fs/readDirectory and fs/scan (this
+// package's reading of `kind`).
+const (
+	EntryFile      = "file"      // a regular file
+	EntryDirectory = "directory" // a directory
+	EntrySymlink   = "symlink"   // a symbolic link, not followed
+	EntryOther     = "other"     // a FIFO, socket or device
+)
+
+// GetMetadataParams are fs/getMetadata's params. Without followSymlink a
+// symbolic link at the path is described itself; with it, its target is.
+// Guessed name: followSymlink.
+type GetMetadataParams struct {
+	Path          string `json:"path"`
+	FollowSymlink bool   `json:"followSymlink,omitempty"`
+}
+
+// Metadata describes one entry: fs/getMetadata's answer, and the body of an
+// fs/scan entry. Guessed names: kind (file, directory, symlink, other),
+// modifiedAtMs, executable, symlinkTarget. sizeBytes is the operating
+// system's size (a directory's is its own, not its contents'). executable is
+// set for a regular file with any execute bit. symlinkTarget is the link's
+// text for a symlink described itself, omitted when it is not UTF-8. version
+// is set for regular files only and is the one fs/readFile answers.
+type Metadata struct {
+	Kind          string `json:"kind"`
+	SizeBytes     uint64 `json:"sizeBytes"`
+	ModifiedAtMs  int64  `json:"modifiedAtMs"`
+	Executable    bool   `json:"executable,omitempty"`
+	SymlinkTarget string `json:"symlinkTarget,omitempty"`
+	Version       string `json:"version,omitempty"`
+}
+
+// ReadDirectoryParams are fs/readDirectory's params: a directory (a symlink
+// to one is followed), at most maxEntries entries (1 to the advertised
+// maxDirectoryEntries), and the cursor of the previous page to continue.
+// Guessed names: maxEntries, cursor.
+type ReadDirectoryParams struct {
+	Path       string `json:"path"`
+	MaxEntries uint32 `json:"maxEntries"`
+	Cursor     string `json:"cursor,omitempty"`
+}
+
+// ReadDirectoryResult is one page of a directory, sorted by name (bytewise).
+// nextCursor continues after the page's last entry and is omitted after the
+// last page; it names a position, not a snapshot, so entries added or
+// removed between pages are seen or missed as their names fall.
+// skippedCount counts entries the page passed over because their names are
+// not UTF-8 or they vanished while being read. Guessed names: entries,
+// nextCursor, skippedCount.
+type ReadDirectoryResult struct {
+	Entries      []DirectoryEntry `json:"entries,omitempty"`
+	NextCursor   string           `json:"nextCursor,omitempty"`
+	SkippedCount uint32           `json:"skippedCount,omitempty"`
+}
+
+// DirectoryEntry is one entry of a directory page; a symlink is not
+// followed. Guessed names: name, kind, sizeBytes.
+type DirectoryEntry struct {
+	Name      string `json:"name"`
+	Kind      string `json:"kind"`
+	SizeBytes uint64 `json:"sizeBytes"`
+}
+
+// RemoveParams are fs/remove's params. A symlink is removed itself, never
+// its target; a directory that is not empty needs recursive. Guessed name:
+// recursive.
+type RemoveParams struct {
+	Path      string `json:"path"`
+	Recursive bool   `json:"recursive,omitempty"`
+}
+
+// RenameParams are fs/rename's params. Without overwrite an existing
+// destination is refused (alreadyExists) atomically; with it, a file or an
+// empty directory there is replaced atomically. Guessed names: source,
+// destination (overwrite is the spec's).
+type RenameParams struct {
+	Source      string `json:"source"`
+	Destination string `json:"destination"`
+	Overwrite   bool   `json:"overwrite,omitempty"`
+}
+
+// WalkFilter is the filter fs/searchText, fs/globFiles and each fs/scan
+// root share ("Pattern grammar and walks"). The member names are the spec's;
+// maxDepth is optional (absent: no bound) and at least 1, the root's direct
+// children being depth 1. Each pattern is 1 to 4096 bytes.
+//
+// This stand-in's reading: an entry is selected when include is empty or the
+// entry or a directory above it matches an include pattern, and no exclude
+// pattern matches it; an excluded directory is pruned. ignoreCase folds case
+// in the patterns (and, for fs/searchText, in the regular expression).
+// Unless includeIgnored, the walk reads `.gitignore` and `.ignore` in each
+// directory it enters, at or below the root (gitignore lines: `#`
+// comments, `!` negation, a trailing `/` for directories only); git's
+// info/exclude and global excludes are not read. Unless includeHidden, names
+// that start with "." are skipped. `.git`, `.hg`, `.svn` and `.jj` are always
+// pruned. Symlinks are never followed below the root.
+type WalkFilter struct {
+	Include        []string `json:"include,omitempty"`
+	Exclude        []string `json:"exclude,omitempty"`
+	IgnoreCase     bool     `json:"ignoreCase,omitempty"`
+	IncludeHidden  bool     `json:"includeHidden,omitempty"`
+	IncludeIgnored bool     `json:"includeIgnored,omitempty"`
+	MaxDepth       *uint32  `json:"maxDepth,omitempty"`
+}
+
+// SearchTextParams are fs/searchText's params: a regular expression in Go's
+// RE2 syntax, matched against each line of the regular files below root (a
+// directory), and the walk filter. Files with a NUL byte are taken as binary
+// and passed over. Guessed names: root, pattern.
+type SearchTextParams struct {
+	Root    string `json:"root"`
+	Pattern string `json:"pattern"`
+	WalkFilter
+}
+
+// SearchTextResult lists the matching lines in walk order (depth first,
+// names sorted bytewise). skippedCount counts entries the walk could not
+// read or represent and files larger than the remaining result budget;
+// truncated says the 12 MiB result budget ran out and the walk stopped.
+// Guessed names: matches, skippedCount, truncated.
+type SearchTextResult struct {
+	Matches      []TextMatch `json:"matches,omitempty"`
+	SkippedCount uint32      `json:"skippedCount,omitempty"`
+	Truncated    bool        `json:"truncated,omitempty"`
+}
+
+// TextMatch is one matching line: its file as a TreePath relative to the
+// root, its 1-based number, and its text without the line break, cut to
+// 1024 bytes, with bytes that are not UTF-8 replaced by U+FFFD. Guessed
+// names: path, lineNumber, text.
+type TextMatch struct {
+	Path       string `json:"path"`
+	LineNumber uint32 `json:"lineNumber"`
+	Text       string `json:"text"`
+}
+
+// GlobFilesParams are fs/globFiles's params: a root directory and the walk
+// filter, whose include patterns are the globs. Guessed name: root.
+type GlobFilesParams struct {
+	Root string `json:"root"`
+	WalkFilter
+}
+
+// GlobFilesResult lists the selected entries that are not directories
+// (files, symlinks, others) as TreePaths relative to the root, in walk
+// order. skippedCount and truncated are as in SearchTextResult. Guessed
+// names: paths, skippedCount, truncated.
+type GlobFilesResult struct {
+	Paths        []string `json:"paths,omitempty"`
+	SkippedCount uint32   `json:"skippedCount,omitempty"`
+	Truncated    bool     `json:"truncated,omitempty"`
+}
+
+// ScanParams are fs/scan's params: 1 to the advertised maxScanRoots roots.
+// Guessed name: roots.
+type ScanParams struct {
+	Roots []ScanRoot `json:"roots"`
+}
+
+// ScanRoot is one root of a scan: a path (a symlink there is followed; a
+// file is a tree of one entry), the walk filter, and whether regular files'
+// content comes back. Guessed names: path, includeContent.
+type ScanRoot struct {
+	Path           string `json:"path"`
+	IncludeContent bool   `json:"includeContent,omitempty"`
+	WalkFilter
+}
+
+// ScanResult reports each root on its own, in the order of the params.
+// Guessed name: roots.
+type ScanResult struct {
+	Roots []ScanRootResult `json:"roots"`
+}
+
+// Reasons an entry of a scan root is skipped (this package's names).
+const (
+	SkipUnreadable      = "unreadable"      // the operating system refused to read it
+	SkipUnrepresentable = "unrepresentable" // its name is not UTF-8, or its path is too long
+	SkipTooLarge        = "tooLarge"        // its content exceeds the remaining result budget
+)
+
+// ScanRootResult is one root's observation, or its error (the protocol's
+// error object; then no other member is set). entries starts with the root
+// itself as "." and lists the selected entries in walk order. skipped lists
+// the first 100 entries the walk skipped; skippedCount counts them all.
+// version is an opaque fingerprint ("scan:v1:…") of what was listed, so an
+// unchanged tree scans to the same version. truncated says the scan's
+// result budget ran out during or before this root. Guessed names: entries,
+// skipped, skippedCount, version, truncated, error.
+type ScanRootResult struct {
+	Entries      []ScanEntry    `json:"entries,omitempty"`
+	Skipped      []SkippedEntry `json:"skipped,omitempty"`
+	SkippedCount uint32         `json:"skippedCount,omitempty"`
+	Version      string         `json:"version,omitempty"`
+	Truncated    bool           `json:"truncated,omitempty"`
+	Error        *ErrorObject   `json:"error,omitempty"`
+}
+
+// ScanEntry is one entry of a scan root: a TreePath relative to the root,
+// its metadata, and, with includeContent, a regular file's content as
+// padded standard base64 (present, even empty, exactly for regular files of
+// a root with includeContent). Guessed name: path.
+type ScanEntry struct {
+	Path string `json:"path"`
+	Metadata
+	Data *string `json:"data,omitempty"`
+}
+
+// SkippedEntry is an entry a walk passed over and why (SkipUnreadable,
+// SkipUnrepresentable, SkipTooLarge). A path that is not UTF-8 has its bad
+// bytes replaced by U+FFFD. Guessed names: path, reason.
+type SkippedEntry struct {
+	Path   string `json:"path"`
+	Reason string `json:"reason"`
+}
+
+// ErrorObject is the protocol's error object where a result reports a
+// per-entry failure (an fs/scan root): the same code, message and data a
+// failed request answers with.
+type ErrorObject struct {
+	Code    int       `json:"code"`
+	Message string    `json:"message"`
+	Data    ErrorData `json:"data"`
+}
+
+// ErrorData is an error object's data: the kind and its typed fields.
+type ErrorData struct {
+	Kind         string  `json:"kind"`
+	Field        string  `json:"field,omitempty"`
+	Ceiling      *uint64 `json:"ceiling,omitempty"`
+	Reason       string  `json:"reason,omitempty"`
+	Expected     *uint64 `json:"expected,omitempty"`
+	Received     *uint64 `json:"received,omitempty"`
+	Capability   string  `json:"capability,omitempty"`
+	RetryAfterMs *uint64 `json:"retryAfterMs,omitempty"`
+	LimitBytes   *uint64 `json:"limitBytes,omitempty"`
+	LimitEntries *uint64 `json:"limitEntries,omitempty"`
 }
 
 // Stdin modes of process/start (this package's reading of `stdin`).
