@@ -62,6 +62,13 @@ const (
 	deprecatedCreates
 	// slowGet answers target/get after 300 ms.
 	slowGet
+	// templatesRepeated lists one templateId twice.
+	templatesRepeated
+	// ingressSticks keeps a target routed after ingress/remove.
+	ingressSticks
+	// ingressless serves no ingress: no flaw, and the controller does not
+	// advertise it.
+	ingressless
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -70,6 +77,8 @@ const (
 type fakeBackend struct {
 	flaw  flaw
 	route routeFlaw
+	// ingressBase is the fake server's http:// URL (set by serve).
+	ingressBase string
 
 	mu      sync.Mutex
 	next    int
@@ -84,6 +93,8 @@ type fakeTarget struct {
 	power   controller.Power // while active; running when empty
 	moving  controller.Power // a setPower not carried out yet
 	states  []controller.Power
+	public  bool   // its template serves public ingress
+	routed  string // its ingress endpoint while routed
 	seen    int
 	refused bool // unavailableOnce, createUnavailableOnce: it was answered unavailable once
 }
@@ -95,9 +106,13 @@ func newFake(f flaw) *fakeBackend {
 var fakeTemplates = []controller.Template{
 	{TemplateID: "old", DisplayName: "Retired template", Deprecated: true},
 	{TemplateID: "small", DisplayName: "Small target", PowerStates: []controller.Power{controller.PowerRunning, controller.PowerStopped}},
+	{TemplateID: "web", DisplayName: "Web target", PublicIngress: true},
 }
 
 func (f *fakeBackend) ListTemplates(context.Context, string) ([]controller.Template, error) {
+	if f.flaw == templatesRepeated {
+		return append(slices.Clone(fakeTemplates), fakeTemplates[1]), nil
+	}
 	return fakeTemplates, nil
 }
 
@@ -115,15 +130,21 @@ func (f *fakeBackend) observe(t *fakeTarget, owner controller.Owner) controller.
 			o.Message = "Moving to " + string(t.moving) + "."
 		}
 	}
+	if t.routed != "" && (t.phase == controller.PhaseActive || t.phase == controller.PhaseClosing) {
+		o.Ingress = &controller.Ingress{Endpoint: t.routed}
+	}
 	if t.phase == controller.PhaseActive && f.flaw == ftpIngress {
 		o.Ingress = &controller.Ingress{Endpoint: "ftp://acorn.env.example.com"}
 	}
 	return o
 }
 
-func (f *fakeBackend) create(owner controller.Owner, states []controller.Power) *fakeTarget {
+func (f *fakeBackend) create(owner controller.Owner, tmpl *controller.Template) *fakeTarget {
 	f.next++
-	t := &fakeTarget{id: fmt.Sprintf("fake-%d", f.next), owner: owner, phase: controller.PhaseProvisioning, states: states}
+	t := &fakeTarget{id: fmt.Sprintf("fake-%d", f.next), owner: owner, phase: controller.PhaseProvisioning}
+	if tmpl != nil {
+		t.states, t.public = tmpl.PowerStates, tmpl.PublicIngress
+	}
 	f.byOwner[owner] = t
 	f.byID[t.id] = t
 	return t
@@ -156,7 +177,7 @@ func (f *fakeBackend) CreateTarget(_ context.Context, p controller.CreateParams)
 	if tmpl.Deprecated && f.flaw != deprecatedCreates {
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated", "The template %q is deprecated.", p.TemplateID)
 	}
-	return f.observe(f.create(p.Owner, tmpl.PowerStates), p.Owner), nil
+	return f.observe(f.create(p.Owner, tmpl), p.Owner), nil
 }
 
 // resolve finds the target a reference names; nil when there is none.
@@ -225,6 +246,7 @@ func (f *fakeBackend) CloseTarget(_ context.Context, ref controller.TargetRef) (
 	} else {
 		t.phase = controller.PhaseClosing
 	}
+	t.routed = "" // a close takes public ingress away at once
 	return f.observe(t, ref.Owner), nil
 }
 
@@ -262,12 +284,40 @@ func (f *fakeBackend) SetPower(_ context.Context, ref controller.TargetRef, p co
 	return f.observe(t, ref.Owner), nil
 }
 
-func (f *fakeBackend) EnsureIngress(context.Context, controller.TargetRef) (controller.Observation, error) {
-	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "Not served.")
+// EnsureIngress routes a public-ingress target to an endpoint on the
+// fake's own server, which answers 404 for every path: nothing is served
+// behind a route here, and once it is removed the host plainly says so.
+func (f *fakeBackend) EnsureIngress(_ context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	return f.ingress(ref, true)
 }
 
-func (f *fakeBackend) RemoveIngress(context.Context, controller.TargetRef) (controller.Observation, error) {
-	return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "Not served.")
+func (f *fakeBackend) RemoveIngress(_ context.Context, ref controller.TargetRef) (controller.Observation, error) {
+	return f.ingress(ref, false)
+}
+
+func (f *fakeBackend) ingress(ref controller.TargetRef, route bool) (controller.Observation, error) {
+	if f.flaw == ingressless {
+		return controller.Observation{}, jsonrpc.CapabilityUnavailable("ingress", "Not served.")
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.resolve(ref)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	if t == nil || (ref.TargetID != "" && t.id != ref.TargetID) {
+		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No target for this owner.")
+	}
+	switch {
+	case !route && f.flaw == ingressSticks:
+	case !route:
+		t.routed = ""
+	case !t.public:
+		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "ingressUnsupported", "The target's template serves no public ingress.")
+	case t.phase == controller.PhaseActive:
+		t.routed = f.ingressBase + "/unrouted/" + t.id
+	}
+	return f.observe(t, ref.Owner), nil
 }
 
 // live reports targets the fake still holds, for leak checks.
@@ -286,8 +336,9 @@ func (f *fakeBackend) live() []string {
 func serve(t *testing.T, b controller.Backend, opts controller.Options) string {
 	t.Helper()
 	opts.Backend = b
-	if f, ok := b.(*fakeBackend); ok && f.flaw != powerless {
-		opts.Capabilities.Power = true
+	if f, ok := b.(*fakeBackend); ok {
+		opts.Capabilities.Power = f.flaw != powerless
+		opts.Capabilities.Ingress = f.flaw != ingressless
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -295,8 +346,14 @@ func serve(t *testing.T, b controller.Backend, opts controller.Options) string {
 	mux.Handle("/", controller.NewHandler(ctx, opts))
 	if f, ok := b.(*fakeBackend); ok {
 		mux.Handle("/routes/", &fakeRoutes{b: f, flaw: f.route, credential: opts.Credential})
+		mux.Handle("/unrouted/", http.NotFoundHandler())
 	}
 	srv := httptest.NewServer(mux)
+	if f, ok := b.(*fakeBackend); ok {
+		f.mu.Lock()
+		f.ingressBase = srv.URL
+		f.mu.Unlock()
+	}
 	t.Cleanup(srv.Close)
 	return "ws" + strings.TrimPrefix(srv.URL, "http") + "/control"
 }

@@ -1,12 +1,14 @@
 package conformance_test
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -27,6 +29,18 @@ type wireFlaws struct {
 	busyAfter int
 	// noPong answers no ping.
 	noPong bool
+	// secondInitialize answers a repeated initialize with the first one's
+	// result, as a server that does not track the handshake would.
+	secondInitialize bool
+	// answerNotifications answers every notification with an error.
+	answerNotifications bool
+	// fieldlessInvalidParams drops data.field from invalidParams answers.
+	fieldlessInvalidParams bool
+	// wrongErrorCode answers notFound with the code -32000.
+	wrongErrorCode bool
+	// unknownSetPower answers target/setPower methodNotFound (in front of
+	// a controller that does not advertise power).
+	unknownSetPower bool
 }
 
 // flawProxy stands in front of the controller at upstream with flaws and
@@ -58,8 +72,9 @@ func flawProxy(t *testing.T, upstream string, flaws wireFlaws) string {
 			front.SetPingHandler(func(string) error { return nil })
 		}
 		var (
-			mu       sync.Mutex // one writer of front at a time
-			requests int        // requests read from the client
+			mu        sync.Mutex // one writer of front at a time
+			requests  int        // requests read from the client
+			firstInit atomic.Pointer[[]byte]
 		)
 		write := func(data []byte) error {
 			mu.Lock()
@@ -106,6 +121,16 @@ func flawProxy(t *testing.T, upstream string, flaws wireFlaws) string {
 					_ = front.Close()
 					return
 				}
+				if flaws.secondInitialize && firstInit.Load() == nil && bytes.Contains(data, []byte(`"plane":"controller"`)) {
+					result := bytes.Clone(data)
+					firstInit.Store(&result)
+				}
+				if flaws.fieldlessInvalidParams {
+					data = stripField(data)
+				}
+				if flaws.wrongErrorCode {
+					data = bytes.ReplaceAll(data, []byte(`"code":-32004`), []byte(`"code":-32000`))
+				}
 				if write(data) != nil {
 					return
 				}
@@ -115,6 +140,30 @@ func flawProxy(t *testing.T, upstream string, flaws wireFlaws) string {
 			kind, data, err := front.ReadMessage()
 			if err != nil {
 				break
+			}
+			var env struct {
+				ID     json.RawMessage `json:"id"`
+				Method string          `json:"method"`
+			}
+			_ = json.Unmarshal(data, &env)
+			if flaws.answerNotifications && env.ID == nil && env.Method != "" {
+				if write([]byte(`{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Notifications are not taken.","data":{"kind":"invalidRequest"}}}`)) != nil {
+					break
+				}
+				continue
+			}
+			if flaws.unknownSetPower && env.Method == "target/setPower" && env.ID != nil {
+				if write([]byte(`{"jsonrpc":"2.0","id":`+string(env.ID)+`,"error":{"code":-32601,"message":"No such method.","data":{"kind":"methodNotFound"}}}`)) != nil {
+					break
+				}
+				continue
+			}
+			if first := firstInit.Load(); flaws.secondInitialize && first != nil && env.Method == "initialize" {
+				answer := bytes.Replace(*first, []byte(idOf(*first)), env.ID, 1)
+				if write(answer) != nil {
+					break
+				}
+				continue
 			}
 			if id := idOf(data); flaws.busyAfter > 0 && id != "" && id != "null" {
 				requests++
@@ -135,4 +184,23 @@ func flawProxy(t *testing.T, upstream string, flaws wireFlaws) string {
 	}))
 	t.Cleanup(srv.Close)
 	return "ws" + strings.TrimPrefix(srv.URL, "http") + "/control"
+}
+
+// stripField drops data.field from an invalidParams answer.
+func stripField(frame []byte) []byte {
+	var env map[string]any
+	if json.Unmarshal(frame, &env) != nil {
+		return frame
+	}
+	e, _ := env["error"].(map[string]any)
+	d, _ := e["data"].(map[string]any)
+	if d == nil || d["kind"] != "invalidParams" {
+		return frame
+	}
+	delete(d, "field")
+	out, err := json.Marshal(env)
+	if err != nil {
+		return frame
+	}
+	return out
 }

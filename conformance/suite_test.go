@@ -17,9 +17,28 @@ func fast(url string) conformance.Config {
 	return conformance.Config{URL: url, Timeout: 10 * time.Second, SettleTimeout: 5 * time.Second, PollInterval: 10 * time.Millisecond}
 }
 
+// Every check passes against a correct controller but two that have
+// nothing to check on it, and which say so: credential (it runs without
+// one; TestSuitePassesWithACredential runs it) and capability-unavailable
+// (it advertises power and ingress; TestSuiteWithoutPower runs it). They
+// are asserted skipped, not left to skip the test.
 func TestSuitePassesAgainstACorrectController(t *testing.T) {
 	fake := newFake(correct)
-	conformance.RunT(t, fast(serve(t, fake, controller.Options{})))
+	results := conformance.Run(t.Context(), fast(serve(t, fake, controller.Options{})))
+	if len(results) != len(conformance.CheckNames()) {
+		t.Fatalf("%d results for %d checks", len(results), len(conformance.CheckNames()))
+	}
+	for _, r := range results {
+		wantSkip := r.Name == "credential" || r.Name == "capability-unavailable"
+		switch {
+		case wantSkip && !r.Skipped:
+			t.Errorf("%s: want it skipped, with nothing to check here", r)
+		case !wantSkip && !r.Passed:
+			t.Errorf("%s", r)
+		default:
+			t.Logf("%s", r)
+		}
+	}
 	if live := fake.live(); len(live) > 0 {
 		t.Errorf("the suite left targets behind: %v", live)
 	}
@@ -57,8 +76,8 @@ func TestSuitePassesWithACredential(t *testing.T) {
 	cfg.Credential = "s3cret-conformance"
 	results := conformance.Run(t.Context(), cfg)
 	for _, r := range results {
-		// The fake serves no ingress, which the ingress check skips.
-		if !r.Passed && (!r.Skipped || r.Name != "ingress") {
+		// The fake advertises power and ingress: nothing is unavailable.
+		if !r.Passed && (!r.Skipped || r.Name != "capability-unavailable") {
 			t.Errorf("%s", r)
 		}
 	}
@@ -104,6 +123,8 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 		{"an active observation without power", activeWithoutPower, "create-idempotency", "power: must be present exactly when phase is active"},
 		{"an ftp ingress endpoint", ftpIngress, "pure-get", "http or https URL"},
 		{"a deprecated template creates", deprecatedCreates, "create-idempotency", "for an owner with nothing: want a failedPrecondition error"},
+		{"a templateId listed twice", templatesRepeated, "template-list", "repeats the templateId"},
+		{"ingress kept after remove", ingressSticks, "ingress", "want none once removed"},
 		{"a closing observation without targetId", closingWithoutID, "close-by-owner", "targetId: must be present unless phase is provisioning or closed"},
 		{"a power the template does not offer", powerAnyState, "set-power", "which the template's powerStates [running stopped] do not offer: want a invalidParams error"},
 		{"a setPower never carried out", powerNeverMoves, "set-power", "target/setPower stopped: target/get still observes"},
@@ -150,14 +171,22 @@ func TestWireChecksFailAgainstWrongControllers(t *testing.T) {
 		flaws wireFlaws
 		check string
 		says  string
+		// backend is the controller's own switch behind the proxy (none:
+		// correct).
+		backend flaw
 	}{
-		{"fragmented answers", wireFlaws{fragment: true}, "one-frame", "came as 49 frames (text without FIN of 4096 bytes, continuation without FIN"},
-		{"a 1 MiB read limit", wireFlaws{readLimit: 1 << 20}, "message-limit", "a request of exactly 16777216 bytes (16 MiB, the message limit) was not answered"},
-		{"busy past 4 requests", wireFlaws{busyAfter: 4}, "pipelining", "template/list 4 of 16 in flight answered busy"},
-		{"no pong", wireFlaws{noPong: true}, "ping", "no pong to a ping sent"},
+		{"fragmented answers", wireFlaws{fragment: true}, "one-frame", "came as 49 frames (text without FIN of 4096 bytes, continuation without FIN", correct},
+		{"a 1 MiB read limit", wireFlaws{readLimit: 1 << 20}, "message-limit", "a request of exactly 16777216 bytes (16 MiB, the message limit) was not answered", correct},
+		{"busy past 4 requests", wireFlaws{busyAfter: 4}, "pipelining", "template/list 4 of 16 in flight answered busy", correct},
+		{"no pong", wireFlaws{noPong: true}, "ping", "no pong to a ping sent", correct},
+		{"a second initialize accepted", wireFlaws{secondInitialize: true}, "handshake", "a second initialize: want a invalidRequest error", correct},
+		{"notifications answered", wireFlaws{answerNotifications: true}, "framing", "after a notification (it must not be answered) the connection no longer serves", correct},
+		{"invalidParams without field", wireFlaws{fieldlessInvalidParams: true}, "strict-params", "invalidParams names field \"\"", correct},
+		{"notFound with the code -32000", wireFlaws{wrongErrorCode: true}, "error-answers", "code: is -32000, but kind notFound has code -32004", correct},
+		{"setPower unknown where power is not advertised", wireFlaws{unknownSetPower: true}, "capability-unavailable", "want a capabilityUnavailable error", powerless},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := fast(flawProxy(t, serve(t, newFake(correct), controller.Options{}), tc.flaws))
+			cfg := fast(flawProxy(t, serve(t, newFake(tc.backend), controller.Options{}), tc.flaws))
 			// A bound, not an expectation: 16 MiB through the proxy and
 			// a strict decoder takes seconds under -race on a busy machine.
 			cfg.Timeout = time.Minute
@@ -169,7 +198,7 @@ func TestWireChecksFailAgainstWrongControllers(t *testing.T) {
 				// itself in TestSuitePassesAgainstACorrectController.
 				return
 			}
-			cfg.URL = flawProxy(t, serve(t, newFake(correct), controller.Options{}), wireFlaws{})
+			cfg.URL = flawProxy(t, serve(t, newFake(tc.backend), controller.Options{}), wireFlaws{})
 			if res := conformance.Run(t.Context(), cfg); len(res) != 1 || !res[0].Passed {
 				t.Fatalf("the proxy without flaws fails %s: %v", tc.check, res)
 			}
