@@ -246,6 +246,11 @@ func checkStrictEnvelope(ctx context.Context, r *checkRun) {
 		{"an id holding invalid UTF-8", list("\"id\":\"a\xffb\""), []jsonrpc.Kind{jsonrpc.KindParseError, jsonrpc.KindInvalidRequest}, []string{"null"}},
 		{"a second initialize with params that are not an object", `{"jsonrpc":"2.0","id":2006,"method":"initialize","params":[]}`,
 			[]jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"2006"}},
+		// A request has an integer or string id (§Envelope).
+		{"a fractional id", list(`"id":1.5`), []jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"null"}},
+		{"an object id", list(`"id":{}`), []jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"null"}},
+		{"an array id", list(`"id":[2007]`), []jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"null"}},
+		{"a null id", list(`"id":null`), []jsonrpc.Kind{jsonrpc.KindInvalidRequest}, []string{"null"}},
 	}
 	for _, tc := range cases {
 		if err := c.sendText(ctx, tc.frame); err != nil {
@@ -281,7 +286,28 @@ func checkStrictEnvelope(ctx context.Context, r *checkRun) {
 	} else if got := string(members["id"]); got != "0" {
 		r.failf("the id -0 was answered with id %s; want 0, the integer it is", got)
 	}
-	r.notef("%d malformed envelopes refused and the id -0 answered as 0, the connection open throughout", len(cases))
+	// Ids of every allowed shape come back as sent.
+	allowed := []string{`-7`, `""`, `"é ✓ lsconform"`, `9007199254740991`}
+	for _, id := range allowed {
+		if err := c.sendText(ctx, list(`"id":`+id)); err != nil {
+			r.fatalf("the id %s: %v", id, err)
+		}
+		f, err := c.next(ctx, "the id "+id)
+		if err != nil {
+			r.fatalf("the id %s: %v", id, err)
+		}
+		var members map[string]json.RawMessage
+		var got, want any
+		switch {
+		case f.rpcErr != nil:
+			r.failf("the id %s, an allowed one, was refused: %s", id, describeErr(f.rpcErr))
+		case json.Unmarshal(f.raw, &members) != nil || json.Unmarshal(members["id"], &got) != nil || json.Unmarshal([]byte(id), &want) != nil:
+			r.failf("the id %s: the answer does not decode", id)
+		case got != want:
+			r.failf("the id %s was answered with id %s", id, members["id"])
+		}
+	}
+	r.notef("%d malformed envelopes refused, the id -0 answered as 0, %d allowed ids echoed, the connection open throughout", len(cases), len(allowed))
 }
 
 func kindsText(kinds []jsonrpc.Kind) string {

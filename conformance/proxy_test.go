@@ -41,6 +41,9 @@ type wireFlaws struct {
 	// unknownSetPower answers target/setPower methodNotFound (in front of
 	// a controller that does not advertise power).
 	unknownSetPower bool
+	// oddIDs answers a request whose id is neither an integer nor a
+	// string (1.5, an object, an array, null) with a result.
+	oddIDs bool
 }
 
 // flawProxy stands in front of the controller at upstream with flaws and
@@ -148,6 +151,12 @@ func flawProxy(t *testing.T, upstream string, flaws wireFlaws) string {
 			_ = json.Unmarshal(data, &env)
 			if flaws.answerNotifications && env.ID == nil && env.Method != "" {
 				if write([]byte(`{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Notifications are not taken.","data":{"kind":"invalidRequest"}}}`)) != nil {
+					break
+				}
+				continue
+			}
+			if id := bytes.TrimSpace(env.ID); flaws.oddIDs && env.Method != "" && len(id) > 0 && id[0] != '"' && (bytes.ContainsAny(id, ".{[") || string(id) == "null") {
+				if write([]byte(`{"jsonrpc":"2.0","id":null,"result":{"templates":[]}}`)) != nil {
 					break
 				}
 				continue

@@ -180,6 +180,7 @@ func TestWireChecksFailAgainstWrongControllers(t *testing.T) {
 		{"busy past 4 requests", wireFlaws{busyAfter: 4}, "pipelining", "template/list 4 of 16 in flight answered busy", correct},
 		{"no pong", wireFlaws{noPong: true}, "ping", "no pong to a ping sent", correct},
 		{"a second initialize accepted", wireFlaws{secondInitialize: true}, "handshake", "a second initialize: want a invalidRequest error", correct},
+		{"ids neither integer nor string taken", wireFlaws{oddIDs: true}, "strict-envelope", "a fractional id: answered a result", correct},
 		{"notifications answered", wireFlaws{answerNotifications: true}, "framing", "after a notification (it must not be answered) the connection no longer serves", correct},
 		{"invalidParams without field", wireFlaws{fieldlessInvalidParams: true}, "strict-params", "invalidParams names field \"\"", correct},
 		{"notFound with the code -32000", wireFlaws{wrongErrorCode: true}, "error-answers", "code: is -32000, but kind notFound has code -32004", correct},
