@@ -8,9 +8,9 @@
 // members this client does not model. The handshake therefore checks the
 // facts it relies on strictly (plane, protocolVersion, daemonInstanceId,
 // serverInfo) and keeps the rest of the initialize response as raw JSON,
-// and env/getIdle reads idleForMs strictly while accepting any additional
-// unsigned `…Count` member as a diagnostic count: an idle loop that broke
-// on a diagnostic field would keep every target awake forever.
+// and env/getIdle reads idleForMs strictly while setting every other
+// member aside as a diagnostic: an idle loop that broke on a diagnostic
+// field would keep every target awake forever.
 package envd
 
 import (
@@ -20,6 +20,7 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -305,6 +306,9 @@ type Idle struct {
 	IdleFor time.Duration
 	// Counts holds the diagnostic `…Count` members, by wire name.
 	Counts map[string]uint64
+	// Ignored names, sorted, the other members the daemon sent: neither
+	// idleForMs nor a well-formed count.
+	Ignored []string
 }
 
 // GetIdle asks how long the environment has been unused. It is not use.
@@ -320,10 +324,14 @@ func (s *Session) GetIdle(ctx context.Context) (Idle, error) {
 	return idle, nil
 }
 
-// DecodeIdle reads an env/getIdle result: idleForMs is required (an
-// unsigned integer below 2^53); every other member must be named `…Count`
-// and hold an unsigned integer below 2^32. Anything else is a
-// *wire.FieldError naming the member.
+// DecodeIdle reads an env/getIdle result: idleForMs, the one member the
+// idle decision reads, is required and strict (an unsigned integer below
+// 2^53); a *wire.FieldError names it otherwise. The rest are the
+// daemon's diagnostics, whose names the contract does not fix: a
+// `…Count` member holding an unsigned integer below 2^32 is kept in
+// Counts, and any other member is set aside, by name, in Ignored. None is
+// refused: an idle loop that refused a diagnostic it does not know would
+// keep a newer daemon's target awake forever (issue 26).
 func DecodeIdle(raw []byte) (Idle, error) {
 	var members map[string]json.RawMessage
 	if err := wire.Decode(raw, &members); err != nil {
@@ -343,15 +351,15 @@ func DecodeIdle(raw []byte) (Idle, error) {
 		if name == "idleForMs" {
 			continue
 		}
-		if !strings.HasSuffix(name, "Count") || len(name) == len("Count") {
-			return Idle{}, &wire.FieldError{Path: name, Problem: "is not a known member (only idleForMs and …Count diagnostics are read)"}
+		if strings.HasSuffix(name, "Count") && len(name) > len("Count") {
+			if n, err := unsignedMember(name, value, math.MaxUint32); err == nil {
+				idle.Counts[name] = n
+				continue
+			}
 		}
-		n, err := unsignedMember(name, value, math.MaxUint32)
-		if err != nil {
-			return Idle{}, err
-		}
-		idle.Counts[name] = n
+		idle.Ignored = append(idle.Ignored, name)
 	}
+	slices.Sort(idle.Ignored)
 	return idle, nil
 }
 

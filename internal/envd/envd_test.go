@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -37,13 +38,14 @@ func TestDecodeIdle(t *testing.T) {
 		{"exponent idle", `{"idleForMs":1e3}`, 0, nil, "idleForMs"},
 		{"string idle", `{"idleForMs":"5"}`, 0, nil, "idleForMs"},
 		{"idle at 2^53", `{"idleForMs":9007199254740992}`, 0, nil, "idleForMs"},
-		{"unknown member", `{"idleForMs":1,"busy":true}`, 0, nil, "busy"},
-		{"bare Count", `{"idleForMs":1,"Count":1}`, 0, nil, "Count"},
-		{"null count", `{"idleForMs":1,"jobCount":null}`, 0, nil, "jobCount"},
-		{"negative count", `{"idleForMs":1,"jobCount":-2}`, 0, nil, "jobCount"},
-		{"fraction count", `{"idleForMs":1,"jobCount":0.5}`, 0, nil, "jobCount"},
-		{"count at 2^32", `{"idleForMs":1,"jobCount":4294967296}`, 0, nil, "jobCount"},
-		{"object count", `{"idleForMs":1,"jobCount":{}}`, 0, nil, "jobCount"},
+		// Diagnostics the contract does not name are set aside, never refused.
+		{"unknown member", `{"idleForMs":1,"busy":true}`, 1, map[string]uint64{}, ""},
+		{"bare Count", `{"idleForMs":1,"Count":1}`, 1, map[string]uint64{}, ""},
+		{"null count", `{"idleForMs":1,"jobCount":null}`, 1, map[string]uint64{}, ""},
+		{"negative count", `{"idleForMs":1,"jobCount":-2}`, 1, map[string]uint64{}, ""},
+		{"fraction count", `{"idleForMs":1,"jobCount":0.5}`, 1, map[string]uint64{}, ""},
+		{"count at 2^32", `{"idleForMs":1,"jobCount":4294967296}`, 1, map[string]uint64{}, ""},
+		{"object count", `{"idleForMs":1,"jobCount":{},"runningProcessCount":3}`, 1, map[string]uint64{"runningProcessCount": 3}, ""},
 		{"not an object", `[1]`, 0, nil, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -63,6 +65,13 @@ func TestDecodeIdle(t *testing.T) {
 			}
 			if idle.IdleForMs != tc.idle || idle.IdleFor != time.Duration(tc.idle)*time.Millisecond || len(idle.Counts) != len(tc.counts) {
 				t.Fatalf("got %+v", idle)
+			}
+			var members map[string]json.RawMessage
+			if err := json.Unmarshal([]byte(tc.raw), &members); err != nil {
+				t.Fatal(err)
+			}
+			if want := len(members) - 1 - len(tc.counts); len(idle.Ignored) != want {
+				t.Fatalf("ignored %v, want %d members set aside", idle.Ignored, want)
 			}
 			for k, v := range tc.counts {
 				if idle.Counts[k] != v {
@@ -224,7 +233,10 @@ func TestHandshakeChecksAnswer(t *testing.T) {
 	}
 }
 
-func TestHandshakeToleratesUnknownMembersAndGetIdleRefusesThem(t *testing.T) {
+// The handshake keeps members it does not model, and env/getIdle sets an
+// unknown diagnostic aside and reads idleForMs (issue 26: refused, it kept
+// the target awake forever).
+func TestHandshakeAndGetIdleTolerateUnknownMembers(t *testing.T) {
 	srv := fakeDaemon(t, 5, goodAnswer())
 	s, err := Handshake(testCtx(t), dialTCP(t, srv), ClientInfo{Name: "incus-provider"})
 	if err != nil {
@@ -234,10 +246,9 @@ func TestHandshakeToleratesUnknownMembersAndGetIdleRefusesThem(t *testing.T) {
 	if s.Initialized().ServerInfo.Version != "9.9.9" || string(s.Initialized().Members["futureMember"]) != "[1,2]" {
 		t.Fatalf("%+v", s.Initialized())
 	}
-	_, err = s.GetIdle(testCtx(t))
-	var fe *wire.FieldError
-	if !errors.As(err, &fe) || fe.Path != "diagnostic" {
-		t.Fatalf("got %v", err)
+	idle, err := s.GetIdle(testCtx(t))
+	if err != nil || !slices.Equal(idle.Ignored, []string{"diagnostic"}) {
+		t.Fatalf("got %+v, %v", idle, err)
 	}
 }
 
