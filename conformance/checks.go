@@ -34,6 +34,8 @@ var checks = []check{
 		checkPing},
 	{"message-limit", `§Limits: "Every message, and therefore every frame, is at most 16 MiB (16,777,216 bytes) on every hop. Each reader and writer configures that limit explicitly."`,
 		checkMessageLimit},
+	{"response-limit", `§Limits: "A server whose response would exceed it answers payloadTooLarge for the same id instead."`,
+		checkResponseLimit},
 	{"credential", `§Transport and credential: "the provider compares it in constant time and answers HTTP 401 before the upgrade when it is missing or wrong."`,
 		checkCredential},
 	{"strict-params", `§Errors: "invalidParams: Params do not decode, a value is out of range … field is the wire path of the offending member."`,

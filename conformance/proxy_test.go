@@ -44,6 +44,9 @@ type wireFlaws struct {
 	// oddIDs answers a request whose id is neither an integer nor a
 	// string (1.5, an object, an array, null) with a result.
 	oddIDs bool
+	// oversize answers a request whose id is over 1 MiB with a result
+	// over 16 MiB, as a server that does not bound its answers would.
+	oversize bool
 }
 
 // flawProxy stands in front of the controller at upstream with flaws and
@@ -157,6 +160,13 @@ func flawProxy(t *testing.T, upstream string, flaws wireFlaws) string {
 			}
 			if id := bytes.TrimSpace(env.ID); flaws.oddIDs && env.Method != "" && len(id) > 0 && id[0] != '"' && (bytes.ContainsAny(id, ".{[") || string(id) == "null") {
 				if write([]byte(`{"jsonrpc":"2.0","id":null,"result":{"templates":[]}}`)) != nil {
+					break
+				}
+				continue
+			}
+			if flaws.oversize && len(env.ID) > 1<<20 {
+				big := `{"jsonrpc":"2.0","id":` + string(env.ID) + `,"result":{"templates":[]}` + strings.Repeat(" ", 17<<20) + `}`
+				if write([]byte(big)) != nil {
 					break
 				}
 				continue

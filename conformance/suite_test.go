@@ -180,6 +180,7 @@ func TestWireChecksFailAgainstWrongControllers(t *testing.T) {
 		{"busy past 4 requests", wireFlaws{busyAfter: 4}, "pipelining", "template/list 4 of 16 in flight answered busy", correct},
 		{"no pong", wireFlaws{noPong: true}, "ping", "no pong to a ping sent", correct},
 		{"a second initialize accepted", wireFlaws{secondInitialize: true}, "handshake", "a second initialize: want a invalidRequest error", correct},
+		{"an answer over 16 MiB", wireFlaws{oversize: true}, "response-limit", "was answered with a message over the 16 MiB limit", correct},
 		{"ids neither integer nor string taken", wireFlaws{oddIDs: true}, "strict-envelope", "a fractional id: answered a result", correct},
 		{"notifications answered", wireFlaws{answerNotifications: true}, "framing", "after a notification (it must not be answered) the connection no longer serves", correct},
 		{"invalidParams without field", wireFlaws{fieldlessInvalidParams: true}, "strict-params", "invalidParams names field \"\"", correct},

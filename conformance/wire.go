@@ -345,3 +345,51 @@ func (f *frameRecorder) feed(b []byte) {
 		}
 	}
 }
+
+// checkResponseLimit: an answer that would be over 16 MiB is answered
+// payloadTooLarge for the same id instead. The answer is made one byte
+// too long by the request's own id (a template/list result echoes it):
+// the id is sized from the same answer to a short id, so the request
+// itself stays within the limit, and so does the error answer, unless
+// the result is shorter than an error object.
+func checkResponseLimit(ctx context.Context, r *checkRun) {
+	c, _ := r.mustOpen(ctx)
+	defer c.close()
+	list := controller.TemplateListParams{UniverseID: r.s.cfg.UniverseID}
+	f := r.rt(ctx, c, "template/list", controller.MethodTemplateList, list)
+	if f.rpcErr != nil {
+		r.fatalf("template/list: %s", describeErr(f.rpcErr))
+	}
+	// The answer's length less its id's, which was an integer of c.nextID's
+	// digits: what any other id is added to.
+	rest := len(f.raw) - len(f.id)
+	// An error object with a short message: the least a payloadTooLarge
+	// answer takes besides its id.
+	const errorLeast = len(`{"jsonrpc":"2.0","id":,"error":{"code":-32013,"message":"Too large.","data":{"kind":"payloadTooLarge","limitBytes":16777216}}}`)
+	if rest <= errorLeast {
+		r.skipf("the template/list answer (%d bytes besides its id) is not longer than an error answer: no id makes the one too long and the other fit", rest)
+	}
+	idLen := jsonrpc.MaxMessageBytes + 1 - rest - 2 // the quotes of a string id
+	id := "lsconform-" + strings.Repeat("r", idLen-len("lsconform-"))
+	if err := c.request(ctx, id, controller.MethodTemplateList, list); err != nil {
+		r.fatalf("send template/list whose answer would be %d bytes: %v", jsonrpc.MaxMessageBytes+1, err)
+	}
+	got, err := c.next(ctx, "template/list whose answer would be one byte over 16 MiB")
+	switch {
+	case errors.Is(err, websocket.ErrReadLimit):
+		r.failf("a template/list whose answer would be %d bytes was answered with a message over the 16 MiB limit; a server answers payloadTooLarge for the same id instead", jsonrpc.MaxMessageBytes+1)
+	case err != nil:
+		r.failf("a template/list whose answer would be %d bytes was not answered: %v; a server answers payloadTooLarge for the same id", jsonrpc.MaxMessageBytes+1, err)
+	case got.rpcErr == nil:
+		r.failf("a template/list whose answer would be %d bytes was answered with a result of %d bytes", jsonrpc.MaxMessageBytes+1, len(got.raw))
+	case got.rpcErr.Kind != jsonrpc.KindPayloadTooLarge:
+		r.failf("a template/list whose answer would be %d bytes answered %s; want payloadTooLarge", jsonrpc.MaxMessageBytes+1, describeErr(got.rpcErr))
+	default:
+		want, _ := json.Marshal(id)
+		if got.id != string(want) {
+			r.failf("payloadTooLarge came with id %s…, not the request's", clip(got.id, 40))
+			return
+		}
+		r.notef("an answer that would be %d bytes came as payloadTooLarge for the same id", jsonrpc.MaxMessageBytes+1)
+	}
+}
