@@ -414,13 +414,8 @@ func (w *Waker) wakeAndProbe(ctx context.Context, f *Flight, r targets.Route) pr
 	go func() {
 		if !paused {
 			// A stopped instance has no daemon (nor even an init process)
-			// until Incus has started it; start probing when it has: at
-			// once when the start undid a power-down marked carried out
-			// (relayable), so that the daemon's boot goes on beside the
-			// record of the use (an ETag write Incus takes tens of
-			// milliseconds to apply here), else once Wake is done.
+			// until Incus has started it; start probing when it has.
 			select {
-			case <-relayable:
 			case <-wakeDone:
 				if wakeErr != nil {
 					probed <- probeSilent

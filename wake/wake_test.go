@@ -313,27 +313,6 @@ func TestAUseOfAMarkedPowerDownGoesBeforeTheRecord(t *testing.T) {
 	}
 }
 
-// The same from stopped: the daemon is probed once the start undid the
-// marked stop, beside the record, not after it. Before, a stopped
-// target's probe waited for the record, and a held record held the use
-// past its hold.
-func TestAUseOfAMarkedStopIsProbedBeforeTheRecord(t *testing.T) {
-	r := newWakeRig(t, targets.RouteStopped)
-	held := make(chan struct{})
-	defer close(held)
-	r.targets.wakeHeld = held
-	r.targets.relayEarly = true
-	rt := r.route(t)
-	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-	defer cancel()
-	if ref := r.w.WakeForUse(ctx, rt, time.Now()); ref != nil {
-		t.Fatalf("the use was refused %+v", ref)
-	}
-	if _, ok := r.reg.Quiesce(rt.Name); ok {
-		t.Fatal("a power-down could start while the wake's record is still under way")
-	}
-}
-
 // A use whose hold runs out is told what the flight waits for; the flight
 // goes on, and a later use finds it done.
 func TestAFlightOutlivesAUseWhoseHoldRanOut(t *testing.T) {
