@@ -12,11 +12,14 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap/zaptest"
+
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/incusfake"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/relays"
 )
 
 // The tests here run targets' power and read paths against the in-process
@@ -757,5 +760,38 @@ func TestFakeAPowerDownOutranksAWakeInFlight(t *testing.T) {
 	inst := r.instance(name)
 	if inst.Config[keyPower] != string(controller.PowerStopped) {
 		t.Fatalf("the target is stopped with power %q recorded; want stopped", inst.Config[keyPower])
+	}
+}
+
+// A create answered provisioning, then the provider restarted with the
+// template deprecated: the owner's create asked again must observe its
+// target, not meet the creation policy, although Incus has not recorded
+// the instance yet (a loaded Incus records it only once its create task
+// runs; here the record's read is refused once as not found while the
+// create task is listed). A fresh clone's run beside stress-ng met it.
+func TestFakeARepeatedCreateOutranksADeprecationWhileIncusCreates(t *testing.T) {
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Create = 800 * time.Millisecond
+	r := newFakeRig(t, fcfg, Config{})
+	o := fakeOwner("env-deprecated-meanwhile")
+	name := r.expect(o)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := r.svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1"}); err != nil {
+		t.Fatal(err)
+	}
+	next, err := New(r.client, fakeCatalogOf(t, true), nopDialer{}, relays.New(0), zaptest.NewLogger(t), Config{Replica: "r-fake-2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	unrecorded := r.fake.Inject(incusfake.Fault{Kind: incusfake.Refuse, Method: "GET", Path: "/1.0/instances/" + name, Times: 1,
+		Status: 404, Message: "Instance not found"})
+	defer unrecorded.Remove()
+	obs, err := next.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "t1"})
+	if unrecorded.Hits() == 0 {
+		t.Fatal("the new process never read the instance: the test staged nothing")
+	}
+	if err != nil || obs.Phase != controller.PhaseProvisioning && obs.Phase != controller.PhaseActive {
+		t.Fatalf("the repeated create after deprecation answered %+v, %v; want the owner's target observed", obs, err)
 	}
 }

@@ -137,6 +137,11 @@ func seeded(t *testing.T) *rand.Rand {
 // fakeCatalog is the t1 template of the real-Incus tests, pinned to a
 // fingerprint the rig's resolver vouches for.
 func fakeCatalog(t *testing.T) *templates.Catalog {
+	return fakeCatalogOf(t, false)
+}
+
+// fakeCatalogOf is fakeCatalog with t1 deprecated or not.
+func fakeCatalogOf(t *testing.T, deprecated bool) *templates.Catalog {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "templates.yaml")
 	body := `templates:
@@ -145,6 +150,7 @@ func fakeCatalog(t *testing.T) *templates.Catalog {
     powerStates: [running, paused, stopped]
     publicIngress: true
     ingressPort: 8080
+    deprecated: ` + strconv.FormatBool(deprecated) + `
     imageFingerprint: ` + fakeFingerprint + "\n"
 	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
 		t.Fatal(err)

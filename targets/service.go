@@ -451,12 +451,16 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		return s.observe(inst, p.Owner), nil
 	}
 	tmpl, ok := s.catalog.Load().Get(p.TemplateID)
-	if !ok {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q is offered; template/list names the ones this provider serves.", p.TemplateID)
-	}
-	if tmpl.Wire.Deprecated {
-		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated",
+	var refusal error
+	switch {
+	case !ok:
+		refusal = jsonrpc.Errorf(jsonrpc.KindNotFound, "No template %q is offered; template/list names the ones this provider serves.", p.TemplateID)
+	case tmpl.Wire.Deprecated:
+		refusal = jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated",
 			"The template %q is deprecated and creates no new targets; choose another from template/list.", p.TemplateID)
+	}
+	if refusal != nil {
+		return s.refuseUnlessHeld(ctx, name, p.Owner, refusal)
 	}
 	// What this create puts under the name is the owner's, whatever an
 	// earlier close was answered.
@@ -528,6 +532,31 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 // at the owner's name yet: no id, and the runtime asks again.
 func creating(owner controller.Owner) controller.Observation {
 	return controller.Observation{Owner: owner, Phase: controller.PhaseProvisioning, Message: "Creating and starting the instance."}
+}
+
+// refuseUnlessHeld answers a create that the template's policy refuses,
+// for an owner with no instance found: unless Incus is still creating the
+// owner's instance, sent by an earlier create this or another process
+// answered (a process restarted meanwhile, with the template deprecated
+// by then, met one on a loaded machine: Incus records an instance only
+// once its create task runs). The owner then holds a target, and no
+// creation policy applies to it: its observation is the answer. The
+// check runs only before a refusal, which is rare.
+func (s *Service) refuseUnlessHeld(ctx context.Context, name string, owner controller.Owner, refusal error) (controller.Observation, error) {
+	if s.poolsOffered() {
+		return controller.Observation{}, refusal // afterEarlierTask has waited out any task already
+	}
+	inst, err := s.afterEarlierTask(ctx, name)
+	if err != nil {
+		return controller.Observation{}, err
+	}
+	if inst == nil {
+		return controller.Observation{}, refusal
+	}
+	if err := checkOwned(inst, owner); err != nil {
+		return controller.Observation{}, err
+	}
+	return s.observe(inst, owner), nil
 }
 
 // afterEarlierTask lets an Incus task already on the owner's name end
