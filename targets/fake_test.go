@@ -795,3 +795,42 @@ func TestFakeARepeatedCreateOutranksADeprecationWhileIncusCreates(t *testing.T) 
 		t.Fatalf("the repeated create after deprecation answered %+v, %v; want the owner's target observed", obs, err)
 	}
 }
+
+// A setPower answered "already there" while a dead process's older write
+// of another power is still on its way into Incus (which checks a write's
+// ETag before it applies it): once that write lands, this accepted request
+// must win. The kill matrix with a warm pool met one: a paused answered
+// "already paused", then a cut running of the killed process landed, and
+// the target ended running.
+func TestFakeAlreadyThereOutranksAnOlderWriteLandingLater(t *testing.T) {
+	fcfg := fakeDurations(seeded(t))
+	fcfg.ApplyDelay = 400 * time.Millisecond
+	r := newFakeRig(t, fcfg, Config{GracefulStop: time.Second, ReconcileInterval: time.Hour})
+	o := fakeOwner("env-late-write")
+	name := r.seedTarget(o, incus.InstanceFrozen, controller.PowerPaused)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, etag, err := r.client.GetInstance(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The dead process's request for running, older than the setPower.
+	late := make(chan error, 1)
+	older := Intent{Power: controller.PowerRunning, At: time.Now().Add(-time.Second), By: BySetPower}
+	go func() { late <- r.client.PatchInstanceConfigIf(ctx, name, older.config(), etag) }()
+	time.Sleep(50 * time.Millisecond) // past its ETag check, not yet applied
+	obs, err := r.svc.SetPower(ctx, controller.TargetRef{Owner: o, TargetID: name}, controller.PowerPaused)
+	if err != nil || obs.Power != controller.PowerPaused {
+		t.Fatalf("setPower paused answered %+v, %v", obs, err)
+	}
+	if err := <-late; err != nil {
+		t.Fatalf("the older write: %v", err)
+	}
+	if got := r.instance(name).Config[keyPower]; got != string(controller.PowerRunning) {
+		t.Fatalf("the older write did not land after the answer (power %q recorded): the test staged nothing", got)
+	}
+	r.awaitFake("the target paused with paused recorded", 15*time.Second, func() bool {
+		v, ok := r.fake.Instance(fakeProject, name)
+		return ok && v.Status == incus.InstanceFrozen && v.HeldBy == "" && v.Config[keyPower] == string(controller.PowerPaused)
+	})
+}

@@ -441,6 +441,13 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		}
 		wrote = false
 	case errors.Is(err, errAlready):
+		// Answered without a write, yet accepted: a dead process's older
+		// write of another power that Incus applies only now (it checks
+		// the ETag before it applies a write) would overtake it unseen.
+		// Kept as this process's newest request, it is looked at again
+		// once such a write has settled, and recorded should one have
+		// landed (written.go).
+		s.wrote(name, in)
 	case errors.Is(err, errGone):
 		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
 	case err != nil:

@@ -83,7 +83,9 @@ func (s *Service) rewriteOvertaken(ctx context.Context, inst *incus.Instance) bo
 	}
 	st := StateOf(inst)
 	recorded := st.Intent
-	overtaken := st.Phase == controller.PhaseActive && recorded.Power != "" &&
+	// An older request for the same power overtakes nothing: the target
+	// goes where this one asked.
+	overtaken := st.Phase == controller.PhaseActive && recorded.Power != "" && recorded.Power != w.intent.Power &&
 		recorded.At.Before(w.intent.At.Truncate(time.Millisecond))
 	if !overtaken {
 		if time.Since(w.at) >= writtenLastLook {
