@@ -424,6 +424,21 @@ func TestIdleActionsOnIncus(t *testing.T) {
 
 func u64(v uint64) *uint64 { return &v }
 
+// awaitMarked waits, within 10 s, until the power-down recorded on name
+// (what) is marked carried out (powerDone).
+func (h *harness) awaitMarked(name, what string) {
+	h.t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		c := h.instance(name).Config
+		if c[keyPowerDone] != "" && c[keyPowerDone] == c[keyPowerAt] {
+			return
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("the %s carried out was never marked: %v", what, c)
+		}
+	}
+}
+
 // A wake may relay its use before its record once the power-down it undid
 // is marked carried out: a process that dies in between leaves the target
 // running under that power-down. On the real Incus: the pause is marked,
@@ -437,15 +452,7 @@ func TestAWokenTargetUnderAMarkedPauseStaysUp(t *testing.T) {
 	ref := activeTarget(t, svc, owner("env-woken-real"))
 	setPower(t, svc, ref, controller.PowerPaused)
 	until(t, "paused", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerPaused))
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		c := h.instance(ref.TargetID).Config
-		if c[keyPowerDone] != "" && c[keyPowerDone] == c[keyPowerAt] {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the pause carried out was never marked: %v", c)
-		}
-	}
+	h.awaitMarked(ref.TargetID, "pause")
 	stop()
 
 	op, err := h.client.UpdateInstanceState(ctx, ref.TargetID, incus.InstanceStatePut{Action: incus.ActionUnfreeze})
@@ -480,15 +487,7 @@ func TestAPowerDownOutranksAWakeInFlight(t *testing.T) {
 	ref := activeTarget(t, svc, owner("env-wake-in-flight-real"))
 	setPower(t, svc, ref, controller.PowerStopped)
 	until(t, "stopped", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) }, powerIs(controller.PowerStopped))
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		c := h.instance(ref.TargetID).Config
-		if c[keyPowerDone] != "" && c[keyPowerDone] == c[keyPowerAt] {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the stop carried out was never marked: %v", c)
-		}
-	}
+	h.awaitMarked(ref.TargetID, "stop")
 	stop()
 
 	next, _ := h.startCfg(h.catalog, cfg)
