@@ -250,6 +250,19 @@ func (f *fakeBackend) CloseTarget(_ context.Context, ref controller.TargetRef) (
 	return f.observe(t, ref.Owner), nil
 }
 
+// held is the target ref names, or the error a method answers when there
+// is none (f.mu held).
+func (f *fakeBackend) held(ref controller.TargetRef) (*fakeTarget, error) {
+	t, err := f.resolve(ref)
+	if err != nil {
+		return nil, err
+	}
+	if t == nil || (ref.TargetID != "" && t.id != ref.TargetID) {
+		return nil, jsonrpc.Errorf(jsonrpc.KindNotFound, "No target for this owner.")
+	}
+	return t, nil
+}
+
 // SetPower records the move; the target's next observation by target/get
 // carries it out.
 func (f *fakeBackend) SetPower(_ context.Context, ref controller.TargetRef, p controller.Power) (controller.Observation, error) {
@@ -258,12 +271,9 @@ func (f *fakeBackend) SetPower(_ context.Context, ref controller.TargetRef, p co
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.resolve(ref)
+	t, err := f.held(ref)
 	if err != nil {
 		return controller.Observation{}, err
-	}
-	if t == nil || (ref.TargetID != "" && t.id != ref.TargetID) {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No target for this owner.")
 	}
 	if t.phase != controller.PhaseActive && f.flaw != powerMovesClosing {
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "targetNotActive", "The target is %s.", t.phase)
@@ -301,12 +311,9 @@ func (f *fakeBackend) ingress(ref controller.TargetRef, route bool) (controller.
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.resolve(ref)
+	t, err := f.held(ref)
 	if err != nil {
 		return controller.Observation{}, err
-	}
-	if t == nil || (ref.TargetID != "" && t.id != ref.TargetID) {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "No target for this owner.")
 	}
 	switch {
 	case !route && f.flaw == ingressSticks:
