@@ -23,6 +23,7 @@ type actRequest struct {
 	t      Target
 	action idlepolicy.Action
 	since  time.Time
+	readAt time.Time // when the idle reading it rests on was asked for
 }
 
 type actResult struct {
@@ -34,10 +35,10 @@ type actResult struct {
 // startAct queues an action. The target's session is dropped once the
 // action is done (its guest then no longer answers, or is gone), not
 // before: closing it makes the daemon busy just as Incus freezes it.
-func (l *Loop) startAct(e *entry, a idlepolicy.Action, since time.Time) {
+func (l *Loop) startAct(e *entry, a idlepolicy.Action, since, readAt time.Time) {
 	l.unschedule(e)
 	e.acting = true
-	l.acts = append(l.acts, &actRequest{e: e, t: e.t, action: a, since: since})
+	l.acts = append(l.acts, &actRequest{e: e, t: e.t, action: a, since: since, readAt: readAt})
 }
 
 func (l *Loop) launchAct(ctx context.Context, req *actRequest) {
@@ -47,7 +48,7 @@ func (l *Loop) launchAct(ctx context.Context, req *actRequest) {
 		defer l.wg.Done()
 		start := time.Now()
 		actx, cancel := context.WithTimeout(ctx, l.cfg.ActionTimeout)
-		err := l.inv.IdleAct(actx, req.t, req.action, req.since)
+		err := l.inv.IdleAct(actx, req.t, req.action, req.since, req.readAt)
 		cancel()
 		select {
 		case l.actDone <- actResult{actRequest: *req, err: err, took: time.Since(start)}:

@@ -49,13 +49,18 @@ type Inventory interface {
 	IdleTargets(ctx context.Context) ([]Target, error)
 	// RelaysOpen counts the data relays open to the target now.
 	RelaysOpen(name string) int
+	// RelayEndedSince says a relay or a dial of the target ended at or
+	// after since: a reading of the daemon's idle clock asked for then may
+	// have missed a use it carried.
+	RelayEndedSince(name string, since time.Time) bool
 	// IdleAct applies an idle action to a target the loop last saw as t:
 	// pause, suspend or stop it, recording idleSince as the instant its
 	// idleness began, or close it through the normal close path. It checks
 	// first, under the target's lock, that the target is still as t says
-	// and that no relay is open, and answers ErrStale or ErrRelayOpen
-	// without acting otherwise.
-	IdleAct(ctx context.Context, t Target, action idlepolicy.Action, idleSince time.Time) error
+	// and that no relay is open or has ended since readAt (when the idle
+	// reading the action rests on was asked for), and answers ErrStale or
+	// ErrRelayOpen without acting otherwise.
+	IdleAct(ctx context.Context, t Target, action idlepolicy.Action, idleSince, readAt time.Time) error
 }
 
 // ErrStale says the target changed since the loop looked at it (woken by a

@@ -27,15 +27,21 @@ type fakeInventory struct {
 	mu      sync.Mutex
 	targets map[string]*Target
 	relays  map[string]int
-	acts    []act
-	stale   int // answer ErrStale this many more times
-	lists   int
+	// staleReads answers RelayEndedSince true this many more times, as if
+	// a relay ended during each of that many probes; staleAsked keeps the
+	// instants it answered true for.
+	staleReads int
+	staleAsked []time.Time
+	acts       []act
+	stale      int // answer ErrStale this many more times
+	lists      int
 }
 
 type act struct {
 	name   string
 	action idlepolicy.Action
 	since  time.Time
+	readAt time.Time
 	at     time.Time
 }
 
@@ -90,7 +96,18 @@ func (f *fakeInventory) RelaysOpen(name string) int {
 	return f.relays[name]
 }
 
-func (f *fakeInventory) IdleAct(_ context.Context, t Target, a idlepolicy.Action, since time.Time) error {
+func (f *fakeInventory) RelayEndedSince(_ string, since time.Time) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.staleReads > 0 && !since.IsZero() {
+		f.staleReads--
+		f.staleAsked = append(f.staleAsked, since)
+		return true
+	}
+	return false
+}
+
+func (f *fakeInventory) IdleAct(_ context.Context, t Target, a idlepolicy.Action, since, readAt time.Time) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	cur := f.targets[t.Name]
@@ -105,7 +122,7 @@ func (f *fakeInventory) IdleAct(_ context.Context, t Target, a idlepolicy.Action
 	if f.relays[t.Name] > 0 {
 		return ErrRelayOpen
 	}
-	f.acts = append(f.acts, act{name: t.Name, action: a, since: since, at: time.Now()})
+	f.acts = append(f.acts, act{name: t.Name, action: a, since: since, readAt: readAt, at: time.Now()})
 	if a == idlepolicy.ActionClose {
 		cur.Phase, cur.Power = "closing", ""
 		return nil
@@ -363,6 +380,32 @@ func TestLoopNeverPowersDownATargetWithAnOpenRelay(t *testing.T) {
 	}
 }
 
+// A relay that ended while a probe ran may have carried a use the answer
+// predates (a process started, then the relay closed): the loop acts on no
+// such reading, and asks again at once rather than after RelayRecheck.
+func TestLoopActsOnNoReadingARelayOvertook(t *testing.T) {
+	h := newHarness(t)
+	d := h.fleet.Add("overtaken")
+	d.SetIdleSince(time.Now().Add(-time.Hour))
+	h.inv.add(Target{Name: "overtaken", Power: controller.PowerRunning, Policy: policy(100, 0, 0), Stages: containerStages})
+	h.inv.mu.Lock()
+	h.inv.staleReads = 2
+	h.inv.mu.Unlock()
+	h.run(func(c *Config) { c.MaxInterval, c.RelayRecheck = time.Hour, time.Hour })
+	eventually(t, "the pause, on a reading no relay overtook", func() bool { return len(h.inv.actions()) == 1 })
+	h.inv.mu.Lock()
+	defer h.inv.mu.Unlock()
+	if len(h.inv.staleAsked) != 2 {
+		t.Fatalf("%d overtaken readings, want 2", len(h.inv.staleAsked))
+	}
+	a := h.inv.acts[0]
+	for _, asked := range h.inv.staleAsked {
+		if !a.readAt.After(asked) {
+			t.Fatalf("acted on the reading asked for at %v, which a relay overtook (overtaken: %v)", a.readAt, h.inv.staleAsked)
+		}
+	}
+}
+
 func TestLoopKeepsOneSessionAcrossProbes(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("steady")
@@ -571,8 +614,8 @@ type actHookInventory struct {
 	looked   chan string
 }
 
-func (a *actHookInventory) IdleAct(ctx context.Context, t Target, act idlepolicy.Action, since time.Time) error {
-	err := a.watchingInventory.IdleAct(ctx, t, act, since)
+func (a *actHookInventory) IdleAct(ctx context.Context, t Target, act idlepolicy.Action, since, readAt time.Time) error {
+	err := a.watchingInventory.IdleAct(ctx, t, act, since, readAt)
 	if err == nil && a.afterAct != nil {
 		a.afterAct()
 	}

@@ -195,7 +195,15 @@ func (l *Loop) onProbe(r probeResult) {
 			l.scheduleIn(e, l.cfg.RelayRecheck)
 			return
 		}
-		l.startAct(e, a, truncMs(r.at.Add(-msDuration(idleMs))))
+		asked := r.at.Add(-r.took)
+		if l.inv.RelayEndedSince(e.t.Name, asked) {
+			// A relay that ended while the probe ran may have carried a use
+			// (a process started) the answer predates: ask again, now.
+			l.m.acted(a, ResultRelayOpen)
+			l.scheduleIn(e, 0)
+			return
+		}
+		l.startAct(e, a, truncMs(r.at.Add(-msDuration(idleMs))), asked)
 		return
 	}
 	// The ceiling is from answer to answer: due two gaps before it, the

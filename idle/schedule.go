@@ -47,7 +47,9 @@ func (l *Loop) evaluateDown(e *entry, now time.Time) {
 	}
 	idleMs := msSince(since, now)
 	if a := e.t.Policy.DueAction(idleMs, e.t.Stages, e.level); a != idlepolicy.ActionNone {
-		l.startAct(e, a, since)
+		// A powered-down target's guest cannot answer: nothing was read,
+		// and a relay would have woken it (the act then finds it stale).
+		l.startAct(e, a, since, time.Time{})
 		return
 	}
 	if th, ok := e.t.Policy.NextThreshold(idleMs, e.t.Stages, e.level); ok {

@@ -52,25 +52,31 @@ func (v IdleInventory) IdleTarget(ctx context.Context, name string) (idle.Target
 // RelaysOpen counts the data relays open to the target.
 func (v IdleInventory) RelaysOpen(name string) int { return v.Targets.RelaysOpen(name) }
 
+// RelayEndedSince says a relay or dial of the target ended at or after
+// since (targets.Service.RelayEndedSince).
+func (v IdleInventory) RelayEndedSince(name string, since time.Time) bool {
+	return v.Targets.RelayEndedSince(name, since)
+}
+
 // Changes names the targets this process changed (targets.Service.Changes).
 func (v IdleInventory) Changes() <-chan string { return v.Targets.Changes() }
 
 // IdleAct carries an idle action out on the target the loop last saw as t:
 // a close, or a power-down to the power the action leaves it in.
-func (v IdleInventory) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.Action, idleSince time.Time) error {
+func (v IdleInventory) IdleAct(ctx context.Context, t idle.Target, action idlepolicy.Action, idleSince, readAt time.Time) error {
 	// What the targets check the target against; the stages are the loop's
 	// reading of the power states, which the check does not need.
 	view := targets.IdleView{Name: t.Name, Phase: t.Phase, Power: t.Power, Settled: t.Settled, PhaseSince: t.PhaseSince,
 		Port: t.Port, Location: t.Location, Policy: t.Policy, IdleSince: t.IdleSince}
 	var err error
 	if action == idlepolicy.ActionClose {
-		err = v.Targets.IdleClose(ctx, view)
+		err = v.Targets.IdleClose(ctx, view, readAt)
 	} else {
 		to := idle.PowerOf(action)
 		if to == "" {
 			return fmt.Errorf("provider: the idle action %s powers nothing down", action)
 		}
-		err = v.Targets.IdlePowerDown(ctx, view, to, idleSince)
+		err = v.Targets.IdlePowerDown(ctx, view, to, idleSince, readAt)
 	}
 	switch {
 	case errors.Is(err, targets.ErrStale):

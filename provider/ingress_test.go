@@ -297,7 +297,7 @@ func TestIngress(t *testing.T) {
 		if err != nil || !ok {
 			t.Fatalf("IdleTarget: %v %v", ok, err)
 		}
-		if err := inv.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now()); !errors.Is(err, idle.ErrRelayOpen) {
+		if err := inv.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now(), time.Now()); !errors.Is(err, idle.ErrRelayOpen) {
 			t.Fatalf("an idle pause under an ingress stream: %v", err)
 		}
 		if _, err := r.setPower(web.Owner, controller.PowerPaused); err != nil {

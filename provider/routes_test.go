@@ -112,7 +112,7 @@ func TestRoutes(t *testing.T) {
 		if err != nil || !ok {
 			t.Fatalf("IdleTarget: %v %v", ok, err)
 		}
-		err = inv.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now())
+		err = inv.IdleAct(r.ctx(), it, idlepolicy.ActionPause, time.Now(), time.Now())
 		if !errors.Is(err, targets.ErrRelayOpen) || !errors.Is(err, idle.ErrRelayOpen) {
 			t.Fatalf("an idle pause under a relay: %v", err)
 		}

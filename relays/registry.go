@@ -43,7 +43,18 @@ type Registry struct {
 	// whoever announces this process's relays to other replicas does so at
 	// once (Opened).
 	opened chan struct{}
+
+	// ended is when each instance's latest relay or dial ended, for
+	// EndedSince; entries older than endedMemory are swept once the map
+	// has doubled since the last sweep.
+	ended     map[string]time.Time
+	sweptSize int
 }
+
+// endedMemory is how far back EndedSince can tell: an idle reading is
+// acted on seconds after it is taken, and one older than this counts as
+// overtaken by a relay.
+const endedMemory = 10 * time.Minute
 
 type entry struct {
 	// conns are the relays, each with its dial's arrival (a power-down
@@ -63,7 +74,38 @@ func New(closeWait time.Duration) *Registry {
 	if closeWait <= 0 {
 		closeWait = 3 * time.Second
 	}
-	return &Registry{closeWait: closeWait, entries: map[string]*entry{}, opened: make(chan struct{}, 1)}
+	return &Registry{closeWait: closeWait, entries: map[string]*entry{}, opened: make(chan struct{}, 1), ended: map[string]time.Time{}}
+}
+
+// EndedSince says whether a relay or a dial of the instance ended at or
+// after since: a use the daemon may have seen after an idle reading taken
+// then, though nothing relays now. A zero since asks nothing.
+func (g *Registry) EndedSince(instance string, since time.Time) bool {
+	if since.IsZero() {
+		return false
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if time.Since(since) > endedMemory {
+		return true // older than what is kept: it cannot be told apart
+	}
+	at, ok := g.ended[instance]
+	return ok && !at.Before(since)
+}
+
+// endLocked notes that a relay or a dial of the instance ended now.
+func (g *Registry) endLocked(instance string) {
+	now := time.Now()
+	g.ended[instance] = now
+	if len(g.ended) < 2*max(g.sweptSize, 64) {
+		return
+	}
+	for name, at := range g.ended {
+		if now.Sub(at) > endedMemory {
+			delete(g.ended, name)
+		}
+	}
+	g.sweptSize = len(g.ended)
 }
 
 // Opened is signalled (coalesced) whenever some instance's first relay
@@ -371,6 +413,7 @@ func (t *Ticket) Leave() {
 		g.mu.Lock()
 		if e := g.entries[t.instance]; e != nil {
 			delete(e.tickets, t)
+			g.endLocked(t.instance)
 			e.signalLocked()
 			g.dropIfEmptyLocked(t.instance, e)
 		}
@@ -414,6 +457,7 @@ func (g *Registry) Remove(instance string, c Conn) bool {
 	}
 	delete(e.conns, c)
 	g.total--
+	g.endLocked(instance)
 	e.signalLocked()
 	g.dropIfEmptyLocked(instance, e)
 	return true

@@ -2,6 +2,7 @@ package relays
 
 import (
 	"context"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -222,5 +223,65 @@ func TestDrainYieldsToAUseAfterTheRequest(t *testing.T) {
 				t.Fatalf("the hooks were told %d times of a drain that went on, want once", n)
 			}
 		})
+	}
+}
+
+// EndedSince tells an idle reading from a relay or a dial that ended after
+// it was asked for, whichever way the use ended.
+func TestEndedSinceTellsAReadingARelayOvertook(t *testing.T) {
+	g := New(time.Second)
+	before := time.Now()
+	if g.EndedSince("a", before) {
+		t.Fatal("nothing ended yet")
+	}
+	tk, _ := g.Enter("a", time.Now())
+	c := newFake(false)
+	tk.Adopt(c)
+	if g.EndedSince("a", before) {
+		t.Fatal("a relay still open has not ended (Open says it is open)")
+	}
+	g.Remove("a", c)
+	after := time.Now()
+	if !g.EndedSince("a", before) {
+		t.Fatal("a relay that ended after the reading was asked for must overtake it")
+	}
+	if g.EndedSince("a", after.Add(time.Nanosecond)) || g.EndedSince("b", before) || g.EndedSince("a", time.Time{}) {
+		t.Fatal("a reading asked for after the end, another instance's, or no reading, is not overtaken")
+	}
+	dial, _ := g.Enter("b", time.Now())
+	dial.Leave()
+	if !g.EndedSince("b", before) {
+		t.Fatal("a dial that ended without relaying may have woken the guest: it overtakes too")
+	}
+	if !g.EndedSince("c", time.Now().Add(-endedMemory-time.Minute)) {
+		t.Fatal("a reading older than what is kept counts as overtaken")
+	}
+}
+
+// The memory of ended relays is swept as it grows, keeping what a fresh
+// reading can still need.
+func TestEndedMemoryIsSwept(t *testing.T) {
+	g := New(time.Second)
+	for i := range 1000 {
+		tk, _ := g.Enter("i"+strconv.Itoa(i), time.Now())
+		tk.Leave()
+	}
+	g.mu.Lock()
+	for name := range g.ended {
+		g.ended[name] = time.Now().Add(-endedMemory - time.Second)
+	}
+	g.mu.Unlock()
+	for i := range 2000 {
+		tk, _ := g.Enter("j"+strconv.Itoa(i), time.Now())
+		tk.Leave()
+	}
+	g.mu.Lock()
+	n := len(g.ended)
+	g.mu.Unlock()
+	if n > 2000 {
+		t.Fatalf("%d ended relays kept; the 1,000 past the memory must be swept", n)
+	}
+	if !g.EndedSince("j1999", time.Now().Add(-time.Minute)) {
+		t.Fatal("a fresh end was swept")
 	}
 }

@@ -667,7 +667,7 @@ func TestFakeAnIdleCloseTakesIngressAtOnce(t *testing.T) {
 	if view.Name == "" {
 		t.Fatal("the idle inventory does not hold the target")
 	}
-	if err := r.svc.IdleClose(ctx, view); err != nil {
+	if err := r.svc.IdleClose(ctx, view, time.Time{}); err != nil {
 		t.Fatal(err)
 	}
 	if _, routed := r.svc.IngressLookup(label); routed {

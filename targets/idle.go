@@ -134,33 +134,40 @@ func (s *Service) idleTargetOf(inst *incus.Instance) (IdleView, bool) {
 // RelaysOpen counts the data relays open to the instance.
 func (s *Service) RelaysOpen(name string) int { return s.relays.Open(name) }
 
+// RelayEndedSince says a relay or a dial of the instance ended at or after
+// since.
+func (s *Service) RelayEndedSince(name string, since time.Time) bool {
+	return s.relays.EndedSince(name, since)
+}
+
 // IdlePowerDown moves the target the idle loop last saw as t to the power
 // to (paused, suspended or stopped), recording idleSince as the instant
 // its idleness began. Under the target's lock it first checks that the
 // target is still as t says (its name, settled power and, for a
-// powered-down one, recorded idle-since; no power request pending) and has
-// no relay open; otherwise it answers ErrStale or ErrRelayOpen and does
-// nothing. The power-down is recorded as the target's wanted power and
+// powered-down one, recorded idle-since; no power request pending), has
+// no relay open, and had none end since readAt, when the idle reading the
+// power-down rests on was asked for (zero: no reading); otherwise it
+// answers ErrStale or ErrRelayOpen and does nothing. The power-down is recorded as the target's wanted power and
 // carried out by the reconciler like any other, yielding to a dial that
 // comes first; IdlePowerDown waits for that step.
-func (s *Service) IdlePowerDown(ctx context.Context, t IdleView, to controller.Power, idleSince time.Time) error {
+func (s *Service) IdlePowerDown(ctx context.Context, t IdleView, to controller.Power, idleSince, readAt time.Time) error {
 	if to == "" {
 		return fmt.Errorf("targets: an idle power-down of %s names no power", t.Name)
 	}
-	return s.idleAct(ctx, t, to, idleSince)
+	return s.idleAct(ctx, t, to, idleSince, readAt)
 }
 
 // IdleClose closes the target the idle loop last saw as t, after the same
 // checks as IdlePowerDown, through the normal close path (the closing
 // marker, then the reconciler), after which target/get answers closing and
 // then notFound.
-func (s *Service) IdleClose(ctx context.Context, t IdleView) error {
-	return s.idleAct(ctx, t, "", time.Time{})
+func (s *Service) IdleClose(ctx context.Context, t IdleView, readAt time.Time) error {
+	return s.idleAct(ctx, t, "", time.Time{}, readAt)
 }
 
 // idleAct carries out IdlePowerDown to the power to, or IdleClose when to
 // is empty.
-func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, idleSince time.Time) error {
+func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, idleSince, readAt time.Time) error {
 	unlock, err := s.own.request(ctx, t.Name)
 	if err != nil {
 		return err
@@ -189,9 +196,12 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 	if st.Power != controller.PowerRunning && !r.idleSinceIs(t.IdleSince) {
 		return ErrStale
 	}
-	if s.relays.Open(t.Name) > 0 || foreignLeases(r.Relays, s.cfg.Replica, s.now()) > 0 {
+	if s.relays.Open(t.Name) > 0 || s.relays.EndedSince(t.Name, readAt) || foreignLeases(r.Relays, s.cfg.Replica, s.now()) > 0 {
 		// This replica or another relays to it: no idle action while any
-		// replica relays a data connection to the target.
+		// replica relays a data connection to the target. A relay of this
+		// one that ended after the reading was asked for may have carried
+		// a use the reading predates (a process started, then the relay
+		// closed): the reading is stale.
 		return ErrRelayOpen
 	}
 	if to == "" {

@@ -371,23 +371,34 @@ func TestIdleActionsOnIncus(t *testing.T) {
 	// A dial is in progress: nothing happens.
 	tk, _ := svc.relays.Enter(name, time.Now())
 	since := time.UnixMilli(time.Now().Add(-1500 * time.Millisecond).UnixMilli())
-	if err := svc.IdlePowerDown(ctx, seen, controller.PowerPaused, since); !errors.Is(err, ErrRelayOpen) {
+	if err := svc.IdlePowerDown(ctx, seen, controller.PowerPaused, since, time.Time{}); !errors.Is(err, ErrRelayOpen) {
 		t.Fatalf("IdlePowerDown under a relay: want ErrRelayOpen, got %v", err)
 	}
 	if svc.relays.Open(name) != 1 || h.instance(name).Status != incus.InstanceRunning {
 		t.Fatal("the idle loop must neither close relays nor power down under one")
 	}
+	asked := time.Now()
 	tk.Leave()
+
+	// The dial ended after the reading the power-down rests on was asked
+	// for: it may have carried a use that reading predates. Nothing happens.
+	if err := svc.IdlePowerDown(ctx, seen, controller.PowerPaused, since, asked); !errors.Is(err, ErrRelayOpen) {
+		t.Fatalf("IdlePowerDown on a reading a relay overtook: want ErrRelayOpen, got %v", err)
+	}
+	if h.instance(name).Status != incus.InstanceRunning {
+		t.Fatal("powered down on a reading a relay overtook")
+	}
 
 	// What the loop saw is not what is there: nothing happens.
 	stale := seen
 	stale.Power = controller.PowerPaused
-	if err := svc.IdlePowerDown(ctx, stale, controller.PowerStopped, since); !errors.Is(err, ErrStale) {
+	if err := svc.IdlePowerDown(ctx, stale, controller.PowerStopped, since, time.Now()); !errors.Is(err, ErrStale) {
 		t.Fatalf("IdlePowerDown on a stale view: want ErrStale, got %v", err)
 	}
 
-	// Pause, recording the instant idleness began.
-	if err := svc.IdlePowerDown(ctx, seen, controller.PowerPaused, since); err != nil {
+	// Pause on a reading asked for after the dial ended, recording the
+	// instant idleness began.
+	if err := svc.IdlePowerDown(ctx, seen, controller.PowerPaused, since, time.Now()); err != nil {
 		t.Fatal(err)
 	}
 	paused := idleTargetOfName(t, svc, name)
@@ -397,11 +408,11 @@ func TestIdleActionsOnIncus(t *testing.T) {
 	// The loop's stale view of the paused target (another idle-since).
 	other := paused
 	other.IdleSince = since.Add(time.Second)
-	if err := svc.IdlePowerDown(ctx, other, controller.PowerStopped, other.IdleSince); !errors.Is(err, ErrStale) {
+	if err := svc.IdlePowerDown(ctx, other, controller.PowerStopped, other.IdleSince, time.Time{}); !errors.Is(err, ErrStale) {
 		t.Fatalf("IdlePowerDown with another idle-since: want ErrStale, got %v", err)
 	}
 	// Escalate: stop keeps the recorded instant.
-	if err := svc.IdlePowerDown(ctx, paused, controller.PowerStopped, since); err != nil {
+	if err := svc.IdlePowerDown(ctx, paused, controller.PowerStopped, since, time.Time{}); err != nil {
 		t.Fatal(err)
 	}
 	stopped := idleTargetOfName(t, svc, name)
@@ -409,7 +420,7 @@ func TestIdleActionsOnIncus(t *testing.T) {
 		t.Fatalf("after the stop: %+v", stopped)
 	}
 	// Close through the close path: closing, then gone.
-	if err := svc.IdleClose(ctx, stopped); err != nil {
+	if err := svc.IdleClose(ctx, stopped, time.Time{}); err != nil {
 		t.Fatal(err)
 	}
 	until(t, "closed", func() (controller.Observation, error) { return svc.GetTarget(ctx, ref) },
@@ -417,7 +428,7 @@ func TestIdleActionsOnIncus(t *testing.T) {
 	if obs, err := svc.CloseTarget(ctx, ref); err != nil || obs.Phase != controller.PhaseClosed {
 		t.Fatalf("close after an idle close: %+v %v", obs, err)
 	}
-	if err := svc.IdleClose(ctx, stopped); !errors.Is(err, ErrStale) {
+	if err := svc.IdleClose(ctx, stopped, time.Time{}); !errors.Is(err, ErrStale) {
 		t.Fatalf("IdleClose of a target that is gone: want ErrStale, got %v", err)
 	}
 }
