@@ -60,6 +60,8 @@ var checks = []check{
 		checkDataRoute},
 	{"route-wake", `§Data routes: "A dial of a powered-down target's data route wakes the target." … "The provider may hold the dial for at most 5 seconds" … "Every 503 carries Retry-After in whole seconds, from 1 to 60."`,
 		checkRouteWake},
+	{"idle-obligations", `§Provider obligations: "3. decides idleness from the daemon's env/getIdle, so running processes, jobs, and leftover process groups keep the target awake; 4. never powers a target down while it relays a data connection to it"; §Idle policy: "The provider runs the clock."`,
+		checkIdleObligations},
 	{"bounded-calls", `§Bounded calls: "Every method answers within a bounded time, a few seconds. Slow work … continues in the background, and the runtime follows it with target/get."`,
 		checkBoundedCalls},
 	{"error-answers", `§Errors: "An error is a JSON-RPC error object. Its code is fixed by its kind, and its data carries the kind and its typed fields." … "A message is at most 4096 bytes."`,

@@ -37,6 +37,13 @@ type Config struct {
 	// PollInterval is the pause between two observations while waiting
 	// (default 500 ms).
 	PollInterval time.Duration
+	// IdleAfter is the threshold of the idle policy the idle-obligations
+	// check gives its target (default 2 s).
+	IdleAfter time.Duration
+	// IdleGrace is how long past that threshold the provider may take to
+	// apply it: the idle-obligations check watches windows of IdleAfter
+	// plus IdleGrace (default 30 s).
+	IdleGrace time.Duration
 	// UnixRequestPath is the HTTP request path sent over a unix:// socket,
 	// whose URL names only the socket (default "/control").
 	UnixRequestPath string
@@ -58,6 +65,8 @@ const (
 	DefaultAnswerBound     = 10 * time.Second
 	DefaultSettleTimeout   = 60 * time.Second
 	DefaultPollInterval    = 500 * time.Millisecond
+	DefaultIdleAfter       = 2 * time.Second
+	DefaultIdleGrace       = 30 * time.Second
 	DefaultUnixRequestPath = "/control"
 )
 
@@ -82,6 +91,12 @@ func (c Config) normalized() (Config, error) {
 	}
 	if c.PollInterval <= 0 {
 		c.PollInterval = DefaultPollInterval
+	}
+	if c.IdleAfter <= 0 {
+		c.IdleAfter = DefaultIdleAfter
+	}
+	if c.IdleGrace <= 0 {
+		c.IdleGrace = DefaultIdleGrace
 	}
 	if c.UnixRequestPath == "" {
 		c.UnixRequestPath = DefaultUnixRequestPath

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"slices"
 	"strings"
 	"time"
 
@@ -200,13 +199,7 @@ func checkRouteWake(ctx context.Context, r *checkRun) {
 		r.skipf("the controller does not advertise power: no target can be powered down to be woken")
 	}
 	tmpl := r.template(ctx)
-	var down controller.Power
-	for _, p := range []controller.Power{controller.PowerPaused, controller.PowerStopped, controller.PowerSuspended} {
-		if slices.Contains(tmpl.powerStates, p) {
-			down = p
-			break
-		}
-	}
+	down := powerDown(tmpl.powerStates)
 	if down == "" {
 		r.skipf("the template %s offers no power-down (powerStates %v)", tmpl.id, tmpl.powerStates)
 	}

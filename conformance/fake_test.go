@@ -19,6 +19,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
@@ -69,6 +70,13 @@ const (
 	// ingressless serves no ingress: no flaw, and the controller does not
 	// advertise it.
 	ingressless
+	// idleIgnoresRelays powers an idle target down with a relay open.
+	idleIgnoresRelays
+	// idleIgnoresProcesses counts idleness from the last use alone, as if
+	// running processes did not hold the daemon's idle clock at zero.
+	idleIgnoresProcesses
+	// idleNever applies no idle policy.
+	idleNever
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -97,6 +105,12 @@ type fakeTarget struct {
 	routed  string // its ingress endpoint while routed
 	seen    int
 	refused bool // unavailableOnce, createUnavailableOnce: it was answered unavailable once
+
+	// The stand-in daemon's idle clock, and the relays open to it.
+	idle      *idlepolicy.Policy
+	lastUse   time.Time
+	busyUntil time.Time // a process started with sleep runs until then
+	relays    int
 }
 
 func newFake(f flaw) *fakeBackend {
@@ -177,7 +191,75 @@ func (f *fakeBackend) CreateTarget(_ context.Context, p controller.CreateParams)
 	if tmpl.Deprecated && f.flaw != deprecatedCreates {
 		return controller.Observation{}, jsonrpc.WithReason(jsonrpc.KindFailedPrecondition, "templateDeprecated", "The template %q is deprecated.", p.TemplateID)
 	}
-	return f.observe(f.create(p.Owner, tmpl), p.Owner), nil
+	t := f.create(p.Owner, tmpl)
+	t.idle, t.lastUse = p.Idle, time.Now()
+	return f.observe(t, p.Owner), nil
+}
+
+// idleFor is the stand-in daemon's env/getIdle: zero while a process
+// runs, else the time since the last use or the last process's end.
+func (t *fakeTarget) idleFor(now time.Time) time.Duration {
+	if now.Before(t.busyUntil) {
+		return 0
+	}
+	return now.Sub(later(t.lastUse, t.busyUntil))
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+// runIdle is the fake's idle loop: every few milliseconds, an active
+// running target whose policy's power-down is due, and which relays no
+// connection, is powered down (f.flaw bends the rule).
+func (f *fakeBackend) runIdle(ctx context.Context) {
+	if f.flaw == idleNever {
+		return
+	}
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-tick.C:
+			f.mu.Lock()
+			for _, t := range f.byID {
+				if t.idle == nil || t.phase != controller.PhaseActive || (t.power != "" && t.power != controller.PowerRunning) {
+					continue
+				}
+				if t.relays > 0 && f.flaw != idleIgnoresRelays {
+					continue
+				}
+				idle := t.idleFor(now)
+				if f.flaw == idleIgnoresProcesses {
+					idle = now.Sub(t.lastUse)
+				}
+				if p, due := dueDown(*t.idle, t.states, idle); due {
+					t.power, t.moving = p, ""
+				}
+			}
+			f.mu.Unlock()
+		}
+	}
+}
+
+// dueDown is the power-down policy asks of a target idle for that long,
+// among the states it offers.
+func dueDown(policy idlepolicy.Policy, states []controller.Power, idle time.Duration) (controller.Power, bool) {
+	ms := uint64(idle.Milliseconds())
+	for _, s := range []struct {
+		after *uint64
+		power controller.Power
+	}{{policy.StopAfterMs, controller.PowerStopped}, {policy.SuspendAfterMs, controller.PowerSuspended}, {policy.PauseAfterMs, controller.PowerPaused}} {
+		if s.after != nil && ms >= *s.after && slices.Contains(states, s.power) {
+			return s.power, true
+		}
+	}
+	return "", false
 }
 
 // resolve finds the target a reference names; nil when there is none.
@@ -352,6 +434,12 @@ func serve(t *testing.T, b controller.Backend, opts controller.Options) string {
 	mux := http.NewServeMux()
 	mux.Handle("/", controller.NewHandler(ctx, opts))
 	if f, ok := b.(*fakeBackend); ok {
+		idled := make(chan struct{})
+		go func() {
+			defer close(idled)
+			f.runIdle(ctx)
+		}()
+		t.Cleanup(func() { cancel(); <-idled })
 		mux.Handle("/routes/", &fakeRoutes{b: f, flaw: f.route, credential: opts.Credential})
 		mux.Handle("/unrouted/", http.NotFoundHandler())
 	}

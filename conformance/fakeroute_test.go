@@ -2,9 +2,12 @@ package conformance_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/gorilla/websocket"
 
@@ -93,8 +96,15 @@ func (h *fakeRoutes) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		t.power, t.moving = controller.PowerRunning, ""
+		t.lastUse = time.Now() // a daemon started anew
 	}
+	t.relays++
 	f.mu.Unlock()
+	defer func() {
+		f.mu.Lock()
+		t.relays--
+		f.mu.Unlock()
+	}()
 	up := websocket.Upgrader{}
 	ws, err := up.Upgrade(w, r, nil)
 	if err != nil {
@@ -110,12 +120,44 @@ func (h *fakeRoutes) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		var req struct {
-			ID json.RawMessage `json:"id"`
+			ID     json.RawMessage `json:"id"`
+			Method string          `json:"method"`
+			Params struct {
+				Argv []string `json:"argv"`
+			} `json:"params"`
 		}
 		_ = json.Unmarshal(data, &req)
-		answer := `{"jsonrpc":"2.0","id":` + string(req.ID) + `,"result":{"protocolVersion":5,"plane":"data"}}`
-		if ws.WriteMessage(websocket.TextMessage, []byte(answer)) != nil {
+		if ws.WriteMessage(websocket.TextMessage, []byte(`{"jsonrpc":"2.0","id":`+string(req.ID)+`,`+h.daemon(t, req.Method, req.Params.Argv)+`}`)) != nil {
 			return
 		}
+	}
+}
+
+// daemon is the stand-in daemon's answer to a request, as its result or
+// error member: initialize, env/getIdle, and process/start of sleep, which
+// holds its idle clock at zero while it "runs"; anything else is a use.
+func (h *fakeRoutes) daemon(t *fakeTarget, method string, argv []string) string {
+	f := h.b
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	now := time.Now()
+	switch method {
+	case "initialize":
+		return `"result":{"protocolVersion":5,"plane":"data","capabilities":{"process":{}}}`
+	case "env/getIdle":
+		return fmt.Sprintf(`"result":{"idleForMs":%d}`, t.idleFor(now).Milliseconds())
+	case "process/start":
+		secs := 0
+		if len(argv) == 2 && argv[0] == "sleep" {
+			secs, _ = strconv.Atoi(argv[1])
+		}
+		if secs <= 0 {
+			return `"error":{"code":-32602,"message":"Only sleep N runs here.","data":{"kind":"invalidParams","field":"argv"}}`
+		}
+		t.lastUse, t.busyUntil = now, now.Add(time.Duration(secs)*time.Second)
+		return `"result":{"pid":1}`
+	default:
+		t.lastUse = now
+		return `"result":{}`
 	}
 }

@@ -28,6 +28,12 @@ type check struct {
 	run  func(ctx context.Context, r *checkRun)
 }
 
+// alongside names the checks that mostly wait on the provider's clock:
+// each starts with the run and is joined at its place in the list, so its
+// waiting overlaps the checks before it. They must not disturb the others:
+// each uses owners of its own, as every check does.
+var alongside = map[string]bool{"idle-obligations": true}
+
 // CheckRule is the contract's section and sentence a check enforces;
 // empty for a name that is no check.
 func CheckRule(name string) string {
@@ -48,8 +54,9 @@ func CheckNames() []string {
 	return names
 }
 
-// Run runs the suite's checks against cfg.URL, one after another, and
-// returns one Result per check. An invalid configuration yields a single
+// Run runs the suite's checks against cfg.URL, one after another (those
+// that run alongside beside them), and returns one Result per check, in
+// the list's order. An invalid configuration yields a single
 // failed Result named "config".
 func Run(ctx context.Context, cfg Config) []Result {
 	s, err := newSuite(cfg)
@@ -57,10 +64,29 @@ func Run(ctx context.Context, cfg Config) []Result {
 		return []Result{{Name: "config", Detail: err.Error()}}
 	}
 	var out []Result
+	early := s.startAlongside(ctx)
 	for _, c := range s.selected() {
+		if res, ok := early[c.name]; ok {
+			out = append(out, <-res)
+			continue
+		}
 		out = append(out, s.run(ctx, c))
 	}
 	return out
+}
+
+// startAlongside starts the selected checks that run alongside the others;
+// each sends its one result, which the caller must receive.
+func (s *suite) startAlongside(ctx context.Context) map[string]chan Result {
+	early := map[string]chan Result{}
+	for _, c := range s.selected() {
+		if alongside[c.name] {
+			res := make(chan Result, 1)
+			early[c.name] = res
+			go func() { res <- s.run(ctx, c) }()
+		}
+	}
+	return early
 }
 
 // RunT runs the suite's checks as subtests of t, each named after its
@@ -71,9 +97,15 @@ func RunT(t *testing.T, cfg Config) {
 	if err != nil {
 		t.Fatalf("conformance: %v", err)
 	}
+	early := s.startAlongside(t.Context())
 	for _, c := range s.selected() {
 		t.Run(c.name, func(t *testing.T) {
-			res := s.run(t.Context(), c)
+			var res Result
+			if ch, ok := early[c.name]; ok {
+				res = <-ch
+			} else {
+				res = s.run(t.Context(), c)
+			}
 			switch {
 			case res.Skipped:
 				t.Skip(res.Detail)

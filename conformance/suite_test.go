@@ -17,7 +17,10 @@ func fast(url string) conformance.Config {
 	// Timeout is a bound, not an expectation: a 16 MiB message through a
 	// strict decoder under -race beside a loaded machine's other lanes
 	// took over 10 s (response-limit, beside stress-ng).
-	return conformance.Config{URL: url, Timeout: 2 * time.Minute, SettleTimeout: 5 * time.Second, PollInterval: 10 * time.Millisecond}
+	// The fake's idle loop acts within milliseconds; a second of grace
+	// keeps a wrong one's power-down well inside the windows.
+	return conformance.Config{URL: url, Timeout: 2 * time.Minute, SettleTimeout: 5 * time.Second, PollInterval: 10 * time.Millisecond,
+		IdleAfter: 100 * time.Millisecond, IdleGrace: time.Second}
 }
 
 // Every check passes against a correct controller but two that have
@@ -133,6 +136,9 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 		{"a setPower never carried out", powerNeverMoves, "set-power", "target/setPower stopped: target/get still observes"},
 		{"a closing target moved", powerMovesClosing, "set-power", "of a target whose close answered closing: answered a result"},
 		{"another owner's setPower", ignoreOwners, "set-power", "target/setPower by another owner naming this target's id: want a failedPrecondition error"},
+		{"powered down with a relay open", idleIgnoresRelays, "idle-obligations", `power "stopped" while its data route relayed a connection (obligation 4`},
+		{"powered down while a process runs", idleIgnoresProcesses, "idle-obligations", `power "stopped" after its relay closed, while a process it started ran (obligation 3`},
+		{"no idle policy applied", idleNever, "idle-obligations", "the provider does not apply the idle policy"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

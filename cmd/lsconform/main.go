@@ -102,6 +102,8 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		answer         durationFlag
 		settle         durationFlag
 		poll           durationFlag
+		idleAfter      durationFlag
+		idleGrace      durationFlag
 	)
 	for _, d := range []struct {
 		f        *durationFlag
@@ -114,6 +116,8 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		{&answer, "answer-bound", "LSCONFORM_ANSWER_BOUND", conformance.DefaultAnswerBound, "the longest answer taken as the contract's \"a few seconds\" (bounded-calls, set-power)"},
 		{&settle, "settle-timeout", "LSCONFORM_SETTLE_TIMEOUT", conformance.DefaultSettleTimeout, "the bound on a target becoming active, or a close reaching closed"},
 		{&poll, "poll", "LSCONFORM_POLL", conformance.DefaultPollInterval, "the pause between two observations while waiting"},
+		{&idleAfter, "idle-after", "LSCONFORM_IDLE_AFTER", conformance.DefaultIdleAfter, "the threshold of the idle policy idle-obligations gives its target"},
+		{&idleGrace, "idle-grace", "LSCONFORM_IDLE_GRACE", conformance.DefaultIdleGrace, "how long past that threshold the provider may take to apply it (idle-obligations watches windows of both together)"},
 	} {
 		*d.f = durationFlag(d.fallback)
 		if v := getenv(d.variable); v != "" {
@@ -149,6 +153,8 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (conform
 		AnswerBound:     time.Duration(answer),
 		SettleTimeout:   time.Duration(settle),
 		PollInterval:    time.Duration(poll),
+		IdleAfter:       time.Duration(idleAfter),
+		IdleGrace:       time.Duration(idleGrace),
 	}
 	if *checks != "" {
 		for _, c := range strings.Split(*checks, ",") {

@@ -74,13 +74,14 @@ func TestFlagsAndEnvironment(t *testing.T) {
 	})
 	suite := &capture{}
 	var out bytes.Buffer
-	code := run(context.Background(), []string{"-template", "small", "-universe", "u-flag", "-checks", "handshake, pure-get", "-settle-timeout", "90s", "-answer-bound", "4s"}, env, &out, &out, suite.run)
+	code := run(context.Background(), []string{"-template", "small", "-universe", "u-flag", "-checks", "handshake, pure-get", "-settle-timeout", "90s", "-answer-bound", "4s", "-idle-grace", "12s"}, env, &out, &out, suite.run)
 	if code != exitPassed {
 		t.Fatalf("exit %d: %s", code, out.String())
 	}
 	want := conformance.Config{
 		URL: "ws://127.0.0.1:9/control", Credential: "from-the-file", TemplateID: "small", UniverseID: "u-flag",
 		Timeout: 3 * time.Second, AnswerBound: 4 * time.Second, SettleTimeout: 90 * time.Second, PollInterval: conformance.DefaultPollInterval,
+		IdleAfter: conformance.DefaultIdleAfter, IdleGrace: 12 * time.Second,
 		UnixRequestPath: conformance.DefaultUnixRequestPath, RouteBase: "ws://127.0.0.1:9/data", Checks: []string{"handshake", "pure-get"},
 	}
 	if !reflect.DeepEqual(suite.cfg, want) {

@@ -1,0 +1,234 @@
+package conformance
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/gorilla/websocket"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/idlepolicy"
+)
+
+// checkIdleObligations: a target created with an idle policy whose only
+// threshold is a short power-down is watched from outside through three
+// windows, each as long as the threshold and the provider's grace:
+//
+//  1. its data route relays a connection that makes no use of it (only
+//     env/getIdle, which is no use): the target is never powered down,
+//     though the daemon reports it idle past the threshold (obligation 4);
+//  2. that connection has closed, and a process it started still runs:
+//     the target is never powered down (obligation 3);
+//  3. the process has ended: the target is powered down within the
+//     window, which shows the provider runs the clock at all, and so that
+//     the first two windows were a test of something.
+//
+// When the daemon does not advertise process, window 2 is left out and
+// says so. The windows are long by nature; the check runs beside the
+// checks before it (check.alongside).
+func checkIdleObligations(ctx context.Context, r *checkRun) {
+	r.needRoutes()
+	c, init := r.mustOpen(ctx)
+	defer c.close()
+	if !init.Capabilities.Power {
+		r.skipf("the controller does not advertise power: no power state can be observed")
+	}
+	tmpl := r.template(ctx)
+	down := powerDown(tmpl.powerStates)
+	if down == "" {
+		r.skipf("the template %s offers no power-down (powerStates %v): its idle policy can only close", tmpl.id, tmpl.powerStates)
+	}
+	after, grace := r.s.cfg.IdleAfter, r.s.cfg.IdleGrace
+	window := after + grace
+	policy := policyAfter(down, after)
+	owner := r.owner("idle")
+	first := r.mustTarget(ctx, c, "target/create with an idle policy", controller.MethodTargetCreate,
+		controller.CreateParams{Owner: owner, TemplateID: tmpl.id, Idle: &policy}, owner)
+	active := r.waitActive(ctx, c, controller.TargetRef{Owner: owner}, first.TargetID)
+	ref := controller.TargetRef{Owner: owner, TargetID: active.TargetID}
+	if active.Power != controller.PowerRunning {
+		r.fatalf("the new target is active but %s; want it running", active.Power)
+	}
+
+	// Window 1: a relay open, no use.
+	ws, _ := r.upgradeRoute(ctx, r.s.routeURL(owner, active.TargetID), true)
+	defer func() { _ = ws.Close() }()
+	d := dataConn{ws: ws, timeout: r.s.cfg.Timeout}
+	var dataInit struct {
+		Capabilities map[string]json.RawMessage `json:"capabilities"`
+	}
+	if err := d.call("initialize", map[string]any{"protocolVersion": 5, "clientInfo": clientInfo}, &dataInit); err != nil {
+		r.fatalf("the data plane's initialize on the target's route: %v", err)
+	}
+	maxIdle := uint64(0)
+	readIdle := func() {
+		var idle struct {
+			IdleForMs uint64 `json:"idleForMs"`
+		}
+		if err := d.call("env/getIdle", struct{}{}, &idle); err != nil {
+			r.fatalf("env/getIdle over the relay, in window 1 (a relay open): %v", err)
+		}
+		maxIdle = max(maxIdle, idle.IdleForMs)
+	}
+	readIdle()
+	until := time.Now().Add(window)
+	nextIdle := time.Now().Add(time.Second)
+	r.stayRunning(ctx, c, ref, until, down, "while its data route relayed a connection (obligation 4: never powered down while the provider relays a data connection to it)", func() {
+		if time.Now().After(nextIdle) {
+			readIdle()
+			nextIdle = time.Now().Add(time.Second)
+		}
+	})
+	readIdle()
+	if maxIdle < uint64(after.Milliseconds()) {
+		r.fatalf("the daemon behind the route reported idleForMs %d at most over %v without use, under the policy's %d ms: the window tested nothing", maxIdle, window, after.Milliseconds())
+	}
+
+	// Window 2: the relay closed, a process running.
+	runs := ""
+	ends := time.Now()
+	if _, ok := dataInit.Capabilities["process"]; ok {
+		// The process outlives the window by two seconds, in whole
+		// seconds: every sleep takes those.
+		secs := int64(math.Ceil((window + 2*time.Second).Seconds()))
+		start := map[string]any{"processId": "lsconform-idle", "argv": []string{"sleep", strconv.FormatInt(secs, 10)}}
+		if err := d.call("process/start", start, nil); err != nil {
+			r.fatalf("process/start of sleep %d over the relay: %v", secs, err)
+		}
+		ends = time.Now().Add(time.Duration(secs) * time.Second)
+		runs = fmt.Sprintf("; with the relay closed and sleep %d running, never powered down for %v", secs, window)
+	}
+	_ = ws.Close()
+	if runs != "" {
+		r.stayRunning(ctx, c, ref, time.Now().Add(window), down, "after its relay closed, while a process it started ran (obligation 3: running processes keep the target awake)", nil)
+	} else {
+		runs = "; the daemon does not advertise process, so running processes were not tried"
+	}
+
+	// Window 3: nothing runs: the policy must act.
+	deadline := ends.Add(window)
+	for {
+		obs := r.mustTarget(ctx, c, "target/get while the idle policy is due", controller.MethodTargetGet, getParams(ref), owner)
+		if obs.Phase == controller.PhaseActive && obs.Power != controller.PowerRunning {
+			r.notef("target %s with policy %s: never powered down for %v with a relay open (env/getIdle reported up to %d ms idle)%s; %s %v after the last work ended",
+				active.TargetID, policyText(policy), window, maxIdle, runs, obs.Power, time.Since(ends).Round(100*time.Millisecond))
+			return
+		}
+		if obs.Phase != controller.PhaseActive {
+			r.fatalf("the idle target went %s; its policy names only %s", obs.Phase, down)
+		}
+		if time.Now().After(deadline) {
+			r.fatalf("the target is still %s %v after its last work ended, under a policy to be %s after %v idle: the provider does not apply the idle policy (allow it more with -idle-grace if its clock is slower than %v)",
+				obs.Power, time.Since(ends).Round(100*time.Millisecond), down, after, grace)
+		}
+		if err := sleep(ctx, r.s.cfg.PollInterval); err != nil {
+			r.fatalf("%v", err)
+		}
+	}
+}
+
+// stayRunning follows target/get until the deadline and ends the check
+// when the target is anything but active and running; each is also a
+// moment for tick, when set.
+func (r *checkRun) stayRunning(ctx context.Context, c *conn, ref controller.TargetRef, until time.Time, down controller.Power, while string, tick func()) {
+	for time.Now().Before(until) {
+		obs := r.mustTarget(ctx, c, "target/get "+while, controller.MethodTargetGet, getParams(ref), ref.Owner)
+		if obs.Phase != controller.PhaseActive || obs.Power != controller.PowerRunning {
+			r.fatalf("target/get observed %s %s, under a policy to be %s when idle", summary(obs), while, down)
+		}
+		if tick != nil {
+			tick()
+		}
+		if err := sleep(ctx, r.s.cfg.PollInterval); err != nil {
+			r.fatalf("%v", err)
+		}
+	}
+}
+
+// powerDown is the least escalated power-down a template offers: the one
+// an idle policy reaches first; empty when it offers none.
+func powerDown(states []controller.Power) controller.Power {
+	for _, p := range []controller.Power{controller.PowerPaused, controller.PowerSuspended, controller.PowerStopped} {
+		if slices.Contains(states, p) {
+			return p
+		}
+	}
+	return ""
+}
+
+// policyAfter is the idle policy that powers down to p after d idle, and
+// does nothing else.
+func policyAfter(p controller.Power, d time.Duration) idlepolicy.Policy {
+	ms := uint64(max(d.Milliseconds(), 1))
+	var policy idlepolicy.Policy
+	switch p {
+	case controller.PowerPaused:
+		policy.PauseAfterMs = &ms
+	case controller.PowerSuspended:
+		policy.SuspendAfterMs = &ms
+	default:
+		policy.StopAfterMs = &ms
+	}
+	return policy
+}
+
+func policyText(p idlepolicy.Policy) string {
+	b, _ := json.Marshal(p)
+	return string(b)
+}
+
+// dataConn makes data-plane calls on a relayed connection, one at a time.
+type dataConn struct {
+	ws      *websocket.Conn
+	timeout time.Duration
+	seq     int
+}
+
+// call sends method and reads until its answer, skipping notifications;
+// an error answer is returned as an error. out may be nil.
+func (d *dataConn) call(method string, params, out any) error {
+	d.seq++
+	id := "lsconform-" + strconv.Itoa(d.seq)
+	req, err := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": id, "method": method, "params": params})
+	if err != nil {
+		return fmt.Errorf("%s: encode: %w", method, err)
+	}
+	deadline := time.Now().Add(d.timeout)
+	_ = d.ws.SetWriteDeadline(deadline)
+	if err := d.ws.WriteMessage(websocket.TextMessage, req); err != nil {
+		return fmt.Errorf("%s: send: %w", method, err)
+	}
+	_ = d.ws.SetReadDeadline(deadline)
+	for {
+		_, data, err := d.ws.ReadMessage()
+		if err != nil {
+			return fmt.Errorf("%s: no answer: %w", method, err)
+		}
+		var resp struct {
+			ID     *string          `json:"id"`
+			Result json.RawMessage  `json:"result"`
+			Error  *json.RawMessage `json:"error"`
+		}
+		if err := json.Unmarshal(data, &resp); err != nil {
+			return fmt.Errorf("%s: the answer is not JSON-RPC: %s", method, clip(string(data), 200))
+		}
+		if resp.ID == nil || *resp.ID != id {
+			continue // a notification, or not ours
+		}
+		if resp.Error != nil {
+			return fmt.Errorf("%s answered an error: %s", method, clip(string(*resp.Error), 300))
+		}
+		if out == nil {
+			return nil
+		}
+		if err := json.Unmarshal(resp.Result, out); err != nil {
+			return fmt.Errorf("%s: the result does not decode: %w (%s)", method, err, clip(string(resp.Result), 200))
+		}
+		return nil
+	}
+}
