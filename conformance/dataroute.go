@@ -192,17 +192,8 @@ func checkDataRoute(ctx context.Context, r *checkRun) {
 // Retry-After, until it upgrades and relays; target/get then observes it
 // running.
 func checkRouteWake(ctx context.Context, r *checkRun) {
-	r.needRoutes()
-	c, init := r.mustOpen(ctx)
+	c, _, down := r.openPoweringDown(ctx)
 	defer c.close()
-	if !init.Capabilities.Power {
-		r.skipf("the controller does not advertise power: no target can be powered down to be woken")
-	}
-	tmpl := r.template(ctx)
-	down := powerDown(tmpl.powerStates)
-	if down == "" {
-		r.skipf("the template %s offers no power-down (powerStates %v)", tmpl.id, tmpl.powerStates)
-	}
 	owner, active := r.createActive(ctx, c, "wake")
 	ref := controller.TargetRef{Owner: owner, TargetID: active.TargetID}
 	r.movePower(ctx, c, ref, down)

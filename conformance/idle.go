@@ -30,19 +30,10 @@ import (
 //
 // When the daemon does not advertise process, window 2 is left out and
 // says so. The windows are long by nature; the check runs beside the
-// checks before it (check.alongside).
+// checks before it (alongside).
 func checkIdleObligations(ctx context.Context, r *checkRun) {
-	r.needRoutes()
-	c, init := r.mustOpen(ctx)
+	c, tmpl, down := r.openPoweringDown(ctx)
 	defer c.close()
-	if !init.Capabilities.Power {
-		r.skipf("the controller does not advertise power: no power state can be observed")
-	}
-	tmpl := r.template(ctx)
-	down := powerDown(tmpl.powerStates)
-	if down == "" {
-		r.skipf("the template %s offers no power-down (powerStates %v): its idle policy can only close", tmpl.id, tmpl.powerStates)
-	}
 	after, grace := r.s.cfg.IdleAfter, r.s.cfg.IdleGrace
 	window := after + grace
 	policy := policyAfter(down, after)
@@ -148,6 +139,31 @@ func (r *checkRun) stayRunning(ctx context.Context, c *conn, ref controller.Targ
 			r.fatalf("%v", err)
 		}
 	}
+}
+
+// openPoweringDown is the set-up of a check of data routes and power-downs:
+// an initialized connection (the caller closes it), the template, and the
+// least escalated power-down it offers. The check is skipped without data
+// routes, without power advertised, or without a power-down to reach.
+func (r *checkRun) openPoweringDown(ctx context.Context) (*conn, templateChoice, controller.Power) {
+	r.needRoutes()
+	c, init := r.mustOpen(ctx)
+	handed := false
+	defer func() {
+		if !handed { // skipped or ended on the way
+			c.close()
+		}
+	}()
+	if !init.Capabilities.Power {
+		r.skipf("the controller does not advertise power: no target can be powered down")
+	}
+	tmpl := r.template(ctx)
+	down := powerDown(tmpl.powerStates)
+	if down == "" {
+		r.skipf("the template %s offers no power-down (powerStates %v)", tmpl.id, tmpl.powerStates)
+	}
+	handed = true
+	return c, tmpl, down
 }
 
 // powerDown is the least escalated power-down a template offers: the one
