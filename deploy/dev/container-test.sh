@@ -93,7 +93,7 @@ for _ in $(seq 1 150); do
   sleep 0.2
 done
 serving || { podman logs "$name" >&2; say "the container did not serve within 30 s"; exit 1; }
-bin/lsconform -url ws://127.0.0.1:18482/control -credential-file "$work/credential" -universe u-container -idle-grace 10s || {
+bin/lsconform -url ws://127.0.0.1:18482/control -credential-file "$work/credential" -universe u-container -idle-grace 5s || {
   podman logs "$name" 2>&1 | tail -n 50 >&2; say "lsconform failed against the container"; exit 1; }
 bin/routecheck -url ws://127.0.0.1:18482/control -credential-file "$work/credential" || {
   podman logs "$name" 2>&1 | tail -n 50 >&2; say "a data-route wake failed against the container"; exit 1; }

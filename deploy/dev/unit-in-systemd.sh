@@ -82,7 +82,7 @@ done
 pid=$(in_box systemctl show -p MainPID --value incus-provider)
 
 echo "lsconform through the unit's provider"
-in_box lsconform -url ws://127.0.0.1:8480/control -credential-file /etc/incus-provider/credential -universe u-unit -idle-grace 10s ||
+in_box lsconform -url ws://127.0.0.1:8480/control -credential-file /etc/incus-provider/credential -universe u-unit -idle-grace 5s ||
   { in_box journalctl -u incus-provider --no-pager -n 50 >&2; fail "lsconform failed against the provider under systemd"; }
 
 echo "reload"
