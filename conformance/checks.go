@@ -62,6 +62,8 @@ var checks = []check{
 		checkRouteWake},
 	{"idle-obligations", `§Provider obligations: "3. decides idleness from the daemon's env/getIdle, so running processes, jobs, and leftover process groups keep the target awake; 4. never powers a target down while it relays a data connection to it"; §Idle policy: "The provider runs the clock."`,
 		checkIdleObligations},
+	{"idle-close", `§Provider obligations: "5. reports closed, or notFound from target/get, for a target it removed on its own, such as by a lifetime limit or an idle closeAfterMs"; §Idle policy: "close always qualifies."`,
+		checkIdleClose},
 	{"bounded-calls", `§Bounded calls: "Every method answers within a bounded time, a few seconds. Slow work … continues in the background, and the runtime follows it with target/get."`,
 		checkBoundedCalls},
 	{"error-answers", `§Errors: "An error is a JSON-RPC error object. Its code is fixed by its kind, and its data carries the kind and its typed fields." … "A message is at most 4096 bytes."`,

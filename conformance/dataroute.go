@@ -70,6 +70,21 @@ func (r *checkRun) upgradeRoute(ctx context.Context, routeURL string, asRuntime 
 	}
 }
 
+// wantRouteGone requires the route of a target that no longer exists to
+// answer a typed 410 gone.
+func (r *checkRun) wantRouteGone(ctx context.Context, routeURL, whose string) {
+	got, err := RouteDialer{TLSConfig: r.s.cfg.TLSConfig}.Dial(ctx, routeURL, r.s.cfg.Credential)
+	switch {
+	case got.Conn != nil:
+		_ = got.Conn.Close()
+		r.failf("the route of %s upgraded", whose)
+	case err != nil:
+		r.failf("the route of %s: %v", whose, err)
+	case got.Refusal.Status != http.StatusGone:
+		r.failf("the route of %s answered HTTP %d (%s); want 410 gone: the target no longer exists", whose, got.Status, got.Refusal.State)
+	}
+}
+
 // rawRouteStatus dials a route with the given Authorization (none when
 // empty) and answers the HTTP status, closing whatever came.
 func (r *checkRun) rawRouteStatus(ctx context.Context, routeURL, authorization string) int {
@@ -174,16 +189,7 @@ func checkDataRoute(ctx context.Context, r *checkRun) {
 	if _, err := r.s.closeUntilClosed(ctx, c, controller.TargetRef{Owner: owner}); err != nil {
 		r.fatalf("closing the target: %s", describeErr(err))
 	}
-	got, err := d.Dial(ctx, routeURL, r.s.cfg.Credential)
-	switch {
-	case got.Conn != nil:
-		_ = got.Conn.Close()
-		r.failf("the route of a closed target upgraded")
-	case err != nil:
-		r.failf("the route of a closed target: %v", err)
-	case got.Refusal.Status != http.StatusGone:
-		r.failf("the route of a closed target answered HTTP %d (%s); want 410 gone: the target no longer exists", got.Status, got.Refusal.State)
-	}
+	r.wantRouteGone(ctx, routeURL, "a closed target")
 	r.notef("target %s relayed on %s after %d dials; pings forwarded; foreign owners refused; 410 gone once closed", active.TargetID, routeURL, dials)
 }
 

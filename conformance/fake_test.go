@@ -77,6 +77,8 @@ const (
 	idleIgnoresProcesses
 	// idleNever applies no idle policy.
 	idleNever
+	// idleCloseFails reports a target it closed for idleness as failed.
+	idleCloseFails
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -213,8 +215,9 @@ func later(a, b time.Time) time.Time {
 }
 
 // runIdle is the fake's idle loop: every few milliseconds, an active
-// running target whose policy's power-down is due, and which relays no
-// connection, is powered down (f.flaw bends the rule).
+// target that relays no connection and whose policy's close is due is
+// closed; a running one whose power-down is due is powered down (f.flaw
+// bends the rules).
 func (f *fakeBackend) runIdle(ctx context.Context) {
 	if f.flaw == idleNever {
 		return
@@ -228,7 +231,7 @@ func (f *fakeBackend) runIdle(ctx context.Context) {
 		case now := <-tick.C:
 			f.mu.Lock()
 			for _, t := range f.byID {
-				if t.idle == nil || t.phase != controller.PhaseActive || (t.power != "" && t.power != controller.PowerRunning) {
+				if t.idle == nil || t.phase != controller.PhaseActive {
 					continue
 				}
 				if t.relays > 0 && f.flaw != idleIgnoresRelays {
@@ -237,6 +240,16 @@ func (f *fakeBackend) runIdle(ctx context.Context) {
 				idle := t.idleFor(now)
 				if f.flaw == idleIgnoresProcesses {
 					idle = now.Sub(t.lastUse)
+				}
+				if c := t.idle.CloseAfterMs; c != nil && uint64(idle.Milliseconds()) >= *c {
+					t.phase, t.routed = controller.PhaseClosing, ""
+					if f.flaw == idleCloseFails {
+						t.phase = controller.PhaseFailed
+					}
+					continue
+				}
+				if t.power != "" && t.power != controller.PowerRunning {
+					continue
 				}
 				if p, due := dueDown(*t.idle, t.states, idle); due {
 					t.power, t.moving = p, ""

@@ -3,6 +3,7 @@ package conformance
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/idlepolicy"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
 // checkIdleObligations: a target created with an idle policy whose only
@@ -121,6 +123,70 @@ func checkIdleObligations(ctx context.Context, r *checkRun) {
 			r.fatalf("%v", err)
 		}
 	}
+}
+
+// checkIdleClose: a target created with an idle policy that only closes
+// it, and never used, is closed by the provider on its own, after which
+// target/get answers closed or notFound, by owner and by id, and its data
+// route 410 gone (obligation 5).
+func checkIdleClose(ctx context.Context, r *checkRun) {
+	c, _ := r.mustOpen(ctx)
+	defer c.close()
+	tmpl := r.template(ctx)
+	after := r.s.cfg.IdleAfter
+	ms := uint64(max(after.Milliseconds(), 1))
+	policy := idlepolicy.Policy{CloseAfterMs: &ms}
+	owner := r.owner("idle-close")
+	first := r.mustTarget(ctx, c, "target/create with an idle policy that closes", controller.MethodTargetCreate,
+		controller.CreateParams{Owner: owner, TemplateID: tmpl.id, Idle: &policy}, owner)
+	active := r.waitActive(ctx, c, controller.TargetRef{Owner: owner}, first.TargetID)
+	since := time.Now()
+	deadline := since.Add(after + r.s.cfg.IdleGrace + r.s.cfg.SettleTimeout)
+	byOwner := controller.TargetRef{Owner: owner}
+	byID := controller.TargetRef{Owner: owner, TargetID: active.TargetID}
+	var seen []controller.Phase
+	for _, ref := range []controller.TargetRef{byOwner, byID} {
+		for {
+			obs, err := r.s.callTarget(ctx, c, controller.MethodTargetGet, getParams(ref), owner)
+			if wait, ok := retryable(err); ok {
+				if err := sleep(ctx, max(wait, r.s.cfg.PollInterval)); err != nil {
+					r.fatalf("%v", err)
+				}
+				continue
+			}
+			var rpcErr *jsonrpc.Error
+			if errors.As(err, &rpcErr) && rpcErr.Kind == jsonrpc.KindNotFound {
+				seen = append(seen, "notFound")
+				break
+			}
+			if err != nil {
+				r.fatalf("target/get while the idle close is due: %s", describeErr(err))
+			}
+			if len(seen) == 0 || seen[len(seen)-1] != obs.Phase {
+				seen = append(seen, obs.Phase)
+			}
+			if obs.Phase == controller.PhaseClosed {
+				break
+			}
+			if obs.Phase != controller.PhaseActive && obs.Phase != controller.PhaseClosing {
+				r.fatalf("target/get observed %s after an idle close fell due (through %v); a target the provider removed on its own is closed, or notFound", summary(obs), seen)
+			}
+			if time.Now().After(deadline) {
+				r.fatalf("target/get still observes %s %v after the target fell idle, under a policy to close it after %v: the provider does not apply the idle policy (allow it more with -idle-grace)",
+					summary(obs), time.Since(since).Round(100*time.Millisecond), after)
+			}
+			if err := sleep(ctx, r.s.cfg.PollInterval); err != nil {
+				r.fatalf("%v", err)
+			}
+		}
+	}
+	route := ""
+	if r.s.cfg.RouteBase != "" {
+		r.wantRouteGone(ctx, r.s.routeURL(owner, active.TargetID), "the target closed for idleness")
+		route = "; its data route answers 410 gone"
+	}
+	r.notef("target %s with policy %s: closed by the provider %v after it became active, observed through %v by owner and by id%s",
+		active.TargetID, policyText(policy), time.Since(since).Round(100*time.Millisecond), seen, route)
 }
 
 // stayRunning follows target/get until the deadline and ends the check

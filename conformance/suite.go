@@ -32,7 +32,7 @@ type check struct {
 // each starts with the run and is joined at its place in the list, so its
 // waiting overlaps the checks before it. They must not disturb the others:
 // each uses owners of its own, as every check does.
-var alongside = map[string]bool{"idle-obligations": true}
+var alongside = map[string]bool{"idle-obligations": true, "idle-close": true}
 
 // CheckRule is the contract's section and sentence a check enforces;
 // empty for a name that is no check.

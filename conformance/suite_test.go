@@ -139,6 +139,8 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 		{"powered down with a relay open", idleIgnoresRelays, "idle-obligations", `power "stopped" while its data route relayed a connection (obligation 4`},
 		{"powered down while a process runs", idleIgnoresProcesses, "idle-obligations", `power "stopped" after its relay closed, while a process it started ran (obligation 3`},
 		{"no idle policy applied", idleNever, "idle-obligations", "the provider does not apply the idle policy"},
+		{"no idle close", idleNever, "idle-close", "the provider does not apply the idle policy"},
+		{"an idle close reported failed", idleCloseFails, "idle-close", "phase failed power \"\" after an idle close fell due"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
