@@ -32,13 +32,28 @@ func (d *Daemon) newBudget() *resultBudget {
 	return &resultBudget{left: d.resultBudget}
 }
 
+// rootWalker is what fs/searchText and fs/globFiles set up alike: the
+// root checked, its filter compiled, a result budget, and a walker that
+// counts what it skips in skipped.
+func (d *Daemon) rootWalker(ctx context.Context, root string, f WalkFilter, skipped *uint32) (*walker, *resultBudget, error) {
+	if e := checkPath("root", root); e != nil {
+		return nil, nil, e
+	}
+	filter, e := compileFilter("", f)
+	if e != nil {
+		return nil, nil, e
+	}
+	if err := walkRoot(root); err != nil {
+		return nil, nil, err
+	}
+	w := &walker{ctx: ctx, filter: filter, skip: func(string, string) { addSkip(skipped) }, paused: d.walkPaused}
+	return w, d.newBudget(), nil
+}
+
 func (d *Daemon) searchText(ctx context.Context, raw json.RawMessage) (any, error) {
 	var p SearchTextParams
 	if err := jsonrpc.DecodeParams(raw, &p); err != nil {
 		return nil, err
-	}
-	if e := checkPath("root", p.Root); e != nil {
-		return nil, e
 	}
 	if p.Pattern == "" || len(p.Pattern) > MaxPatternBytes {
 		return nil, jsonrpc.InvalidParams("pattern", "The member pattern must be a regular expression of 1 to %d bytes.", MaxPatternBytes)
@@ -51,16 +66,11 @@ func (d *Daemon) searchText(ctx context.Context, raw json.RawMessage) (any, erro
 	if err != nil {
 		return nil, jsonrpc.InvalidParams("pattern", "The member pattern is not a regular expression in Go's RE2 syntax: %v.", err)
 	}
-	filter, e := compileFilter("", p.WalkFilter)
-	if e != nil {
-		return nil, e
-	}
-	if err := walkRoot(p.Root); err != nil {
+	var res SearchTextResult
+	w, budget, err := d.rootWalker(ctx, p.Root, p.WalkFilter, &res.SkippedCount)
+	if err != nil {
 		return nil, err
 	}
-	budget := d.newBudget()
-	var res SearchTextResult
-	w := &walker{ctx: ctx, filter: filter, skip: func(string, string) { addSkip(&res.SkippedCount) }, paused: d.walkPaused}
 	w.visit = func(e walkEntry) bool {
 		if !e.info.Mode().IsRegular() {
 			return false // symlinks are not followed; FIFOs and devices are not text
@@ -118,19 +128,11 @@ func (d *Daemon) globFiles(ctx context.Context, raw json.RawMessage) (any, error
 	if err := jsonrpc.DecodeParams(raw, &p); err != nil {
 		return nil, err
 	}
-	if e := checkPath("root", p.Root); e != nil {
-		return nil, e
-	}
-	filter, e := compileFilter("", p.WalkFilter)
-	if e != nil {
-		return nil, e
-	}
-	if err := walkRoot(p.Root); err != nil {
+	var res GlobFilesResult
+	w, budget, err := d.rootWalker(ctx, p.Root, p.WalkFilter, &res.SkippedCount)
+	if err != nil {
 		return nil, err
 	}
-	budget := d.newBudget()
-	var res GlobFilesResult
-	w := &walker{ctx: ctx, filter: filter, skip: func(string, string) { addSkip(&res.SkippedCount) }, paused: d.walkPaused}
 	w.visit = func(e walkEntry) bool {
 		if e.info.IsDir() {
 			return false
