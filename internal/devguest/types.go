@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 
 	"github.com/lightspeed-dev/incus-provider/internal/buildinfo"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
 // ProtocolVersion is the data-plane version this daemon speaks.
@@ -373,12 +374,12 @@ const (
 // result budget ran out during or before this root. Guessed names: entries,
 // skipped, skippedCount, version, truncated, error.
 type ScanRootResult struct {
-	Entries      []ScanEntry    `json:"entries,omitempty"`
-	Skipped      []SkippedEntry `json:"skipped,omitempty"`
-	SkippedCount uint32         `json:"skippedCount,omitempty"`
-	Version      string         `json:"version,omitempty"`
-	Truncated    bool           `json:"truncated,omitempty"`
-	Error        *ErrorObject   `json:"error,omitempty"`
+	Entries      []ScanEntry          `json:"entries,omitempty"`
+	Skipped      []SkippedEntry       `json:"skipped,omitempty"`
+	SkippedCount uint32               `json:"skippedCount,omitempty"`
+	Version      string               `json:"version,omitempty"`
+	Truncated    bool                 `json:"truncated,omitempty"`
+	Error        *jsonrpc.ErrorObject `json:"error,omitempty"`
 }
 
 // ScanEntry is one entry of a scan root: a TreePath relative to the root,
@@ -397,29 +398,6 @@ type ScanEntry struct {
 type SkippedEntry struct {
 	Path   string `json:"path"`
 	Reason string `json:"reason"`
-}
-
-// ErrorObject is the protocol's error object where a result reports a
-// per-entry failure (an fs/scan root): the same code, message and data a
-// failed request answers with.
-type ErrorObject struct {
-	Code    int       `json:"code"`
-	Message string    `json:"message"`
-	Data    ErrorData `json:"data"`
-}
-
-// ErrorData is an error object's data: the kind and its typed fields.
-type ErrorData struct {
-	Kind         string  `json:"kind"`
-	Field        string  `json:"field,omitempty"`
-	Ceiling      *uint64 `json:"ceiling,omitempty"`
-	Reason       string  `json:"reason,omitempty"`
-	Expected     *uint64 `json:"expected,omitempty"`
-	Received     *uint64 `json:"received,omitempty"`
-	Capability   string  `json:"capability,omitempty"`
-	RetryAfterMs *uint64 `json:"retryAfterMs,omitempty"`
-	LimitBytes   *uint64 `json:"limitBytes,omitempty"`
-	LimitEntries *uint64 `json:"limitEntries,omitempty"`
 }
 
 // Stdin modes of process/start (this package's reading of `stdin`).

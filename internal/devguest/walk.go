@@ -282,17 +282,13 @@ func skipReason(err error) string {
 }
 
 // errorObject renders err as the protocol's error object inside a result.
-func errorObject(err error) *ErrorObject {
+func errorObject(err error) *jsonrpc.ErrorObject {
 	var e *jsonrpc.Error
 	if !errors.As(err, &e) {
 		e = jsonrpc.Errorf(jsonrpc.KindInternal, "The daemon failed: %v.", err)
 	}
-	raw, merr := json.Marshal(e)
-	var obj ErrorObject
-	if merr == nil && json.Unmarshal(raw, &obj) == nil {
-		return &obj
-	}
-	return &ErrorObject{Code: jsonrpc.KindInternal.Code(), Message: e.Message, Data: ErrorData{Kind: string(jsonrpc.KindInternal)}}
+	obj := e.Object()
+	return &obj
 }
 
 // walkRoot checks that root is a directory a walk can start from (a

@@ -135,7 +135,8 @@ func FromFieldError(err error) *Error {
 	return InvalidParams("", "The params do not decode: %v.", err)
 }
 
-type errorData struct {
+// ErrorData is an error object's data: the kind and its typed fields.
+type ErrorData struct {
 	Kind         Kind    `json:"kind"`
 	Field        string  `json:"field,omitempty"`
 	Ceiling      *uint64 `json:"ceiling,omitempty"`
@@ -148,18 +149,24 @@ type errorData struct {
 	LimitEntries *uint64 `json:"limitEntries,omitempty"`
 }
 
-type errorObject struct {
+// ErrorObject is the protocol's error object as it goes on the wire, also
+// where a result carries one for a part that failed (a daemon's fs/scan
+// root).
+type ErrorObject struct {
 	Code    int       `json:"code"`
 	Message string    `json:"message"`
-	Data    errorData `json:"data"`
+	Data    ErrorData `json:"data"`
 }
 
 // MarshalJSON renders the JSON-RPC error object.
 func (e *Error) MarshalJSON() ([]byte, error) {
-	return json.Marshal(e.object())
+	return json.Marshal(e.Object())
 }
 
-func (e *Error) object() errorObject {
+// Object is e as the error object a peer reads: a kind the protocol does
+// not define goes out as internal, and the message is made valid UTF-8 and
+// cut to the limit.
+func (e *Error) Object() ErrorObject {
 	// Invalid UTF-8 would be re-encoded as U+FFFD (three bytes per bad byte)
 	// and could push the message the peer reads past the limit.
 	msg := strings.ToValidUTF8(e.Message, "\uFFFD")
@@ -169,15 +176,15 @@ func (e *Error) object() errorObject {
 		if msg == "" {
 			msg = string(KindInternal)
 		}
-		return errorObject{Code: KindInternal.Code(), Message: cut(msg, MaxMessageLen), Data: errorData{Kind: KindInternal}}
+		return ErrorObject{Code: KindInternal.Code(), Message: cut(msg, MaxMessageLen), Data: ErrorData{Kind: KindInternal}}
 	}
 	if msg == "" {
 		msg = string(e.Kind)
 	}
-	return errorObject{
+	return ErrorObject{
 		Code:    e.Kind.Code(),
 		Message: cut(msg, MaxMessageLen),
-		Data: errorData{
+		Data: ErrorData{
 			Kind: e.Kind, Field: e.Field, Ceiling: e.Ceiling, Reason: e.Reason,
 			Expected: e.Expected, Received: e.Received, Capability: e.Capability,
 			RetryAfterMs: e.RetryAfterMs, LimitBytes: e.LimitBytes, LimitEntries: e.LimitEntries,
@@ -187,7 +194,7 @@ func (e *Error) object() errorObject {
 
 // UnmarshalJSON reads an error object strictly; the kind decides, the code is checked against it.
 func (e *Error) UnmarshalJSON(data []byte) error {
-	var obj errorObject
+	var obj ErrorObject
 	if err := wire.Decode(data, &obj); err != nil {
 		return err
 	}

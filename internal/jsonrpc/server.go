@@ -571,7 +571,7 @@ func (c *conn) reply(method string, id json.RawMessage, result any, rpcErr *Erro
 	}
 	var kind Kind
 	if resp.Error != nil {
-		kind = resp.Error.object().Data.Kind
+		kind = resp.Error.Object().Data.Kind
 	}
 	if err != nil {
 		c.defect(method, fmt.Errorf("encode response: %w", err))
