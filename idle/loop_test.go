@@ -382,7 +382,8 @@ func TestLoopNeverPowersDownATargetWithAnOpenRelay(t *testing.T) {
 
 // A relay that ended while a probe ran may have carried a use the answer
 // predates (a process started, then the relay closed): the loop acts on no
-// such reading, and asks again at once rather than after RelayRecheck.
+// such reading, and asks again a timer gap later rather than after
+// RelayRecheck.
 func TestLoopActsOnNoReadingARelayOvertook(t *testing.T) {
 	h := newHarness(t)
 	d := h.fleet.Add("overtaken")

@@ -198,9 +198,11 @@ func (l *Loop) onProbe(r probeResult) {
 		asked := r.at.Add(-r.took)
 		if l.inv.RelayEndedSince(e.t.Name, asked) {
 			// A relay that ended while the probe ran may have carried a use
-			// (a process started) the answer predates: ask again, now.
+			// (a process started) the answer predates: ask again, a timer
+			// gap later, not at once: short requests that keep ending
+			// during probes (public ingress) must not make a hot loop.
 			l.m.acted(a, ResultRelayOpen)
-			l.scheduleIn(e, 0)
+			l.scheduleIn(e, l.gap)
 			return
 		}
 		l.startAct(e, a, truncMs(r.at.Add(-msDuration(idleMs))), asked)
