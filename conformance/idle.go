@@ -27,8 +27,9 @@ import (
 //  2. that connection has closed, and a process it started still runs:
 //     the target is never powered down (obligation 3);
 //  3. the process has ended: the target is powered down within the
-//     window, which shows the provider runs the clock at all, and so that
-//     the first two windows were a test of something.
+//     window (and the settle timeout for the move), which shows the
+//     provider runs the clock at all, and so that the first two windows
+//     were a test of something.
 //
 // When the daemon does not advertise process, window 2 is left out and
 // says so. The windows are long by nature; the check runs beside the
@@ -103,8 +104,10 @@ func checkIdleObligations(ctx context.Context, r *checkRun) {
 		runs = "; the daemon does not advertise process, so running processes were not tried"
 	}
 
-	// Window 3: nothing runs: the policy must act.
-	deadline := ends.Add(window)
+	// Window 3: nothing runs: the policy must act. The grace is for the
+	// provider to decide; the move itself may take up to the settle
+	// timeout, as any power move the suite follows.
+	deadline := ends.Add(window + r.s.cfg.SettleTimeout)
 	for {
 		obs := r.mustTarget(ctx, c, "target/get while the idle policy is due", controller.MethodTargetGet, getParams(ref), owner)
 		if obs.Phase == controller.PhaseActive && obs.Power != controller.PowerRunning {
