@@ -767,6 +767,41 @@ func TestFakeAPowerDownOutranksAWakeInFlight(t *testing.T) {
 	}
 }
 
+// A setPower stopped answered "already there" (the stopped it asks is
+// recorded and marked carried out, and no Incus task showed) is kept as
+// this process's newest request. A dead process's start that its look at
+// Incus's tasks missed lands afterwards (beside stress-ng, the start ended
+// between setPower's read of the instance and that look): the record now
+// reads as woken since, so the kept request must be written when looked
+// at again, not taken for recorded already, and the target stopped.
+func TestFakeAnAlreadyThereStopOutranksAStartItMissed(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{GracefulStop: time.Second, ReconcileInterval: time.Hour})
+	o := fakeOwner("env-missed-start")
+	name := r.seedTarget(o, incus.InstanceStopped, controller.PowerStopped)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	obs, err := r.svc.SetPower(ctx, controller.TargetRef{Owner: o, TargetID: name}, controller.PowerStopped)
+	if err != nil || obs.Power != controller.PowerStopped {
+		t.Fatalf("setPower stopped of a stopped target: %+v, %v", obs, err)
+	}
+	if w := r.fake.Writes(); len(w) != 0 {
+		t.Fatalf("answered with %d writes; the staging wants \"already there\", none", len(w))
+	}
+	// The dead process's start, landing only now.
+	op, err := r.client.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.client.Wait(ctx, op); err != nil {
+		t.Fatalf("the staged start: %v", err)
+	}
+	r.awaitFake("stopped again, with the request recorded", 10*time.Second, func() bool {
+		v, ok := r.fake.Instance(fakeProject, name)
+		return ok && v.Status == incus.InstanceStopped && v.HeldBy == "" && v.Config[keyPower] == string(controller.PowerStopped) &&
+			intentOf(&incus.Instance{Config: v.Config}).At.After(time.Now().Add(-time.Minute))
+	})
+}
+
 // A create answered provisioning, then the provider restarted with the
 // template deprecated: the owner's create asked again must observe its
 // target, not meet the creation policy, although Incus has not recorded

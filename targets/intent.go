@@ -130,16 +130,19 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 			}
 			return inst, false, ErrSuperseded
 		}
-		if _, kept := s.pending.get(name); st.Recorded.Power == in.Power && st.Recorded.By == in.By && extra.empty() && !kept {
+		if _, kept := s.pending.get(name); st.Recorded.Power == in.Power && st.Recorded.By == in.By && st.Intent.Power == st.Recorded.Power && extra.empty() && !kept {
 			// Already recorded. Not so while an older request is kept in
 			// memory: its flush may be writing it now, and only a write of
-			// this newer one (ETag-guarded) is sure to outrank it.
+			// this newer one (ETag-guarded) is sure to outrank it. Nor
+			// when the record reads as woken since (a carried-out
+			// power-down the instance no longer shows, State.Intent): it
+			// stands for nothing now, and this request must be written.
 			return inst, false, nil
 		}
 		set := extra
 		set.keys |= fIntent
 		set.to.Intent = in
-		if in.Power != controller.PowerRunning && st.Phase == controller.PhaseActive && st.Resting && st.Power == in.Power {
+		if in.Power != controller.PowerRunning && st.Phase == controller.PhaseActive && st.Resting && st.Power == in.Power && s.noTaskOn(ctx, name) {
 			// Nothing to carry out: the power-down is done as it is
 			// recorded (see powerDone).
 			set.keys |= fPowerDone
@@ -182,6 +185,18 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 	}
 }
 
+// noTaskOn says no Incus task is on the instance, so that a power-down
+// it shows at rest may be marked carried out. Incus shows a stopped
+// instance Stopped until a start sent to it ends, and takes a config write
+// while that start is queued (met beside stress-ng): a mark written then
+// makes the start, once it lands, read as a use since the power-down
+// (State.Intent), and the power-down is lost. A failed listing counts as
+// a task: an unmarked power-down is only slower to wake.
+func (s *Service) noTaskOn(ctx context.Context, name string) bool {
+	op, err := s.operationOn(ctx, name)
+	return err == nil && op == nil
+}
+
 // powerDone records that Incus carried out the power-down in (the
 // request on name when the action began), unless another request was
 // recorded since: a wake that then finds the target powered down may
@@ -199,9 +214,9 @@ func (s *Service) powerDone(ctx context.Context, name string, in Intent) {
 		if r.Intent != in || r.PowerDone.Equal(in.At) {
 			return
 		}
-		if st := stateOf(inst, &r); st.Phase != controller.PhaseActive || !st.Resting || st.Power != in.Power {
-			// Not shown at rest in that power (yet): a reconcile pass
-			// marks it once it is (unmarkedDown).
+		if st := stateOf(inst, &r); st.Phase != controller.PhaseActive || !st.Resting || st.Power != in.Power || !s.noTaskOn(ctx, name) {
+			// Not shown at rest in that power (yet), or an Incus task
+			// may still move it: a reconcile pass marks it once it rests.
 			return
 		}
 		err = s.incus.PatchInstanceConfigIf(ctx, name, change{keys: fPowerDone, to: record{PowerDone: in.At}}.config(), etag)
