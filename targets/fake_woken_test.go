@@ -8,6 +8,8 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/incusfake"
+	"github.com/lightspeed-dev/incus-provider/relays"
 )
 
 // A power-down Incus carried out is recorded as such on the instance
@@ -135,4 +137,67 @@ func TestFakeAWakeOfAMarkedPowerDownIsRelayableBeforeItsRecord(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Marking a power-down carried out lists Incus's tasks, which on a
+// cluster asks every member; one slow to answer held a replica's dials
+// past their 5 s hold (a member had just restarted). The mark is no part
+// of the power-down: once the target is frozen, a dial is admitted and
+// its wake takes the turn, while the listing still hangs. Without that,
+// the dial waits for the hang (here for good: it is released only at the
+// end).
+func TestFakeAWakeDoesNotWaitForAMark(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{GracefulStop: time.Second, ReconcileInterval: 100 * time.Millisecond, NoCache: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	o := fakeOwner("env-mark-hangs")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	hang := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodGet, Path: "/1.0/operations"})
+	defer hang.Release()
+	if _, err := r.svc.SetPower(ctx, controller.TargetRef{Owner: o, TargetID: name}, controller.PowerPaused); err != nil {
+		t.Fatalf("setPower paused: %v", err)
+	}
+	r.awaitFake("frozen", 10*time.Second, func() bool { return r.instance(name).Status == incus.InstanceFrozen })
+	select {
+	case <-hang.Hit():
+	case <-ctx.Done():
+		t.Fatal("the mark never listed Incus's tasks")
+	}
+
+	// The dial is admitted while the mark's listing hangs.
+	var tk *relays.Ticket
+	for deadline := time.Now().Add(5 * time.Second); tk == nil; {
+		var quiet <-chan struct{}
+		if tk, quiet = r.svc.relays.Enter(name, time.Now()); tk != nil {
+			break
+		}
+		select {
+		case <-quiet:
+		case <-time.After(time.Until(deadline)):
+			t.Fatal("the power-down's guard still holds dials off while its mark waits on Incus")
+		}
+	}
+	defer tk.Leave()
+	// Its wake takes the turn from the mark, acts and records running.
+	rt, err := r.svc.ResolveRoute(ctx, o, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, wcancel := context.WithTimeout(ctx, 5*time.Second)
+	defer wcancel()
+	if _, err := r.svc.Wake(wctx, rt, time.Now(), nil); err != nil {
+		t.Fatalf("the wake waited for the mark's listing: %v", err)
+	}
+	v := r.instance(name)
+	if v.Status != incus.InstanceRunning || v.Config[keyPower] != string(controller.PowerRunning) {
+		t.Fatalf("after the wake: %s, power %q", v.Status, v.Config[keyPower])
+	}
+	if hang.Hits() == 0 {
+		t.Fatal("the listing was never held")
+	}
+	hang.Release()
+	r.awaitFake("left running", 5*time.Second, func() bool {
+		v := r.instance(name)
+		return restsAt(v, incus.InstanceRunning, controller.PowerRunning)
+	})
 }

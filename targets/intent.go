@@ -192,9 +192,15 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 // makes the start, once it lands, read as a use since the power-down
 // (State.Intent), and the power-down is lost. A failed listing counts as
 // a task: an unmarked power-down is only slower to wake.
+//
+// The caller holds the instance's turn, and the listing yields it to a
+// wake (owners.yielding): on a cluster it asks every member, and one slow
+// to answer would hold the wake, and its dials, for as long.
 func (s *Service) noTaskOn(ctx context.Context, name string) bool {
-	op, err := s.operationOn(ctx, name)
-	return err == nil && op == nil
+	yctx, done := s.own.yielding(ctx, name)
+	defer done()
+	op, err := s.operationOn(yctx, name)
+	return err == nil && op == nil && yctx.Err() == nil
 }
 
 // powerDone records that Incus carried out the power-down in (the
@@ -203,10 +209,14 @@ func (s *Service) noTaskOn(ctx context.Context, name string) bool {
 // relay its use before its own record lands, since a crash in between
 // leaves Incus showing the use (State.Intent). The caller holds the
 // instance's turn. A failure is no failure of the power-down: wakes then
-// wait for their record, as they did before there was a mark.
+// wait for their record, as they did before there was a mark. So the mark
+// gives way to a wake that asks for the turn: its reads end, and nothing
+// is written.
 func (s *Service) powerDone(ctx context.Context, name string, in Intent) {
+	yctx, done := s.own.yielding(ctx, name)
+	defer done()
 	for attempt := 0; attempt < 3; attempt++ {
-		inst, etag, err := s.incus.GetInstance(ctx, name)
+		inst, etag, err := s.incus.GetInstance(yctx, name)
 		if err != nil || inst == nil {
 			return
 		}
@@ -214,20 +224,23 @@ func (s *Service) powerDone(ctx context.Context, name string, in Intent) {
 		if r.Intent != in || r.PowerDone.Equal(in.At) {
 			return
 		}
-		if st := stateOf(inst, &r); st.Phase != controller.PhaseActive || !st.Resting || st.Power != in.Power || !s.noTaskOn(ctx, name) {
+		if st := stateOf(inst, &r); st.Phase != controller.PhaseActive || !st.Resting || st.Power != in.Power || !s.noTaskOn(yctx, name) {
 			// Not shown at rest in that power (yet), or an Incus task
-			// may still move it: a reconcile pass marks it once it rests.
+			// may still move it, or a wake asked for the turn: a
+			// reconcile pass marks it once it rests.
 			return
 		}
-		err = s.incus.PatchInstanceConfigIf(ctx, name, change{keys: fPowerDone, to: record{PowerDone: in.At}}.config(), etag)
+		// A write cut short by a wake may still land: a mark under a
+		// target the wake then runs reads as that use (State.Intent).
+		err = s.incus.PatchInstanceConfigIf(yctx, name, change{keys: fPowerDone, to: record{PowerDone: in.At}}.config(), etag)
 		s.listingChanged()
 		if retry := errors.Is(err, incus.ErrPreconditionFailed) || errors.Is(err, incus.ErrBusy); !retry {
-			if err != nil && ctx.Err() == nil {
+			if err != nil && yctx.Err() == nil {
 				s.log.Debug("recording a power-down as carried out failed", zap.String("instance", name), zap.Error(err))
 			}
 			return
 		}
-		if !clock.Sleep(ctx, 20*time.Millisecond) {
+		if !clock.Sleep(yctx, 20*time.Millisecond) {
 			return
 		}
 	}

@@ -50,6 +50,9 @@ func (k *ownedKey) idleLocked() bool {
 type slot struct {
 	held    bool
 	waiting []*slotWait
+	// yield ends the holder's optional work (see owners.yielding) when an
+	// urgent waiter comes; nil: the holder's work is not optional.
+	yield context.CancelFunc
 }
 
 type slotWait struct {
@@ -97,6 +100,40 @@ func (o *owners) take(ctx context.Context, name string, urgent bool) (release fu
 	return o.acquire(ctx, name, func(k *ownedKey) *slot { return &k.turn }, urgent)
 }
 
+// yielding is ctx for work the holder of name's turn may skip (marking a
+// power-down carried out, which lists every Incus task: on a cluster with
+// a member slow to answer, seconds): it ends as soon as an urgent waiter
+// (a wake) asks for the turn, or at once when one already waits, so that
+// no dial waits on work nobody needs. The caller holds the turn; done
+// ends the section, which must end before the hold does. A section within
+// another is given the outer one's context, or one made from it.
+func (o *owners) yielding(ctx context.Context, name string) (yctx context.Context, done func()) {
+	yctx, cancel := context.WithCancel(ctx)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	k := o.keys[name]
+	if k == nil || !k.turn.held {
+		return yctx, cancel // not held: nothing to yield to
+	}
+	if len(k.turn.waiting) > 0 && k.turn.waiting[0].urgent {
+		cancel()
+		return yctx, cancel
+	}
+	if k.turn.yield != nil {
+		// Within an outer section, whose end ctx carries.
+		return yctx, cancel
+	}
+	k.turn.yield = cancel
+	return yctx, func() {
+		o.mu.Lock()
+		if k := o.keys[name]; k != nil && k.turn.held {
+			k.turn.yield = nil
+		}
+		o.mu.Unlock()
+		cancel()
+	}
+}
+
 // request takes name's request slot within ctx.
 func (o *owners) request(ctx context.Context, name string) (release func(), err error) {
 	release, _, err = o.acquire(ctx, name, func(k *ownedKey) *slot { return &k.request }, false)
@@ -115,6 +152,9 @@ func (o *owners) acquire(ctx context.Context, name string, which func(*ownedKey)
 	w := &slotWait{handed: make(chan struct{}), urgent: urgent}
 	at := len(sl.waiting)
 	if urgent {
+		if sl.yield != nil {
+			sl.yield()
+		}
 		at = 0
 		for at < len(sl.waiting) && sl.waiting[at].urgent {
 			at++
@@ -153,6 +193,7 @@ func (o *owners) releaser(name string, which func(*ownedKey) *slot) func() {
 			o.mu.Lock()
 			defer o.mu.Unlock()
 			sl := which(o.keys[name])
+			sl.yield = nil // the holder's optional work ends with its hold
 			if len(sl.waiting) > 0 {
 				w := sl.waiting[0]
 				sl.waiting[0] = nil

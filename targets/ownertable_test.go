@@ -500,3 +500,85 @@ func TestOwnerEntryLivesWhileAnyPartIsUsed(t *testing.T) {
 		t.Fatalf("after a step that did not fail: %d failures, %d entries", f.n, entries())
 	}
 }
+
+// Optional work under the turn (owners.yielding) ends when a wake asks
+// for the turn, and only then: a plain waiter lets it finish; a section
+// opened while a wake already waits ends at once; a section within
+// another ends with it; and the holder's release forgets the section.
+func TestYieldingEndsForAnUrgentWaiterOnly(t *testing.T) {
+	w := newOwner(func(context.Context, string) next { return settled })
+	defer w.stop()
+	ctx := context.Background()
+	take := func(urgent bool) (func(), chan struct{}) {
+		got := make(chan struct{})
+		var release func()
+		go func() {
+			var err error
+			release, _, err = w.take(ctx, "n", urgent)
+			if err != nil {
+				t.Error(err)
+			}
+			close(got)
+		}()
+		return func() { <-got; release() }, got
+	}
+	waiting := func(n int) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+			w.mu.Lock()
+			k := w.keys["n"]
+			have := k != nil && len(k.turn.waiting) == n
+			w.mu.Unlock()
+			if have {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("never %d waiting for the turn", n)
+			}
+		}
+	}
+
+	release, _, err := w.take(ctx, "n", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	outer, doneOuter := w.yielding(ctx, "n")
+	inner, doneInner := w.yielding(outer, "n")
+	plain, plainGot := take(false)
+	waiting(1)
+	if outer.Err() != nil || inner.Err() != nil {
+		t.Fatal("a plain waiter ended the holder's optional work")
+	}
+	wake, wakeGot := take(true)
+	waiting(2)
+	if outer.Err() == nil || inner.Err() == nil {
+		t.Fatalf("a wake's wait left the optional work going: outer %v, inner %v", outer.Err(), inner.Err())
+	}
+	doneInner()
+	late, doneLate := w.yielding(ctx, "n")
+	if late.Err() == nil {
+		t.Fatal("a section opened while a wake waits did not end at once")
+	}
+	doneLate()
+	doneOuter()
+	release()
+	select {
+	case <-wakeGot:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the wake never got the turn")
+	}
+	select {
+	case <-plainGot:
+		t.Fatal("the plain waiter went before the wake")
+	default:
+	}
+	// The wake holds the turn now: a section of its own is not ended by
+	// the plain waiter behind it.
+	mine, doneMine := w.yielding(ctx, "n")
+	if mine.Err() != nil {
+		t.Fatal("the new holder's section ended with no wake waiting")
+	}
+	doneMine()
+	wake()
+	plain()
+}

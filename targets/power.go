@@ -641,10 +641,26 @@ func (s *Service) powerDown(ctx context.Context, inst *incus.Instance, st State)
 		s.progress.waiting(name, to, 0)
 		release = r
 	}
-	defer release()
 	// The check and the action hold the turn together, so that no wake of
 	// this process comes between them.
-	return s.owned(ctx, name, func(ctx context.Context) error { return s.powerDownHeld(ctx, name, st) })
+	var mark bool
+	err := s.owned(ctx, name, func(ctx context.Context) error {
+		var err error
+		mark, err = s.powerDownHeld(ctx, name, st)
+		return err
+	})
+	// Dials go on once the action is done, not after the mark: it is no
+	// part of the power-down, and on a cluster its listing of Incus's tasks
+	// can take seconds (found by two replicas' dials after a member
+	// restarted: the other replica's dials all waited out their 5 s hold).
+	release()
+	if mark {
+		_ = s.owned(ctx, name, func(ctx context.Context) error {
+			s.powerDone(ctx, name, st.Intent)
+			return nil
+		})
+	}
+	return err
 }
 
 // stillWanted reads, under the instance's turn, whether st's request is
@@ -664,20 +680,21 @@ func (s *Service) stillWanted(ctx context.Context, name string, st State) (bool,
 }
 
 // powerDownHeld is powerDown's action, once its guard holds the dials off,
-// under the instance's turn.
-func (s *Service) powerDownHeld(ctx context.Context, name string, st State) error {
+// under the instance's turn. mark says the target rests in the power
+// asked, to be marked carried out (powerDone).
+func (s *Service) powerDownHeld(ctx context.Context, name string, st State) (mark bool, err error) {
 	to := st.Intent.Power
 	// The request may have been replaced while the connections closed.
 	cur, err := s.lookup(ctx, name)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if cur == nil {
-		return nil
+		return false, nil
 	}
 	now := StateOf(cur)
 	if now.Intent != st.Intent || now.Phase != controller.PhaseActive || !now.Resting {
-		return nil // the next step reads the newer state
+		return false, nil // the next step reads the newer state
 	}
 	if n := foreignLeases(recordOf(cur.Config, fRelays).Relays, s.cfg.Replica, s.now()); n > 0 {
 		// Another replica relays to the target. The idle loop's power-down
@@ -686,21 +703,20 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 		if st.Intent.By == ByIdle {
 			_, _, err := s.want(ctx, name, Intent{Power: controller.PowerRunning, At: s.now(), By: ByUse}, change{}, nil)
 			if err != nil && !errors.Is(err, ErrSuperseded) {
-				return err
+				return false, err
 			}
-			return nil
+			return false, nil
 		}
 		s.progress.waitingElsewhere(name, to, n)
-		return errStillOpen{n}
+		return false, errStillOpen{n}
 	}
 	if now.Power == to {
-		s.powerDone(ctx, name, st.Intent)
-		return nil
+		return true, nil
 	}
 	// From one powered-down state to another, through running: a stopped
 	// instance cannot be frozen, a frozen one cannot shut itself down.
 	if _, err := s.toRunning(ctx, cur); err != nil {
-		return err
+		return false, err
 	}
 	if to != controller.PowerPaused {
 		s.dialer.Forget(name) // a freeze keeps the init process
@@ -713,12 +729,9 @@ func (s *Service) powerDownHeld(ctx context.Context, name string, st State) erro
 	case controller.PowerStopped:
 		err = s.stop(ctx, name, s.cfg.GracefulStop, false)
 	default:
-		return errors.New("targets: power down to " + string(to))
+		return false, errors.New("targets: power down to " + string(to))
 	}
-	if err == nil {
-		s.powerDone(ctx, name, st.Intent)
-	}
-	return err
+	return err == nil, err
 }
 
 // powerStates are the states the target's template offers. A target whose
