@@ -14,6 +14,7 @@ import (
 	"github.com/gorilla/websocket"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/lightspeed-dev/incus-provider/conformance"
@@ -104,6 +105,10 @@ type rigOptions struct {
 	// dialer, when set, is the guest dialer's kind on a single host,
 	// whatever INCUS_PROVIDER_TEST_DIALER says.
 	dialer string
+	// cacheCorrection, when set, is the observation cache's correcting
+	// list period: a long one shows that what a test observes does not
+	// wait for it.
+	cacheCorrection time.Duration
 }
 
 func (o rigOptions) memberOr(def string) string {
@@ -162,8 +167,9 @@ func newRig(t *testing.T, o rigOptions) *rig {
 		replica = o.after.replica
 	}
 	p, err := provider.New(ctx, provider.Config{Incus: pc, Catalog: catalog, Dialer: dialer,
-		Credential: bearer.New(credential), Log: zaptest.NewLogger(t), Metrics: reg,
-		GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, Replica: replica, IngressBase: &base})
+		Credential: bearer.New(credential), Log: zaptest.NewLogger(t).With(zap.String("replica", replica)), Metrics: reg,
+		GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, Replica: replica, IngressBase: &base,
+		CacheCorrection: o.cacheCorrection})
 	if err != nil {
 		cancel()
 		_ = edgeLn.Close()

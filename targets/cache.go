@@ -166,6 +166,9 @@ const (
 	reconnectMax       = 30 * time.Second
 	cacheCallTimeout   = 10 * time.Second
 	opBound            = 10 * time.Minute
+	// memberWatch is how often a cache on a cluster reads its members'
+	// states (one small call): see watchMembers.
+	memberWatch = 5 * time.Second
 )
 
 func newObsCache(client *incus.Client, log *zap.Logger, m *CacheMetrics, refresh time.Duration, changed func(string)) *obsCache {
@@ -570,6 +573,13 @@ func (c *obsCache) session(ctx context.Context) (confirmed bool) {
 		}
 	}()
 
+	membersDone := make(chan struct{})
+	go func() { defer close(membersDone); c.watchMembers(sctx) }()
+	defer func() {
+		cancel()
+		<-membersDone
+	}()
+
 	ended := make(chan error, 1)
 	go func() { ended <- c.follow(stream) }()
 	// retry lists again soon after a list that left the cache unconfirmed
@@ -598,6 +608,59 @@ func (c *obsCache) session(ctx context.Context) (confirmed bool) {
 		retry.Reset(pause)
 		pause = min(pause*2, reconnectMax)
 	}
+}
+
+// watchMembers lists the cache again whenever a cluster member's state
+// changes. A member whose daemon died sends no event, and Incus shows its
+// instances in status Error only once it marks the member offline (about
+// 20 s later): without a list then, the cache answered their last state
+// until the next correcting list, up to CacheCorrection later (met at 55
+// s of a 60 s bound). A member back online is listed again the same way.
+// On a single host it returns at once.
+func (c *obsCache) watchMembers(ctx context.Context) {
+	t := time.NewTicker(memberWatch)
+	defer t.Stop()
+	clustered, known := false, false
+	last := ""
+	for {
+		cctx, cancel := context.WithTimeout(ctx, cacheCallTimeout)
+		if !known {
+			if srv, err := c.client.GetServer(cctx); err == nil {
+				clustered, known = srv.Environment.ServerClustered, true
+			}
+		}
+		if known && !clustered {
+			cancel()
+			return
+		}
+		if known {
+			if members, err := c.client.ListClusterMembers(cctx); err == nil {
+				now := memberStates(members)
+				if last != "" && now != last {
+					c.log.Info("observation cache: a cluster member changed state; listing again",
+						zap.String("members", now), zap.String("before", last))
+					c.askRelist()
+				}
+				last = now
+			}
+		}
+		cancel()
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// memberStates is the members' states in one comparable line.
+func memberStates(members []incus.ClusterMember) string {
+	states := make([]string, 0, len(members))
+	for _, m := range members {
+		states = append(states, m.ServerName+"="+m.Status)
+	}
+	slices.Sort(states)
+	return strings.Join(states, " ")
 }
 
 func (c *obsCache) relistLogged(ctx context.Context, confirm bool) bool {
