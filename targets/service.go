@@ -611,6 +611,15 @@ func (s *Service) awaitRecord(ctx context.Context, name string, op *incus.Operat
 				return true, nil
 			}
 			if cur.StatusCode >= incus.StatusFailure {
+				if other, oerr := s.operationOn(ctx, name); oerr == nil && other != nil {
+					// Another create of the owner's name (another
+					// replica's, sent a moment apart) holds it, and
+					// Incus refused this one: routine, and that one
+					// decides.
+					s.log.Info("a create lost the owner's name to another create under way", zap.String("instance", name),
+						zap.String("task", other.ID), zap.String("incus", cur.Err))
+					return false, jsonrpc.Unavailable(retryAfter, "Incus is still working on an earlier request for this target; retry shortly.")
+				}
 				s.log.Error("instance create failed", zap.String("instance", name), zap.String("incus", cur.Err))
 				return false, jsonrpc.Unavailable(retryAfter, "Incus could not create the instance; the provider's log has the details. Retry shortly.")
 			}
