@@ -721,6 +721,20 @@ func TestFakeAlreadyThereOutranksAStoredRequest(t *testing.T) {
 	}
 }
 
+// startInFlight seeds env's target stopped, its stop marked carried out,
+// and sends it a dead process's wake: a start, not waited for, with
+// nothing recorded.
+func (r *fakeRig) startInFlight(ctx context.Context, env string) (controller.Owner, string, *incus.Operation) {
+	r.t.Helper()
+	o := fakeOwner(env)
+	name := r.seedTarget(o, incus.InstanceStopped, controller.PowerStopped)
+	op, err := r.client.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return o, name, op
+}
+
 // A setPower that finds its target stopped as recorded while a start sent
 // before it (a dead process's wake) is still under way in Incus must
 // outrank that start: the kill matrix with a warm pool found one answered
@@ -730,15 +744,9 @@ func TestFakeAPowerDownOutranksAWakeInFlight(t *testing.T) {
 	fcfg := fakeDurations(seeded(t))
 	fcfg.Durations.Start = 700 * time.Millisecond
 	r := newFakeRig(t, fcfg, Config{GracefulStop: time.Second, ReconcileInterval: time.Hour})
-	o := fakeOwner("env-wake-in-flight")
-	name := r.seedTarget(o, incus.InstanceStopped, controller.PowerStopped)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	// The dead process's wake: sent, not waited for, nothing recorded.
-	op, err := r.client.UpdateInstanceState(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart})
-	if err != nil {
-		t.Fatal(err)
-	}
+	o, name, op := r.startInFlight(ctx, "env-wake-in-flight")
 	if cur, err := r.client.GetOperation(ctx, op.ID); err != nil || cur.Final() {
 		t.Fatalf("the start ended before setPower was asked (%v): the test staged nothing", err)
 	}
@@ -795,6 +803,44 @@ func TestFakeAnAlreadyThereStopOutranksAStartItMissed(t *testing.T) {
 	if _, err := r.client.Wait(ctx, op); err != nil {
 		t.Fatalf("the staged start: %v", err)
 	}
+	r.awaitFake("stopped again, with the request recorded", 10*time.Second, func() bool {
+		v, ok := r.fake.Instance(fakeProject, name)
+		return ok && v.Status == incus.InstanceStopped && v.HeldBy == "" && v.Config[keyPower] == string(controller.PowerStopped) &&
+			intentOf(&incus.Instance{Config: v.Config}).At.After(time.Now().Add(-time.Minute))
+	})
+}
+
+// A stop recorded anew over a dead process's start still in flight is not
+// marked carried out on a read older than the start's end. Incus rewrites
+// the instance's volatile keys as the start begins (its ETag changes) and
+// shows it Stopped until the start ends: a read then, a start that ends
+// before the tasks are listed, and a mark written on that read passes its
+// ETag check and makes the start read as a use since the stop. A clean
+// fresh-clone run met it on the real Incus
+// (TestAPowerDownOutranksAWakeInFlight). Here the second listing of
+// Incus's tasks (the mark's; the first is setPower's look for a wake in
+// flight) is held until the start has ended.
+func TestFakeAStopIsNotMarkedOnAReadOlderThanAStartsEnd(t *testing.T) {
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Start = 600 * time.Millisecond
+	r := newFakeRig(t, fcfg, Config{GracefulStop: time.Second, ReconcileInterval: time.Hour, NoCache: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	o, name, op := r.startInFlight(ctx, "env-start-ends-between")
+	late := r.fake.Inject(incusfake.Fault{Kind: incusfake.Latency, Method: http.MethodGet, Path: "/1.0/operations",
+		Skip: 1, Times: 1, Latency: 1200 * time.Millisecond})
+	defer late.Remove()
+	obs, err := r.svc.SetPower(ctx, controller.TargetRef{Owner: o, TargetID: name}, controller.PowerStopped)
+	if err != nil {
+		t.Fatalf("setPower stopped: %v", err)
+	}
+	if late.Hits() == 0 {
+		t.Fatalf("setPower listed Incus's tasks fewer than twice (answered %+v): the test staged nothing", obs)
+	}
+	if _, err := r.client.Wait(ctx, op); err != nil {
+		t.Fatalf("the staged start: %v", err)
+	}
+	t.Logf("answered %s %q while the start ran", obs.Power, obs.Message)
 	r.awaitFake("stopped again, with the request recorded", 10*time.Second, func() bool {
 		v, ok := r.fake.Instance(fakeProject, name)
 		return ok && v.Status == incus.InstanceStopped && v.HeldBy == "" && v.Config[keyPower] == string(controller.PowerStopped) &&

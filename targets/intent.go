@@ -142,7 +142,7 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 		set := extra
 		set.keys |= fIntent
 		set.to.Intent = in
-		if in.Power != controller.PowerRunning && st.Phase == controller.PhaseActive && st.Resting && st.Power == in.Power && s.noTaskOn(ctx, name) {
+		if in.Power != controller.PowerRunning && st.Phase == controller.PhaseActive && st.Resting && st.Power == in.Power && s.restsUntouched(ctx, name, in.Power, etag) {
 			// Nothing to carry out: the power-down is done as it is
 			// recorded (see powerDone).
 			set.keys |= fPowerDone
@@ -186,7 +186,8 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 }
 
 // noTaskOn says no Incus task is on the instance, so that a power-down
-// it shows at rest may be marked carried out. Incus shows a stopped
+// a read made after it shows at rest may be marked carried out
+// (restsUntouched, powerDone). Incus shows a stopped
 // instance Stopped until a start sent to it ends, and takes a config write
 // while that start is queued (met beside stress-ng): a mark written then
 // makes the start, once it lands, read as a use since the power-down
@@ -203,6 +204,31 @@ func (s *Service) noTaskOn(ctx context.Context, name string) bool {
 	return err == nil && op == nil && yctx.Err() == nil
 }
 
+// restsUntouched says no Incus task is on the instance and, read after
+// that listing, it still rests in power at etag (the caller's read): only
+// then may a power-down be marked carried out on that read. The order
+// matters: Incus rewrites an instance's volatile keys (its ETag) as a
+// start begins and shows it Stopped until the start ends (measured: the
+// new ETag 160 ms before Running), so a read made before the listing may
+// show Stopped at the ETag the start leaves, and a start that ended
+// between the two is in neither; a mark written on that read passes its
+// ETag check and makes the start read as a use since the power-down (a
+// clean fresh-clone run met it: an accepted stopped lost). Yields as
+// noTaskOn does.
+func (s *Service) restsUntouched(ctx context.Context, name string, power controller.Power, etag string) bool {
+	yctx, done := s.own.yielding(ctx, name)
+	defer done()
+	if !s.noTaskOn(yctx, name) {
+		return false
+	}
+	inst, now, err := s.incus.GetInstance(yctx, name)
+	if err != nil || inst == nil || now != etag || yctx.Err() != nil {
+		return false
+	}
+	st := StateOf(inst)
+	return st.Phase == controller.PhaseActive && st.Resting && st.Power == power
+}
+
 // powerDone records that Incus carried out the power-down in (the
 // request on name when the action began), unless another request was
 // recorded since: a wake that then finds the target powered down may
@@ -216,6 +242,13 @@ func (s *Service) powerDone(ctx context.Context, name string, in Intent) {
 	yctx, done := s.own.yielding(ctx, name)
 	defer done()
 	for attempt := 0; attempt < 3; attempt++ {
+		// Tasks first, then the read the mark is written on (see
+		// restsUntouched for why not the other way round).
+		if !s.noTaskOn(yctx, name) {
+			// An Incus task may still move it, or a wake asked for the
+			// turn: a reconcile pass marks it once it rests.
+			return
+		}
 		inst, etag, err := s.incus.GetInstance(yctx, name)
 		if err != nil || inst == nil {
 			return
@@ -224,11 +257,8 @@ func (s *Service) powerDone(ctx context.Context, name string, in Intent) {
 		if r.Intent != in || r.PowerDone.Equal(in.At) {
 			return
 		}
-		if st := stateOf(inst, &r); st.Phase != controller.PhaseActive || !st.Resting || st.Power != in.Power || !s.noTaskOn(yctx, name) {
-			// Not shown at rest in that power (yet), or an Incus task
-			// may still move it, or a wake asked for the turn: a
-			// reconcile pass marks it once it rests.
-			return
+		if st := stateOf(inst, &r); st.Phase != controller.PhaseActive || !st.Resting || st.Power != in.Power {
+			return // not shown at rest in that power (yet)
 		}
 		// A write cut short by a wake may still land: a mark under a
 		// target the wake then runs reads as that use (State.Intent).
