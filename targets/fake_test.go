@@ -177,22 +177,6 @@ func TestFakeOwnWritesNeverMeetBusy(t *testing.T) {
 	}
 }
 
-// powerDownUnderWay seeds o's target running and asks setPower to for it,
-// answered on the returned channel, once Incus holds the instance for the
-// action held ("stop", "freeze").
-func (r *fakeRig) powerDownUnderWay(ctx context.Context, o controller.Owner, to controller.Power, held string) (string, controller.TargetRef, <-chan error) {
-	r.t.Helper()
-	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
-	ref := controller.TargetRef{Owner: o, TargetID: name}
-	setDone := make(chan error, 1)
-	go func() {
-		_, err := r.svc.SetPower(ctx, ref, to)
-		setDone <- err
-	}()
-	r.awaitFake("the "+held+" under way", 5*time.Second, func() bool { return r.instance(name).HeldBy == held })
-	return name, ref, setDone
-}
-
 // A dial that finds its target in the middle of a graceful stop (a
 // setPower stopped that the reconciler carries out). Wake records running
 // under the instance's turn, which the stop's action holds until Incus is
@@ -205,9 +189,20 @@ func TestFakeDialDuringGracefulStop(t *testing.T) {
 	fcfg := fakeDurations(seeded(t))
 	fcfg.Durations.Stop = stopTakes
 	r := newFakeRig(t, fcfg, Config{GracefulStop: 5 * time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-graceful")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	name, _, setDone := r.powerDownUnderWay(ctx, fakeOwner("env-graceful"), controller.PowerStopped, "stop")
+	setDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.SetPower(ctx, ref, controller.PowerStopped)
+		setDone <- err
+	}()
+	r.awaitFake("the graceful stop under way", 5*time.Second, func() bool {
+		return r.instance(name).HeldBy == "stop"
+	})
 
 	// The dial's own bound, as a data route gives its wake: longer than
 	// what is left of the stop.
@@ -351,9 +346,18 @@ func TestFakeDialAfterAPowerDownWins(t *testing.T) {
 	fcfg := fakeDurations(seeded(t))
 	fcfg.Durations.Freeze = freezeTakes
 	r := newFakeRig(t, fcfg, Config{GracefulStop: time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-window-rev")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	name, _, setDone := r.powerDownUnderWay(ctx, fakeOwner("env-window-rev"), controller.PowerPaused, "freeze")
+
+	setDone := make(chan error, 1)
+	go func() {
+		_, err := r.svc.SetPower(ctx, ref, controller.PowerPaused)
+		setDone <- err
+	}()
+	r.awaitFake("the pause under way", 5*time.Second, func() bool { return r.instance(name).HeldBy == "freeze" })
 
 	inst, _, err := r.client.GetInstance(ctx, name)
 	if err != nil {
@@ -914,58 +918,4 @@ func TestFakeAlreadyThereOutranksAnOlderWriteLandingLater(t *testing.T) {
 		v, ok := r.fake.Instance(fakeProject, name)
 		return ok && v.Status == incus.InstanceFrozen && v.HeldBy == "" && v.Config[keyPower] == string(controller.PowerPaused)
 	})
-}
-
-// A setPower that finds the target busy (a graceful stop holds it) is
-// kept in memory and answered only once the project keeps a copy that
-// outlives the process. The kill matrix met one answered while that copy
-// was cut by the answer's bound: the next process carried out the older
-// stop, and the accepted running was lost. When the project refuses the
-// copy the request is refused, and nothing of it stays; when its write is
-// cut (it may have landed) it is refused too, yet carried out, as the
-// runtime's retry would ask.
-func TestFakeABusySetPowerIsAnsweredOnlyOnceKept(t *testing.T) {
-	for _, tc := range []struct {
-		name  string
-		fault incusfake.Fault
-		kept  bool
-	}{
-		{"refused", incusfake.Fault{Kind: incusfake.Refuse, Method: http.MethodPut, Path: "/1.0/projects/*", Status: 500}, false},
-		{"cut", incusfake.Fault{Kind: incusfake.DropResponse, Method: http.MethodPut, Path: "/1.0/projects/*"}, true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			fcfg := fakeDurations(seeded(t))
-			fcfg.Durations.Stop = 1500 * time.Millisecond
-			r := newFakeRig(t, fcfg, Config{GracefulStop: 5 * time.Second, ReconcileInterval: 100 * time.Millisecond})
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			defer cancel()
-			name, ref, setDone := r.powerDownUnderWay(ctx, fakeOwner("env-busy-"+tc.name), controller.PowerStopped, "stop")
-			fault := r.fake.Inject(tc.fault)
-			_, err := r.svc.SetPower(ctx, ref, controller.PowerRunning)
-			fault.Remove()
-			var rpcErr *jsonrpc.Error
-			if !errors.As(err, &rpcErr) || rpcErr.Kind != jsonrpc.KindUnavailable {
-				t.Fatalf("setPower running while the stop holds the target and the project takes no copy: %v; want unavailable", err)
-			}
-			if fault.Hits() == 0 {
-				t.Fatal("the project's copy was never written: the test staged nothing")
-			}
-			if err := <-setDone; err != nil {
-				t.Fatalf("setPower stopped: %v", err)
-			}
-			_, kept := r.svc.pending.get(name)
-			if tc.kept {
-				r.awaitFake("running again: the request that may have been kept is carried out", 10*time.Second, func() bool {
-					return restsAt(r.instance(name), incus.InstanceRunning, controller.PowerRunning)
-				})
-				return
-			}
-			if kept {
-				t.Fatal("a request refused as unavailable is still kept in memory")
-			}
-			r.awaitFake("stopped, as the only accepted request asked", 10*time.Second, func() bool {
-				return restsAt(r.instance(name), incus.InstanceStopped, controller.PowerStopped)
-			})
-		})
-	}
 }

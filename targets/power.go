@@ -336,9 +336,7 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 // lets the reconciler carry it out, answering within AnswerWithin with what
 // Incus then shows and, while the move goes on, a message saying what it
 // waits for. A target already there, or moving there, is observed without
-// action. A retryable error means nothing was recorded, or that Incus
-// may have taken the request without answering: it is then carried out,
-// as the runtime's retry would ask.
+// action. A retryable error means nothing was recorded.
 func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (controller.Observation, error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
@@ -414,8 +412,8 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		// An Incus operation (a graceful stop, a start) holds the
 		// instance, or Incus took the write and never answered: the
 		// request is kept, recorded as soon as Incus takes it, and the
-		// answer says the move is under way, once the project keeps a
-		// copy that outlives this process.
+		// answer says the move is under way. A retryable error from
+		// this method always means nothing was recorded.
 		//
 		// Kept only for a target that is still active: the turn may have
 		// been held by a close this request never saw (the kill matrix
@@ -432,25 +430,8 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		w := pendingWrite{intent: in, extra: extra}
 		s.pending.put(name, w)
 		if serr := s.storePending(ctx, name, w); serr != nil {
-			// Held in memory only, the request would be lost with this
-			// process: not accepted, then (the kill matrix met one
-			// answered running while the project's write was cut by the
-			// answer's bound, and the next process carried out the
-			// older stop). A store that surely failed leaves nothing: the
-			// request is dropped, as "unavailable" promises. One that may
-			// have landed (and an instance write that may have) is kept:
-			// the project may hold it, and it is carried out as though
-			// accepted; the runtime's retry asks the same.
-			mayHave := unknown != nil || writeMayHaveLanded(serr)
-			if !mayHave {
-				s.pending.dropIf(name, func(cur pendingWrite) bool { return cur.intent == in })
-			} else {
-				s.own.kick(name)
-			}
-			s.log.Info("a power request Incus could not take in time is refused as unavailable",
-				zap.String("instance", name), zap.String("to", string(power)), zap.Bool("kept", mayHave),
-				zap.NamedError("record", err), zap.NamedError("store", serr))
-			return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "Incus is busy with this target and did not take the request in time; retry shortly.")
+			s.log.Warn("storing a power request on the project failed; it is held in memory only",
+				zap.String("instance", name), zap.String("to", string(power)), zap.Error(serr))
 		}
 		s.own.kick(name)
 		if unknown != nil || ctx.Err() != nil {
