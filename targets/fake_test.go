@@ -800,14 +800,7 @@ func TestFakeAnAlreadyThereStopOutranksAStartItMissed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.client.Wait(ctx, op); err != nil {
-		t.Fatalf("the staged start: %v", err)
-	}
-	r.awaitFake("stopped again, with the request recorded", 10*time.Second, func() bool {
-		v, ok := r.fake.Instance(fakeProject, name)
-		return ok && v.Status == incus.InstanceStopped && v.HeldBy == "" && v.Config[keyPower] == string(controller.PowerStopped) &&
-			intentOf(&incus.Instance{Config: v.Config}).At.After(time.Now().Add(-time.Minute))
-	})
+	r.stoppedAnewAfter(ctx, op, name)
 }
 
 // A stop recorded anew over a dead process's start still in flight is not
@@ -837,10 +830,18 @@ func TestFakeAStopIsNotMarkedOnAReadOlderThanAStartsEnd(t *testing.T) {
 	if late.Hits() == 0 {
 		t.Fatalf("setPower listed Incus's tasks fewer than twice (answered %+v): the test staged nothing", obs)
 	}
-	if _, err := r.client.Wait(ctx, op); err != nil {
-		t.Fatalf("the staged start: %v", err)
-	}
 	t.Logf("answered %s %q while the start ran", obs.Power, obs.Message)
+	r.stoppedAnewAfter(ctx, op, name)
+}
+
+// stoppedAnewAfter waits for a staged start (op) to end, then for name to
+// be stopped again at rest with stopped recorded by a request of the last
+// minute: the accepted stop outranked the start.
+func (r *fakeRig) stoppedAnewAfter(ctx context.Context, op *incus.Operation, name string) {
+	r.t.Helper()
+	if _, err := r.client.Wait(ctx, op); err != nil {
+		r.t.Fatalf("the staged start: %v", err)
+	}
 	r.awaitFake("stopped again, with the request recorded", 10*time.Second, func() bool {
 		v, ok := r.fake.Instance(fakeProject, name)
 		return ok && v.Status == incus.InstanceStopped && v.HeldBy == "" && v.Config[keyPower] == string(controller.PowerStopped) &&
