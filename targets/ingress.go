@@ -167,10 +167,6 @@ func (s *Service) withIngress(inst *incus.Instance, o controller.Observation) co
 	return o
 }
 
-func ingressNotFound() error {
-	return jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
-}
-
 // EnsureIngress routes the template's public ingress to the target, with
 // the label it keeps for life. Idempotent: a routed target is observed.
 func (s *Service) EnsureIngress(ctx context.Context, ref controller.TargetRef) (controller.Observation, error) {
@@ -194,7 +190,7 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 		return controller.Observation{}, err
 	}
 	if inst == nil {
-		return controller.Observation{}, ingressNotFound()
+		return controller.Observation{}, notHeld()
 	}
 	unlock, err := s.lockTarget(ctx, name)
 	if err != nil {
@@ -243,7 +239,7 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 	})
 	switch {
 	case errors.Is(err, errGone):
-		return controller.Observation{}, ingressNotFound()
+		return controller.Observation{}, notHeld()
 	case err != nil:
 		var rpcErr *jsonrpc.Error
 		if errors.As(err, &rpcErr) {

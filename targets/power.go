@@ -345,7 +345,7 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		return controller.Observation{}, err
 	}
 	if inst == nil {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+		return controller.Observation{}, notHeld()
 	}
 	if !slices.Contains(s.powerStates(inst), power) {
 		return controller.Observation{}, jsonrpc.InvalidParams("power", "The target's template does not offer power state %s; template/list names the states it offers.", power)
@@ -422,7 +422,7 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		if cur, rerr := s.lookup(ctx, name); rerr == nil && cur != nil {
 			inst = cur
 		} else if rerr == nil {
-			return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+			return controller.Observation{}, notHeld()
 		}
 		if cerr := acceptable(inst, StateOf(inst)); cerr != nil {
 			return controller.Observation{}, cerr
@@ -449,7 +449,7 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		// landed (written.go).
 		s.wrote(name, in)
 	case errors.Is(err, errGone):
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+		return controller.Observation{}, notHeld()
 	case err != nil:
 		var rpcErr *jsonrpc.Error
 		if errors.As(err, &rpcErr) {

@@ -140,8 +140,9 @@ type Service struct {
 	ingress ingressIndex
 	// warm is this process's view of the warm pools (see warm.go).
 	warm warmPool
-	// warmHook, set by tests only, is called at each step of a hand-out;
-	// true stops it there as a crash would.
+	// warmHook, set by tests only, is called at each step of a hand-out
+	// (true stops it there as a crash would), and where a get has read an
+	// owner's name empty ("get-absent"), the window a rename can land in.
 	warmHook func(stage string) bool
 	// cache answers reads while Incus's event stream keeps it current; nil
 	// when turned off (see cache.go).
@@ -375,26 +376,43 @@ func (s *Service) GetTarget(ctx context.Context, ref controller.TargetRef) (cont
 	return s.observe(inst, ref.Owner), nil
 }
 
+// notHeld is the notFound of an owner for whom this provider holds nothing.
+func notHeld() error {
+	return jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+}
+
 // getNothing answers a get that read no instance under the owner's name.
 // notFound fails a provisioning environment at once, so it is kept for an
 // owner for whom nothing is on its way: a create this process answered
 // before Incus wrote its record (under load the record can take seconds),
 // or a warm hand-out whose rename has not landed, is provisioning, as the
-// create's own answer said. The cache may not have seen the record yet
-// either, so Incus is read again. Incus's list of operations is not asked:
-// it cannot tell a create from the delete of a target just closed without
+// create's own answer said. Incus's list of operations is not asked: it
+// cannot tell a create from the delete of a target just closed without
 // reading a human description, and a closed target must not read as
 // provisioning.
+//
+// The name was read before the claims, so a hand-out's rename can land
+// between the two reads: the name read empty and the claim is gone (CI
+// answered notFound so, for an owner whose hand-out had just landed). The
+// claims are therefore read from Incus, never the cache (which can lag a
+// claim's write or run ahead of the name's read), and the name is read
+// again after them: no claim at one instant and no instance at a later one
+// is an owner nothing is on its way to. Both reads are on the rare path
+// of an absence.
 func (s *Service) getNothing(ctx context.Context, ref controller.TargetRef, name string) (controller.Observation, error) {
+	if s.warmHook != nil {
+		s.warmHook("get-absent")
+	}
 	pending := s.creates.following(name) || s.warm.renamingTo(name)
-	if !pending {
-		var err error
-		if pending, err = s.handoutPendingNow(ctx, name); err != nil {
-			return controller.Observation{}, s.incusError("checking for a hand-out in progress", err)
-		}
+	if !pending && !s.poolsOffered() {
+		return controller.Observation{}, notHeld()
 	}
 	if !pending {
-		return controller.Observation{}, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target for this owner.")
+		claimed, err := s.claimsFor(ctx, name, true)
+		if err != nil {
+			return controller.Observation{}, s.incusError("checking for a hand-out in progress", err)
+		}
+		pending = len(claimed) > 0
 	}
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
@@ -405,6 +423,9 @@ func (s *Service) getNothing(ctx context.Context, ref controller.TargetRef, name
 			return controller.Observation{}, err
 		}
 		return s.observe(inst, ref.Owner), nil
+	}
+	if !pending {
+		return controller.Observation{}, notHeld()
 	}
 	// No record yet, so no id: the runtime, which has none either, asks
 	// again (an id it holds is answered back, the one thing it can be).

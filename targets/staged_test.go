@@ -83,6 +83,68 @@ func TestStagedCreateCrashBeforeItsRename(t *testing.T) {
 	h.checkOnePerOwner(t, []controller.Owner{o})
 }
 
+// A get that reads the owner's name empty while another replica renames
+// the owner's staged instance onto it, the rename landing before the get
+// looks for the claim: the claim is gone and the name holds the target,
+// which the get must find (CI answered notFound there, failing the
+// owner's environment). The rename is the test's own, made inside the
+// get's window; the claim is dated ahead so no survey makes it first.
+func TestAGetAcrossARenameOntoTheOwnersName(t *testing.T) {
+	h := warmHarness(t, 1)
+	svc, stop := h.startWarm(h.catalog, nil, func(s string) bool { return s == "staged" })
+	missThePool(svc, h.awaitPool(t, 1))
+	o := owner("staged-get-rename")
+	name := Name(o)
+	ctx := ctxT(t)
+	if _, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "w"}); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	staged := ""
+	for _, inst := range h.instances() {
+		if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == name {
+			staged = inst.Name
+		}
+	}
+	if staged == "" {
+		t.Fatal("the crash left no staged instance claimed for the owner")
+	}
+	ahead := msString(time.Now().Add(time.Hour))
+	if err := h.client.PatchInstanceConfig(ctx, staged, map[string]string{keyWarmClaimAt: ahead}); err != nil {
+		t.Fatal(err)
+	}
+	renamed := false
+	fresh, _ := h.startWarmWith(h.catalog, nil, func(stage string) bool {
+		if stage != "get-absent" || renamed {
+			return false
+		}
+		renamed = true
+		op, err := h.client.RenameInstance(ctx, staged, name)
+		if err == nil {
+			_, err = h.client.Wait(ctx, op)
+		}
+		if err != nil {
+			t.Errorf("renaming the staged instance inside the get's window: %v", err)
+		}
+		return false
+	}, time.Hour)
+	got, err := fresh.GetTarget(ctx, controller.TargetRef{Owner: o})
+	if err != nil {
+		t.Fatalf("a get across the rename answered %v; want the target", err)
+	}
+	if !renamed {
+		t.Fatal("the get never read the owner's name empty: the test tested nothing")
+	}
+	if got.TargetID != name {
+		t.Fatalf("a get across the rename answered %+v; want target %s", got, name)
+	}
+	until(t, "active on gets alone", func() (controller.Observation, error) {
+		return fresh.GetTarget(ctx, controller.TargetRef{Owner: o})
+	}, isActive)
+	h.awaitPool(t, 1)
+	h.checkOnePerOwner(t, []controller.Owner{o})
+}
+
 // Both replicas keep a pool of three, and each owner's create is sent to
 // both at once: a hand-out and a staged create, two hand-outs or two
 // staged creates race for every owner's name. Each owner ends with one instance, nothing

@@ -116,19 +116,6 @@ func (s *Service) handoutPending(ctx context.Context, name string) (bool, error)
 	return len(claimed) > 0, err
 }
 
-// handoutPendingNow is handoutPending with a claim the cache shows read
-// again from Incus: the cache may hold a claim's write without the rename
-// that followed it (to this owner's name or, after a lost race of two
-// claims, to another's), and a get must not answer provisioning for an
-// owner nothing is on its way to.
-func (s *Service) handoutPendingNow(ctx context.Context, name string) (bool, error) {
-	if pending, err := s.handoutPending(ctx, name); err != nil || !pending || s.cache == nil {
-		return pending, err
-	}
-	claimed, err := s.claimsFor(ctx, name, true)
-	return len(claimed) > 0, err
-}
-
 // unfinishedHandout says an instance under an owner's name came from the
 // pool and does not carry that owner's metadata: a hand-out that has not
 // finished. It belongs to the owner whose name it has; it is never anyone
