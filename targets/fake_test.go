@@ -291,6 +291,56 @@ func TestFakeSetPowerDuringACloseIsRefused(t *testing.T) {
 	r.closed(name)
 }
 
+// A setPower running asked while the reconciler's graceful stop holds the
+// instance is kept, and answered accepted: its copy on the project must be
+// written by the time it is answered, or a kill then loses it to the
+// older stop (the kill matrix, seed 1796577032197878954: the copy was
+// begun after the request's patience and the budget cut it short). Here
+// every project write takes most of a budget, as on a loaded Incus.
+func TestFakeAKeptRequestIsStoredBeforeItIsAnswered(t *testing.T) {
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Stop = 6 * time.Second
+	r := newFakeRig(t, fcfg, Config{GracefulStop: 10 * time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner("env-kept-stored")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ref := controller.TargetRef{Owner: o, TargetID: name}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	if _, err := r.svc.SetPower(ctx, ref, controller.PowerStopped); err != nil {
+		t.Fatal(err)
+	}
+	r.awaitFake("the graceful stop under way", 5*time.Second, func() bool {
+		return r.instance(name).HeldBy == "stop"
+	})
+	budget := r.svc.cfg.MethodBudget
+	slow := r.fake.Inject(incusfake.Fault{Kind: incusfake.Latency, Method: http.MethodPut, Path: "/1.0/projects/*", Latency: budget * 3 / 5})
+	start := time.Now()
+	obs, err := r.svc.SetPower(ctx, ref, controller.PowerRunning)
+	took := time.Since(start)
+	cfg, _, _ := r.fake.Project(fakeProject)
+	slow.Remove()
+	if err != nil {
+		t.Fatalf("setPower running during the stop: %v", err)
+	}
+	if slow.Hits() == 0 {
+		t.Fatal("no project write met the latency: the test tested nothing")
+	}
+	w, _, ok := pendingIn(cfg, name)
+	if !ok || w.intent.Power != controller.PowerRunning {
+		t.Fatalf("setPower running answered %s after %v, and the project keeps %+v (stored %v): a kill now loses it\n%s",
+			obs.Phase, took.Round(time.Millisecond), w.intent, ok, r.history(name))
+	}
+	r.awaitFake("running at rest with the kept request", 20*time.Second, func() bool {
+		return restsAt(r.instance(name), incus.InstanceRunning, controller.PowerRunning)
+	})
+	r.awaitFake("the project's copy cleared", 10*time.Second, func() bool {
+		cfg, _, _ := r.fake.Project(fakeProject)
+		_, present, _ := pendingIn(cfg, name)
+		return !present
+	})
+}
+
 // A setPower paused asked while a dial's wake is under way (its unfreeze
 // held at Incus's door, the turn with it) is the later request and wins:
 // setPower cannot record it while the wake holds the turn, so it keeps it

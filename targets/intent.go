@@ -63,7 +63,7 @@ var errGone = errors.New("targets: the instance is gone")
 // by another process in between is never overwritten unseen. It answers
 // the instance as read, and whether it wrote.
 func (s *Service) want(ctx context.Context, name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
-	return s.wantPatient(ctx, time.Time{}, name, in, extra, check)
+	return s.wantPatient(ctx, time.Time{}, nil, name, in, extra, check)
 }
 
 // wantPatient is want with a bound on waiting only: its reads and writes
@@ -71,7 +71,11 @@ func (s *Service) want(ctx context.Context, name string, in Intent, extra change
 // one), but once patience has passed it stops waiting out an operation
 // that holds the instance or the ETag churn of one that moves it, and says
 // ErrBusy: nothing was recorded, and the caller may keep the request.
-func (s *Service) wantPatient(ctx context.Context, patience time.Time, name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
+// refused, when not nil, is called once, at Incus's first busy refusal of
+// the write or on finding the turn held, before any waiting: a caller that
+// keeps the request should the wait fail starts keeping it there, while
+// its budget is whole.
+func (s *Service) wantPatient(ctx context.Context, patience time.Time, refused func(), name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
 	// The read and the write hold the instance's turn (owner.go). Incus
 	// checks a PATCH's ETag before it applies the write, not with it, so
 	// two writes read at one ETag can both pass, and the one applied last
@@ -83,9 +87,15 @@ func (s *Service) wantPatient(ctx context.Context, patience time.Time, name stri
 		inst  *incus.Instance
 		wrote bool
 	)
+	if refused != nil && !holds(ctx, name) && s.own.heldNow(name) {
+		// Another step of this process (the reconciler's graceful stop,
+		// say) holds the turn: as good as Incus's refusal.
+		refused()
+		refused = nil
+	}
 	err := s.ownedBy(ctx, patience, name, func(ctx context.Context) error {
 		var err error
-		inst, wrote, err = s.wantHeld(ctx, patience, name, in, extra, check)
+		inst, wrote, err = s.wantHeld(ctx, patience, refused, name, in, extra, check)
 		return err
 	})
 	if isHeld(err) {
@@ -95,7 +105,7 @@ func (s *Service) wantPatient(ctx context.Context, patience time.Time, name stri
 }
 
 // wantHeld is wantPatient's read and write, under the instance's turn.
-func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
+func (s *Service) wantHeld(ctx context.Context, patience time.Time, refused func(), name string, in Intent, extra change, check func(*incus.Instance, State) error) (*incus.Instance, bool, error) {
 	wait := func(d time.Duration) bool {
 		if !patience.IsZero() {
 			d = min(d, time.Until(patience))
@@ -157,6 +167,10 @@ func (s *Service) wantHeld(ctx context.Context, patience time.Time, name string,
 		if errors.Is(err, incus.ErrBusy) {
 			// Incus changes no config while an operation holds the
 			// instance (a start, a graceful stop): wait within ctx.
+			if refused != nil {
+				refused()
+				refused = nil
+			}
 			if !wait(min(10*time.Millisecond<<min(attempt, 4), 200*time.Millisecond)) {
 				return nil, false, fmt.Errorf("record power %s: %w", in.Power, err)
 			}

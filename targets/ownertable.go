@@ -134,6 +134,15 @@ func (o *owners) yielding(ctx context.Context, name string) (yctx context.Contex
 	}
 }
 
+// heldNow says name's turn is held at this moment: a caller about to wait
+// for it may start, meanwhile, what it does should the wait fail.
+func (o *owners) heldNow(name string) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	k := o.keys[name]
+	return k != nil && k.turn.held
+}
+
 // request takes name's request slot within ctx.
 func (o *owners) request(ctx context.Context, name string) (release func(), err error) {
 	release, _, err = o.acquire(ctx, name, func(k *ownedKey) *slot { return &k.request }, false)

@@ -337,7 +337,7 @@ func (s *Service) powerUpHeld(ctx context.Context, inst *incus.Instance) error {
 // Incus then shows and, while the move goes on, a message saying what it
 // waits for. A target already there, or moving there, is observed without
 // action. A retryable error means nothing was recorded.
-func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (controller.Observation, error) {
+func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power controller.Power) (_ controller.Observation, err error) {
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
 	name, inst, err := s.resolveWith(ctx, ref, s.readFor(ref.Owner))
@@ -392,7 +392,27 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		}
 		return nil
 	}
-	_, wrote, err := s.wantPatient(ctx, patience, name, in, extra, decide)
+	// While an Incus operation holds the instance the request is kept
+	// (below), and its copy on the project is what outlives this process.
+	// Written after the wait, under a loaded Incus the budget cut it short;
+	// the request was answered accepted and lost to a kill (the kill
+	// matrix, seed 1796577032197878954). So it is written from the first
+	// sign of a hold, beside the wait, with the rest of the budget. A write
+	// that lands after all is not held up by it: the copy is then outranked
+	// or equal, and a pass clears it. A request answered with an error
+	// waits for it and leaves none.
+	w := pendingWrite{intent: in, extra: extra}
+	var early chan error
+	keepEarly := func() {
+		if early != nil || acceptable(inst, StateOf(inst)) != nil {
+			return // a request refused (a close under way, say) keeps nothing
+		}
+		ch := make(chan error, 1)
+		if s.own.spawn(func(context.Context) { ch <- s.storePending(ctx, name, w) }) {
+			early = ch
+		}
+	}
+	_, wrote, err := s.wantPatient(ctx, patience, keepEarly, name, in, extra, decide)
 	if errors.Is(err, errAlready) && s.adoptStoredPending(ctx, name, power) {
 		// A request the project keeps for the target (one a killed
 		// process, or another replica, answered and could not record yet)
@@ -400,12 +420,30 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		// "already there" without a write, this request would be outranked
 		// by that older one once a pass restores it, and lost. Decided
 		// again with it, this one is recorded and outranks it.
-		_, wrote, err = s.wantPatient(ctx, patience, name, in, extra, decide)
+		_, wrote, err = s.wantPatient(ctx, patience, keepEarly, name, in, extra, decide)
 	}
 	if err == nil && s.pending.drop(name, in.At) {
 		wrote = true // an older request kept in memory is replaced: converge again
 	}
 	unlock()
+	var (
+		stored     error
+		storedSeen bool
+	)
+	awaitEarly := func() error {
+		if !storedSeen {
+			stored, storedSeen = <-early, true
+		}
+		return stored
+	}
+	if early != nil {
+		defer func() {
+			if err != nil {
+				_ = awaitEarly()
+				s.clearPending(ctx, name, w)
+			}
+		}()
+	}
 	var unknown *WriteUnknownError
 	switch {
 	case errors.Is(err, incus.ErrBusy) || errors.As(err, &unknown):
@@ -427,9 +465,15 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		if cerr := acceptable(inst, StateOf(inst)); cerr != nil {
 			return controller.Observation{}, cerr
 		}
-		w := pendingWrite{intent: in, extra: extra}
 		s.pending.put(name, w)
-		if serr := s.storePending(ctx, name, w); serr != nil {
+		var serr error
+		if early != nil {
+			serr = awaitEarly()
+		}
+		if early == nil || (serr != nil && ctx.Err() == nil) {
+			serr = s.storePending(ctx, name, w)
+		}
+		if serr != nil {
 			s.log.Warn("storing a power request on the project failed; it is held in memory only",
 				zap.String("instance", name), zap.String("to", string(power)), zap.Error(serr))
 		}
