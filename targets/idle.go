@@ -234,7 +234,8 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 	if !slices.Contains(s.powerStates(inst), to) {
 		return fmt.Errorf("targets: idle power-down to %s: the template does not offer it", to)
 	}
-	_, _, err = s.want(ctx, t.Name, Intent{Power: to, At: s.now(), By: ByIdle},
+	in := Intent{Power: to, At: s.now(), By: ByIdle}
+	_, _, err = s.want(ctx, t.Name, in,
 		change{keys: fIdleSince, to: record{IdleSince: idleSince}},
 		func(_ *incus.Instance, now State) error {
 			if now.Intent != st.Intent || now.Power != st.Power {
@@ -247,25 +248,45 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 	}
 	unlock()
 	locked = false
-	select {
-	case <-s.own.kick(t.Name):
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-	after, err := s.lookup(ctx, t.Name)
-	if err != nil {
-		return err
-	}
-	if after == nil {
-		return ErrStale
-	}
-	switch now := StateOf(after); {
-	case now.Power == to:
-		return nil
-	case now.Intent.Power != to:
-		return ErrRelayOpen // a use overtook the power-down
-	default:
-		return fmt.Errorf("targets: idle power-down of %s to %s is recorded; the reconciler retries it", t.Name, to)
+	return s.idleCarriedOut(ctx, t.Name, to)
+}
+
+// idleCarriedOut waits for the reconciler to carry out a recorded idle
+// power-down to the power to. The record decides, not what it means
+// (State.Intent): Incus may show a target it has just force-stopped
+// running for a moment (a paused target's graceful stop always ends
+// forced), which reads as woken under the stop marked carried out, and
+// the action, carried out, was counted a relay's overtaking (CI: a
+// restarted provider's idle stop counted no success). A step that ends
+// short of the power (its mark not yet written, or a retry to come) is
+// followed by another, a few at most.
+func (s *Service) idleCarriedOut(ctx context.Context, name string, to controller.Power) error {
+	const steps = 3
+	for step := 1; ; step++ {
+		select {
+		case <-s.own.kick(name):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		after, err := s.lookup(ctx, name)
+		if err != nil {
+			return err
+		}
+		if after == nil {
+			return ErrStale
+		}
+		now := StateOf(after)
+		r := recordOf(after.Config, fState)
+		switch {
+		case now.Power == to:
+			return nil
+		case now.Recorded.Power != to:
+			return ErrRelayOpen // a use overtook the power-down
+		case !r.PowerDone.IsZero() && r.PowerDone.Equal(r.Intent.At):
+			return nil // carried out and marked so
+		case step == steps:
+			return fmt.Errorf("targets: idle power-down of %s to %s is recorded; the reconciler retries it", name, to)
+		}
 	}
 }
 
