@@ -252,21 +252,26 @@ func TestFakeDialDuringGracefulStop(t *testing.T) {
 	}
 }
 
+// slowStopTarget is a running target of env's on a fake whose stops take
+// stop, with a graceful stop longer than that, and a context for the test.
+func slowStopTarget(t *testing.T, env string, stop time.Duration) (*fakeRig, string, controller.TargetRef, context.Context) {
+	fcfg := fakeDurations(seeded(t))
+	fcfg.Durations.Stop = stop
+	r := newFakeRig(t, fcfg, Config{GracefulStop: 10 * time.Second, ReconcileInterval: 100 * time.Millisecond})
+	o := fakeOwner(env)
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return r, name, controller.TargetRef{Owner: o, TargetID: name}, ctx
+}
+
 // A setPower asked while a close's graceful stop holds the instance's turn
 // finds the turn held to the end of its patience. It must not keep the
 // request and answer the close's observation as if the move were under
 // way (the kill matrix met that: "running" accepted on a closing target,
 // never to be reached): the target is not active, and the answer says so.
 func TestFakeSetPowerDuringACloseIsRefused(t *testing.T) {
-	fcfg := fakeDurations(seeded(t))
-	fcfg.Durations.Stop = 4 * time.Second
-	r := newFakeRig(t, fcfg, Config{GracefulStop: 10 * time.Second, ReconcileInterval: 100 * time.Millisecond})
-	o := fakeOwner("env-close-power")
-	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
-	ref := controller.TargetRef{Owner: o, TargetID: name}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-
+	r, name, ref, ctx := slowStopTarget(t, "env-close-power", 4*time.Second)
 	obs, err := r.svc.CloseTarget(ctx, ref)
 	if err != nil {
 		t.Fatal(err)
@@ -283,6 +288,9 @@ func TestFakeSetPowerDuringACloseIsRefused(t *testing.T) {
 		if !errors.As(err, &rpcErr) || rpcErr.Kind != jsonrpc.KindFailedPrecondition || rpcErr.Reason != "targetNotActive" {
 			t.Fatalf("setPower %s during a close answered %+v, %v; want failedPrecondition targetNotActive\n%s", p, got, err, r.history(name))
 		}
+		if cfg, _, _ := r.fake.Project(fakeProject); cfg[keyPendingPrefix+name] != "" {
+			t.Fatalf("setPower %s was refused, and the project keeps a copy of it: %s", p, cfg[keyPendingPrefix+name])
+		}
 	}
 	r.awaitFake("the closed target gone", 20*time.Second, func() bool {
 		_, _, err := r.client.GetInstance(ctx, name)
@@ -298,15 +306,7 @@ func TestFakeSetPowerDuringACloseIsRefused(t *testing.T) {
 // begun after the request's patience and the budget cut it short). Here
 // every project write takes most of a budget, as on a loaded Incus.
 func TestFakeAKeptRequestIsStoredBeforeItIsAnswered(t *testing.T) {
-	fcfg := fakeDurations(seeded(t))
-	fcfg.Durations.Stop = 6 * time.Second
-	r := newFakeRig(t, fcfg, Config{GracefulStop: 10 * time.Second, ReconcileInterval: 100 * time.Millisecond})
-	o := fakeOwner("env-kept-stored")
-	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
-	ref := controller.TargetRef{Owner: o, TargetID: name}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-
+	r, name, ref, ctx := slowStopTarget(t, "env-kept-stored", 6*time.Second)
 	if _, err := r.svc.SetPower(ctx, ref, controller.PowerStopped); err != nil {
 		t.Fatal(err)
 	}
