@@ -74,6 +74,15 @@ type Waker struct {
 
 	mu      sync.Mutex
 	flights map[string]*Flight
+	// landed is, per target, the last flight that settled with its daemon
+	// answering, and when, until a power change or the target's end.
+	landed map[string]landing
+}
+
+// landing is a flight that settled with the daemon answering, at at.
+type landing struct {
+	f  *Flight
+	at time.Time
 }
 
 // New checks the options and builds the wake. ctx bounds every flight: when
@@ -91,8 +100,12 @@ func New(ctx context.Context, opts Options) (*Waker, error) {
 	if opts.Log == nil {
 		opts.Log = zap.NewNop()
 	}
-	w := &Waker{opts: opts, ctx: ctx, log: opts.Log, metrics: opts.Metrics, reg: opts.Relays, ready: newReadiness(), flights: map[string]*Flight{}}
-	w.reg.OnPowerChange(w.ready.forget)
+	w := &Waker{opts: opts, ctx: ctx, log: opts.Log, metrics: opts.Metrics, reg: opts.Relays, ready: newReadiness(),
+		flights: map[string]*Flight{}, landed: map[string]landing{}}
+	w.reg.OnPowerChange(func(name string) {
+		w.ready.forget(name)
+		w.forgetLanding(name)
+	})
 	return w, nil
 }
 
@@ -104,6 +117,14 @@ func (w *Waker) Join(r targets.Route, arrived time.Time, byDial bool) (f *Flight
 	defer w.mu.Unlock()
 	if f := w.flights[r.Name]; f != nil {
 		return f, false
+	}
+	if l, ok := w.landed[r.Name]; ok && !running(r) && l.at.After(arrived) {
+		// The use arrived before the last flight settled, and read the
+		// target powered down: a read older than that flight's wake (CI:
+		// one of 50 dials read its target paused, joined 66 ms after the
+		// flight it came with had settled, and flew a second wake). That
+		// flight's answer is this use's too.
+		return l.f, false
 	}
 	f = &Flight{name: r.Name, settled: make(chan struct{}), state: StateWaking, retry: time.Second, requested: arrived}
 	if running(r) {
@@ -149,7 +170,16 @@ func (w *Waker) Ready(name string) bool { return w.ready.ok(name) }
 func (w *Waker) Unready(name string) { w.ready.forget(name) }
 
 // Gone forgets everything known of a target that is gone.
-func (w *Waker) Gone(name string) { w.ready.drop(name) }
+func (w *Waker) Gone(name string) {
+	w.ready.drop(name)
+	w.forgetLanding(name)
+}
+
+func (w *Waker) forgetLanding(name string) {
+	w.mu.Lock()
+	delete(w.landed, name)
+	w.mu.Unlock()
+}
 
 // Seen records whether a use last found the target powered down.
 func (w *Waker) Seen(name string, poweredDown bool) { w.ready.seen(name, poweredDown) }
@@ -167,6 +197,11 @@ func (w *Waker) settle(f *Flight, result *Refusal) {
 	w.mu.Lock()
 	if w.flights[f.name] == f {
 		delete(w.flights, f.name)
+	}
+	if result == nil {
+		w.landed[f.name] = landing{f: f, at: time.Now()}
+	} else {
+		delete(w.landed, f.name)
 	}
 	w.mu.Unlock()
 	if f.tk != nil {

@@ -249,6 +249,58 @@ func TestUsesOfATargetShareOneWake(t *testing.T) {
 	}
 }
 
+// A use that arrived before a flight settled, and read its target powered
+// down (a read older than that flight's wake), joins after the flight has
+// settled: it shares that flight's answer and starts no second wake (CI:
+// 21 wakes for 50 dials on 20 paused targets). A use that arrives after
+// the landing, or any use after a power change, flies again.
+func TestAUseThatReadBeforeAWakeLandedSharesIt(t *testing.T) {
+	r := newWakeRig(t, targets.RoutePaused)
+	stale := r.route(t) // read while paused
+	early := time.Now()
+	f, started := r.w.Join(stale, early, true)
+	if !started {
+		t.Fatal("the first use did not start the flight")
+	}
+	<-f.Settled()
+	if f.Result() != nil {
+		t.Fatalf("the flight settled on %+v", f.Result())
+	}
+	again, started := r.w.Join(stale, early.Add(time.Millisecond), true)
+	if started || again != f {
+		t.Fatal("a use that arrived before the flight settled, its read older than the wake, flew a second wake")
+	}
+	if got := r.targets.wakes.Load(); got != 1 {
+		t.Fatalf("%d wakes, want 1", got)
+	}
+	if got := r.wakesCounted(t, "paused", outcomeReady); got != 1 {
+		t.Fatalf("wake histogram counted %d ready wakes from paused, want 1", got)
+	}
+	// A use that arrived after the landing and reads the target powered
+	// down is told so by a read made since: it flies.
+	late, started := r.w.Join(stale, time.Now(), true)
+	if !started || late == f {
+		t.Fatal("a use that arrived after the landing, reading the target powered down, did not fly")
+	}
+	<-late.Settled()
+	// After a power change, even a use that arrived before the landing
+	// flies: the landing proves nothing of the target any more.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if release, ok := r.reg.Quiesce(testInstance); ok {
+			release()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the flight never let the target be quiesced")
+		}
+	}
+	after, started := r.w.Join(stale, early, true)
+	if !started || after == late {
+		t.Fatal("a use after a power change shared a landing from before it")
+	}
+	<-after.Settled()
+}
+
 // A thawed daemon answers before Wake does (Wake answers once the use's
 // request for running is recorded): the use is not relayed until then,
 // so that a process that dies between the two never leaves a relayed
