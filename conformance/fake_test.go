@@ -79,6 +79,9 @@ const (
 	idleNever
 	// idleCloseFails reports a target it closed for idleness as failed.
 	idleCloseFails
+	// idleClosesAtCreate closes a target whose policy closes at all as it
+	// is created, before any idleness could have passed.
+	idleClosesAtCreate
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -195,6 +198,9 @@ func (f *fakeBackend) CreateTarget(_ context.Context, p controller.CreateParams)
 	}
 	t := f.create(p.Owner, tmpl)
 	t.idle, t.lastUse = p.Idle, time.Now()
+	if f.flaw == idleClosesAtCreate && p.Idle != nil && p.Idle.CloseAfterMs != nil {
+		t.phase = controller.PhaseClosing
+	}
 	return f.observe(t, p.Owner), nil
 }
 

@@ -474,11 +474,24 @@ func retryable(err error) (time.Duration, bool) {
 // checks every observation on the way: strictly decoded, the owner echoed,
 // the same target id, and no phase a healthy create never passes through.
 func (r *checkRun) waitActive(ctx context.Context, c *conn, ref controller.TargetRef, targetID string) controller.Observation {
+	obs, _ := r.waitActiveOr(ctx, c, ref, targetID, false)
+	return obs
+}
+
+// waitActiveOr is waitActive for a target its provider may close on its
+// own soon after it is active (an idle policy's short closeAfterMs): with
+// closes, a close (closing, closed or notFound) seen before any poll saw
+// it active ends the wait too, and closed says so. A poll answered slowly
+// by a loaded provider can miss an active phase of two seconds whole.
+func (r *checkRun) waitActiveOr(ctx context.Context, c *conn, ref controller.TargetRef, targetID string, closes bool) (_ controller.Observation, closed bool) {
 	deadline := time.Now().Add(r.s.cfg.SettleTimeout)
 	polls := 0
 	for {
 		polls++
 		obs, err := r.s.callTarget(ctx, c, controller.MethodTargetGet, getParams(ref), ref.Owner)
+		if rpcErr := (*jsonrpc.Error)(nil); closes && errors.As(err, &rpcErr) && rpcErr.Kind == jsonrpc.KindNotFound {
+			return controller.Observation{}, true
+		}
 		if after, ok := retryable(err); ok && time.Now().Add(after).Before(deadline) {
 			// The contract's unavailable is retryable, after its
 			// retryAfterMs: the runtime asks again, and so does this poll.
@@ -498,8 +511,13 @@ func (r *checkRun) waitActive(ctx context.Context, c *conn, ref controller.Targe
 			if obs.TargetID == "" {
 				r.fatalf("an active observation carries no targetId")
 			}
-			return obs
+			return obs, false
 		case controller.PhaseProvisioning, controller.PhaseUnknown:
+		case controller.PhaseClosing, controller.PhaseClosed:
+			if closes {
+				return obs, true
+			}
+			r.fatalf("the target went %s while it was being created (message: %q)", obs.Phase, obs.Message)
 		default:
 			r.fatalf("the target went %s while it was being created (message: %q)", obs.Phase, obs.Message)
 		}

@@ -141,6 +141,7 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 		{"no idle policy applied", idleNever, "idle-obligations", "the provider does not apply the idle policy"},
 		{"no idle close", idleNever, "idle-close", "the provider does not apply the idle policy"},
 		{"an idle close reported failed", idleCloseFails, "idle-close", "phase failed power \"\" after an idle close fell due"},
+		{"an idle close before any idleness", idleClosesAtCreate, "idle-close", "before its closeAfterMs"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
