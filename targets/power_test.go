@@ -415,7 +415,15 @@ func TestIdleActionsOnIncus(t *testing.T) {
 	if err := svc.IdlePowerDown(ctx, paused, controller.PowerStopped, since, time.Time{}); err != nil {
 		t.Fatal(err)
 	}
+	// Incus may show the force-stopped target Running for a moment (CI
+	// met it twice in this test): what the stop leaves is read until it
+	// shows stopped, within 10 s.
 	stopped := idleTargetOfName(t, svc, name)
+	for deadline := time.Now().Add(10 * time.Second); stopped.Power != controller.PowerStopped && time.Now().Before(deadline); {
+		t.Logf("after the stop Incus shows %s; reading again", h.instance(name).Status)
+		time.Sleep(100 * time.Millisecond)
+		stopped = idleTargetOfName(t, svc, name)
+	}
 	if stopped.Power != controller.PowerStopped || !stopped.IdleSince.Equal(since) {
 		t.Fatalf("after the stop: %+v", stopped)
 	}
