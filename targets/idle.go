@@ -282,8 +282,8 @@ func (s *Service) idleCarriedOut(ctx context.Context, name string, to controller
 			return nil
 		case now.Recorded.Power != to:
 			return ErrRelayOpen // a use overtook the power-down
-		case !r.PowerDone.IsZero() && r.PowerDone.Equal(r.Intent.At):
-			return nil // carried out and marked so
+		case wokenUnder(&r):
+			return nil // carried out and marked so; Incus shows it running since
 		case step == steps:
 			return fmt.Errorf("targets: idle power-down of %s to %s is recorded; the reconciler retries it", name, to)
 		}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -426,16 +427,7 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 		wrote = true // an older request kept in memory is replaced: converge again
 	}
 	unlock()
-	var (
-		stored     error
-		storedSeen bool
-	)
-	awaitEarly := func() error {
-		if !storedSeen {
-			stored, storedSeen = <-early, true
-		}
-		return stored
-	}
+	awaitEarly := sync.OnceValue(func() error { return <-early })
 	if early != nil {
 		defer func() {
 			if err != nil {

@@ -49,28 +49,9 @@ func TestStagedCreateWhenThePoolIsEmpty(t *testing.T) {
 // provisioning, never notFound, until it is active.
 func TestStagedCreateCrashBeforeItsRename(t *testing.T) {
 	h := warmHarness(t, 1)
-	svc, stop := h.startWarm(h.catalog, nil, func(s string) bool { return s == "staged" })
-	missThePool(svc, h.awaitPool(t, 1))
 	o := owner("staged-crash")
-	name := Name(o)
+	h.crashBeforeTheRename(t, o)
 	ctx := ctxT(t)
-	got, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "w"})
-	if err != nil || got.TargetID != "" {
-		t.Fatalf("the staged create answered %+v, %v; want provisioning without an id (the hook held its rename)", got, err)
-	}
-	stop()
-	staged := ""
-	for _, inst := range h.instances() {
-		if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == name {
-			staged = inst.Name
-		}
-		if inst.Name == name {
-			t.Fatal("the owner's name holds an instance though the rename was held: the test tested nothing")
-		}
-	}
-	if staged == "" {
-		t.Fatal("the crash left no staged instance claimed for the owner")
-	}
 	fresh, _ := h.startWarmWith(h.catalog, nil, nil, 30*time.Second)
 	until(t, "active on gets alone", func() (controller.Observation, error) {
 		got, err := fresh.GetTarget(ctx, controller.TargetRef{Owner: o})
@@ -91,24 +72,9 @@ func TestStagedCreateCrashBeforeItsRename(t *testing.T) {
 // get's window; the claim is dated ahead so no survey makes it first.
 func TestAGetAcrossARenameOntoTheOwnersName(t *testing.T) {
 	h := warmHarness(t, 1)
-	svc, stop := h.startWarm(h.catalog, nil, func(s string) bool { return s == "staged" })
-	missThePool(svc, h.awaitPool(t, 1))
 	o := owner("staged-get-rename")
-	name := Name(o)
+	name, staged := h.crashBeforeTheRename(t, o)
 	ctx := ctxT(t)
-	if _, err := svc.CreateTarget(ctx, controller.CreateParams{Owner: o, TemplateID: "w"}); err != nil {
-		t.Fatal(err)
-	}
-	stop()
-	staged := ""
-	for _, inst := range h.instances() {
-		if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == name {
-			staged = inst.Name
-		}
-	}
-	if staged == "" {
-		t.Fatal("the crash left no staged instance claimed for the owner")
-	}
 	ahead := msString(time.Now().Add(time.Hour))
 	if err := h.client.PatchInstanceConfig(ctx, staged, map[string]string{keyWarmClaimAt: ahead}); err != nil {
 		t.Fatal(err)
@@ -143,6 +109,33 @@ func TestAGetAcrossARenameOntoTheOwnersName(t *testing.T) {
 	}, isActive)
 	h.awaitPool(t, 1)
 	h.checkOnePerOwner(t, []controller.Owner{o})
+}
+
+// crashBeforeTheRename makes o's create miss the pool and stage, and
+// stops its provider once the staged instance is built, before its
+// rename: it answers o's name and the staged instance's.
+func (h *harness) crashBeforeTheRename(t *testing.T, o controller.Owner) (name, staged string) {
+	t.Helper()
+	svc, stop := h.startWarm(h.catalog, nil, func(s string) bool { return s == "staged" })
+	missThePool(svc, h.awaitPool(t, 1))
+	name = Name(o)
+	got, err := svc.CreateTarget(ctxT(t), controller.CreateParams{Owner: o, TemplateID: "w"})
+	if err != nil || got.TargetID != "" {
+		t.Fatalf("the staged create answered %+v, %v; want provisioning without an id (the hook held its rename)", got, err)
+	}
+	stop()
+	for _, inst := range h.instances() {
+		if isWarmName(inst.Name) && inst.Config[keyWarmClaim] == name {
+			staged = inst.Name
+		}
+		if inst.Name == name {
+			t.Fatal("the owner's name holds an instance though the rename was held: the test tested nothing")
+		}
+	}
+	if staged == "" {
+		t.Fatal("the crash left no staged instance claimed for the owner")
+	}
+	return name, staged
 }
 
 // Both replicas keep a pool of three, and each owner's create is sent to
