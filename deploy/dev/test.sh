@@ -113,15 +113,15 @@ go build -o bin/lsconform ./cmd/lsconform
 go test -race -count=1 -run '^$' ./... >/dev/null
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 
-# The tests run in two lanes. The host lane has the host's Incus: every
+# The tests run in three lanes. The host lane has the host's Incus: every
 # package one at a time (a few of the provider's tests' cases two at a time),
 # then conformance and the container image. The rigs lane has daemons of
 # its own: the three-member cluster's tests and conformance, then LXD's.
-# Each lane owns what it changes (its Incus projects, every test making a
-# throwaway one, and its fixed ports), so the two can run at once
-# (the default, below). Four lanes at once were measured on this
-# 2-core machine: the load stayed at 15 to 18 and wakes from stopped
-# outgrew the 5 s hold. A lane's output is kept in a file and shown whole
+# The light lane has the packages that reach no Incus. Each lane owns what
+# it changes (its Incus projects, every test making a throwaway one, and
+# its fixed ports), so they can run at once (the default, below). Four
+# Incus lanes at once were measured on this 2-core machine: the load
+# stayed at 15 to 18 and wakes from stopped outgrew the 5 s hold. A lane's output is kept in a file and shown whole
 # when the lane ends, so lanes never interleave.
 
 # serve NAME ENV...: starts bin/incus-provider with the given settings (as
@@ -138,20 +138,31 @@ stop_served() {
   no_busy_warnings "$served_log"
 }
 
-# The host's packages the rigs lane runs once its rigs are done, so that
+# The host's package the rigs lane runs once its rigs are done, so that
 # the two lanes end together: measured at 13f0da1, the host lane took
 # 1,285 s and the rigs lane 624 s, and the machine's second core idled for
-# the last ten minutes. These two share no Incus state with the others
-# (every test has a throwaway project of its own) and are the ones whose
-# time fits the gap: targets (238 s there) and internal/jsonrpc (69 s).
-balanced=(./targets ./internal/jsonrpc)
+# the last ten minutes. targets shares no Incus state with the others
+# (every test has a throwaway project of its own) and its time fits the gap.
+balanced=(./targets)
 
-# Lane "host": every package on the host's Incus but the balanced ones
-# (the cluster's tests, named TestCluster*, are the rigs lane's), then
-# conformance against a running provider and the container image.
+# The packages whose tests reach no Incus at all (fakes, wire, the
+# conformance suite against fake controllers): the third lane, "light",
+# runs them beside the two from the start. At b27f737 they took 141 s of
+# the host lane (conformance alone 96 s, its suite waiting out idle
+# policies against fakes) and internal/jsonrpc 41 s of the rigs lane, on
+# about half a core.
+light=(./cmd/lsconform ./conformance ./controller ./deploy ./idlepolicy ./ingress
+  ./internal/clock ./internal/devguest ./internal/fakeincus ./internal/incusfake
+  ./internal/incustest ./internal/ingressurl ./internal/jsonrpc ./internal/lazyconn
+  ./internal/routepath ./internal/serve ./internal/wire ./internal/wsframe ./relays)
+
+# Lane "host": every package on the host's Incus but the balanced and
+# the light ones (the cluster's tests, named TestCluster*, are the rigs
+# lane's), then conformance against a running provider and the container
+# image.
 lane_host() {
   local skip=() p
-  for p in "${balanced[@]}"; do skip+=(-e "$(go list "$p")"); done
+  for p in "${balanced[@]}" "${light[@]}"; do skip+=(-e "$(go list "$p")"); done
   # shellcheck disable=SC2046 # one word per package
   INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m -skip '^TestCluster' $(go list ./... | grep -vxF "${skip[@]}")
   incus project create "$conform_project" -c features.images=false -c features.profiles=false >/dev/null
@@ -176,6 +187,12 @@ lane_rigs() {
   rigs_lxd
   echo "== on the host's Incus: ${balanced[*]}"
   INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m -skip '^TestCluster' "${balanced[@]}"
+}
+
+# Lane "light": the packages that reach no Incus, one at a time, so that
+# the lane takes about half a core beside the two others.
+lane_light() {
+  INCUS_PROVIDER_REQUIRE_INCUS=1 go test -race -count=1 -p 1 -timeout 25m "${light[@]}"
 }
 
 # The three-member cluster's tests, then conformance against a provider on
@@ -228,12 +245,12 @@ rigs_lxd() {
   done
 }
 
-# The two lanes run at once by default; TEST_LANES_AT_ONCE=0 runs them one
-# after the other (measured here: 1,825 s against 1,432 s), for a machine
-# with less to spare than this 2-core one.
+# The lanes run at once by default; TEST_LANES_AT_ONCE=0 runs them one
+# after the other (measured here with two lanes: 1,825 s against 1,432 s),
+# for a machine with less to spare than this 2-core one.
 at_once=${TEST_LANES_AT_ONCE:-1}
-lanes=(host rigs)
-if [ "$at_once" = 1 ]; then step "tests in two lanes at once: host, rigs"; else step "tests in two lanes, one after the other: host, rigs"; fi
+lanes=(host rigs light)
+if [ "$at_once" = 1 ]; then step "tests in three lanes at once: host, rigs, light"; else step "tests in three lanes, one after the other: host, rigs, light"; fi
 declare -A lane_began
 failed=()
 summary=()
