@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -82,6 +83,13 @@ const (
 	// idleClosesAtCreate closes a target whose policy closes at all as it
 	// is created, before any idleness could have passed.
 	idleClosesAtCreate
+	// idlePausesAtCreate powers a target whose policy powers down at all
+	// down as it is created, before any idleness could have passed.
+	idlePausesAtCreate
+	// activeAfterIdle is no flaw: a target turns active only once its
+	// policy's power-down has fallen due, and is powered down as it does,
+	// as a loaded provider's polls can first see it.
+	activeAfterIdle
 )
 
 // fakeBackend is an in-memory controller.Backend: a target is provisioning
@@ -201,6 +209,11 @@ func (f *fakeBackend) CreateTarget(_ context.Context, p controller.CreateParams)
 	if f.flaw == idleClosesAtCreate && p.Idle != nil && p.Idle.CloseAfterMs != nil {
 		t.phase = controller.PhaseClosing
 	}
+	if f.flaw == idlePausesAtCreate && p.Idle != nil {
+		if down, ok := dueDown(*p.Idle, t.states, time.Duration(math.MaxInt64)); ok {
+			t.power = down
+		}
+	}
 	return f.observe(t, p.Owner), nil
 }
 
@@ -319,6 +332,10 @@ func (f *fakeBackend) GetTarget(_ context.Context, ref controller.TargetRef) (co
 		t.power, t.moving = t.moving, ""
 	}
 	switch {
+	case t.phase == controller.PhaseProvisioning && f.flaw == activeAfterIdle && t.idle != nil:
+		if down, due := dueDown(*t.idle, t.states, t.idleFor(time.Now())); due {
+			t.phase, t.power = controller.PhaseActive, down
+		}
 	case t.phase == controller.PhaseProvisioning && t.seen >= 2:
 		t.phase = controller.PhaseActive
 	case t.phase == controller.PhaseClosing:

@@ -65,6 +65,23 @@ func TestSuiteRetriesAnUnavailableGet(t *testing.T) {
 	}
 }
 
+// A target first seen active already powered down by its policy, its
+// threshold passed since the create was sent (a loaded provider's polls),
+// passes idle-obligations: the route's dial wakes it for the windows. The
+// same power-down before the threshold fails ("an idle power-down before
+// any idleness" in TestSuiteFailsAgainstWrongControllers).
+func TestIdleObligationsAcceptAPowerDownSeenFirst(t *testing.T) {
+	cfg := fast(serve(t, newFake(activeAfterIdle), controller.Options{}))
+	cfg.Checks = []string{"idle-obligations"}
+	results := conformance.Run(t.Context(), cfg)
+	if len(results) != 1 || !results[0].Passed {
+		t.Fatalf("want idle-obligations passed, got %v", results)
+	}
+	if !strings.Contains(results[0].Detail, "first seen active") {
+		t.Errorf("the check did not meet the target powered down first: %s", results[0].Detail)
+	}
+}
+
 // A controller that does not advertise power is not asked to move
 // anything, and must refuse target/setPower as capabilityUnavailable.
 func TestSuiteWithoutPower(t *testing.T) {
@@ -142,6 +159,7 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 		{"no idle close", idleNever, "idle-close", "the provider does not apply the idle policy"},
 		{"an idle close reported failed", idleCloseFails, "idle-close", "phase failed power \"\" after an idle close fell due"},
 		{"an idle close before any idleness", idleClosesAtCreate, "idle-close", "before its closeAfterMs"},
+		{"an idle power-down before any idleness", idlePausesAtCreate, "idle-obligations", "before its policy's"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
