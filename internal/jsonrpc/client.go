@@ -37,6 +37,7 @@ type Client struct {
 	err     error // why the connection ended; set once
 	done    chan struct{}
 	reading bool // a read loop runs: exactly while calls wait, or until it sees the end
+	closing bool // Close has closed the connection: a read loop runs on until it sees that
 
 	lastPing atomic.Int64 // unix nanoseconds of the last ping sent
 }
@@ -228,10 +229,15 @@ func (c *Client) Close() error {
 	_ = c.ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseNormalClosure, ""), time.Now().Add(time.Second))
 	err := c.ws.Close()
 	c.mu.Lock()
+	c.closing = true
 	reading := c.reading
 	c.mu.Unlock()
 	if reading {
-		<-c.done // the read loop sees the closed connection and ends
+		// The read loop sees the closed connection and ends. It no longer
+		// stops when its last call is answered (an answer read from the
+		// buffer after the close), which would leave this wait with no one
+		// to end it.
+		<-c.done
 	} else {
 		c.fail(errors.New("closed by this client"))
 	}
@@ -265,6 +271,10 @@ type responseEnvelope struct {
 	Error   json.RawMessage `json:"error,omitempty"`
 }
 
+// afterRead, set only by tests, runs after each message the read loop
+// reads, before it is delivered.
+var afterRead func()
+
 func (c *Client) readLoop() {
 	for {
 		kind, data, err := c.ws.ReadMessage()
@@ -272,6 +282,9 @@ func (c *Client) readLoop() {
 			c.fail(err)
 			_ = c.ws.Close()
 			return
+		}
+		if afterRead != nil {
+			afterRead()
 		}
 		if kind != websocket.TextMessage {
 			// Binary frames are not part of any plane: a client closes.
@@ -318,7 +331,7 @@ func (c *Client) readLoop() {
 		delete(c.pending, string(env.ID))
 		// Decided under the same lock as a new call's registration, so
 		// that a call never waits with no reader.
-		idle := len(c.pending) == 0
+		idle := len(c.pending) == 0 && !c.closing
 		if idle {
 			c.reading = false
 		}

@@ -257,6 +257,58 @@ func TestClientCallAfterClose(t *testing.T) {
 	}
 }
 
+// A Close that finds the read loop running waits for it to see the closed
+// connection. An answer the loop had already read when Close came, to a
+// call that has since given up, must not let it stop as if idle: Close
+// would then wait forever (the idle loop's probes hung this way at the
+// end of a test, in a clean CI run).
+func TestClientCloseWhileALateAnswerIsRead(t *testing.T) {
+	read, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	restore := jsonrpc.SetAfterRead(func() {
+		once.Do(func() {
+			close(read)
+			<-release
+		})
+	})
+	defer restore()
+	url, _ := rawServer(t, func(ws *websocket.Conn, req map[string]any) {
+		_ = ws.WriteJSON(map[string]any{"jsonrpc": "2.0", "id": req["id"], "result": map[string]any{}})
+	})
+	c := dialClient(t, url)
+	ctx, cancel := context.WithCancel(t.Context())
+	called := make(chan error, 1)
+	go func() { called <- c.Call(ctx, "test/echo", nil, nil) }()
+	<-read // the answer is read and not yet delivered
+	cancel()
+	if err := <-called; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the cancelled call: %v", err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- c.Close() }()
+	for deadline := time.Now().Add(hangGuard); !jsonrpc.Closing(c); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("Close never closed the connection")
+		}
+	}
+	close(release)
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	case <-time.After(hangGuard):
+		t.Fatal("Close still waits for a read loop that stopped as idle")
+	}
+	if jsonrpc.Reading(c) {
+		select {
+		case <-c.Done():
+		default:
+			t.Fatal("the read loop is said to run, and the connection has not ended")
+		}
+	}
+}
+
 // rawServer answers each request with whatever reply returns for it; it
 // reports on closed when its peer has closed the connection.
 func rawServer(t *testing.T, reply func(ws *websocket.Conn, request map[string]any)) (url string, closed <-chan struct{}) {

@@ -34,3 +34,18 @@ func Reading(c *Client) bool {
 	defer c.mu.Unlock()
 	return c.reading
 }
+
+// SetAfterRead makes every client's read loop call f after each message it
+// reads, before delivering it.
+func SetAfterRead(f func()) (restore func()) {
+	old := afterRead
+	afterRead = f
+	return func() { afterRead = old }
+}
+
+// Closing says whether Close has closed the client's connection.
+func Closing(c *Client) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closing
+}
