@@ -272,8 +272,9 @@ type responseEnvelope struct {
 }
 
 // afterRead, set only by tests, runs after each message the read loop
-// reads, before it is delivered.
-var afterRead func()
+// reads, before it is delivered. Atomic: a read loop of an earlier test
+// may still be running when a test sets it.
+var afterRead atomic.Pointer[func()]
 
 func (c *Client) readLoop() {
 	for {
@@ -283,8 +284,8 @@ func (c *Client) readLoop() {
 			_ = c.ws.Close()
 			return
 		}
-		if afterRead != nil {
-			afterRead()
+		if f := afterRead.Load(); f != nil {
+			(*f)()
 		}
 		if kind != websocket.TextMessage {
 			// Binary frames are not part of any plane: a client closes.

@@ -38,9 +38,8 @@ func Reading(c *Client) bool {
 // SetAfterRead makes every client's read loop call f after each message it
 // reads, before delivering it.
 func SetAfterRead(f func()) (restore func()) {
-	old := afterRead
-	afterRead = f
-	return func() { afterRead = old }
+	old := afterRead.Swap(&f)
+	return func() { afterRead.Store(old) }
 }
 
 // Closing says whether Close has closed the client's connection.
