@@ -53,10 +53,7 @@ func checkIdleObligations(ctx context.Context, r *checkRun) {
 		// provider's answers can come after the threshold has passed: the
 		// power-down is then the policy at work, and window 1's dial
 		// wakes the target. Before the threshold it cannot be.
-		took := time.Since(asked)
-		if took < after {
-			r.fatalf("the new target is active but %s %v after its create was sent, before its policy's %v could have passed; want it running", active.Power, took.Round(time.Millisecond), after)
-		}
+		took := r.notBeforeThreshold(asked, after, "the new target is active but "+string(active.Power)+"; want it running")
 		early = fmt.Sprintf(" (first seen active %s, %v after its create was sent; woken by the route's dial)", active.Power, took.Round(100*time.Millisecond))
 	}
 
@@ -167,9 +164,7 @@ func checkIdleClose(ctx context.Context, r *checkRun) {
 	}
 	var seen []controller.Phase
 	if early {
-		if took := time.Since(asked); took < after {
-			r.fatalf("the target was closed %v after its create was sent, before its closeAfterMs of %v could have passed", took.Round(time.Millisecond), after)
-		}
+		r.notBeforeThreshold(asked, after, "the target was closed")
 		seen = append(seen, "closed before a poll saw it active")
 	}
 	for _, ref := range refs {
@@ -264,6 +259,18 @@ func (r *checkRun) openPoweringDown(ctx context.Context) (*conn, templateChoice,
 	}
 	handed = true
 	return c, tmpl, down
+}
+
+// notBeforeThreshold fails the check with what happened when less than
+// the policy's threshold has passed since the create was asked: an idle
+// action that early cannot be the policy at work. It answers how long it
+// has been.
+func (r *checkRun) notBeforeThreshold(asked time.Time, after time.Duration, what string) time.Duration {
+	took := time.Since(asked)
+	if took < after {
+		r.fatalf("%s %v after its create was sent, before its policy's %v could have passed", what, took.Round(time.Millisecond), after)
+	}
+	return took
 }
 
 // powerDown is the least escalated power-down a template offers: the one

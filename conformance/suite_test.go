@@ -158,7 +158,7 @@ func TestSuiteFailsAgainstWrongControllers(t *testing.T) {
 		{"no idle policy applied", idleNever, "idle-obligations", "the provider does not apply the idle policy"},
 		{"no idle close", idleNever, "idle-close", "the provider does not apply the idle policy"},
 		{"an idle close reported failed", idleCloseFails, "idle-close", "phase failed power \"\" after an idle close fell due"},
-		{"an idle close before any idleness", idleClosesAtCreate, "idle-close", "before its closeAfterMs"},
+		{"an idle close before any idleness", idleClosesAtCreate, "idle-close", "after its create was sent, before its policy's"},
 		{"an idle power-down before any idleness", idlePausesAtCreate, "idle-obligations", "before its policy's"},
 	}
 	for _, tc := range cases {
