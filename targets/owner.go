@@ -110,13 +110,18 @@ func isHeld(err error) bool {
 	return errors.As(err, &h)
 }
 
-// logRetry logs a step that failed and is retried. A busy refusal can only
-// come from outside this process (another replica, an operator, an
-// operation Incus carries on after its caller stopped waiting): routine,
-// at info. Anything else is a warning.
+// logRetry logs a step that failed and is retried, or an answer given
+// from what was last seen because a read after a recorded write failed.
+// A busy refusal can only come from outside this process (another
+// replica, an operator, an operation Incus carries on after its caller
+// stopped waiting), and an Incus that did not answer in time is counted
+// and alerted on by its own metrics (incus_provider_incus_requests_total,
+// incus_provider_incus_endpoint_up): routine for the log, at info, so
+// that a loaded Incus does not fill it with warnings for steps that go
+// on. Anything else is a warning.
 func (s *Service) logRetry(msg string, err error, fields ...zap.Field) {
 	log := s.log.Warn
-	if errors.Is(err, incus.ErrBusy) {
+	if errors.Is(err, incus.ErrBusy) || errors.Is(err, incus.ErrUnreachable) {
 		log = s.log.Info
 	}
 	log(msg, append(fields, zap.Error(err))...)

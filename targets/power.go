@@ -503,8 +503,8 @@ func (s *Service) SetPower(ctx context.Context, ref controller.TargetRef, power 
 	if lerr != nil {
 		// The request is recorded: the reconciler carries it out whatever
 		// this answer says, so say it is under way rather than unavailable.
-		s.log.Warn("observing a recorded power change failed; answering what was last seen",
-			zap.String("instance", name), zap.Error(lerr))
+		s.logRetry("observing a recorded power change failed; answering what was last seen", lerr,
+			zap.String("instance", name))
 		st := StateOf(inst)
 		st.Intent = Intent{Power: power, By: BySetPower}
 		return s.withIngress(inst, observation(inst, ref.Owner, st, s.progressOf(name, st), s.now())), nil

@@ -103,7 +103,7 @@ func (s *Service) convergeStep(ctx context.Context, name string) next {
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
 		if ctx.Err() == nil {
-			s.log.Warn("converge: read failed; retrying after a backoff", zap.String("instance", name), zap.Error(err))
+			s.logRetry("converge: read failed; retrying after a backoff", err, zap.String("instance", name))
 		}
 		return failedStep
 	}

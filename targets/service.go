@@ -795,7 +795,7 @@ func (s *Service) answerHandout(ctx context.Context, name string, p controller.C
 	if err != nil {
 		// The instance is at the owner's name with the owner's metadata:
 		// the create is under way whatever this answer says.
-		s.log.Warn("observing a hand-out failed; answering provisioning", zap.String("instance", name), zap.Error(err))
+		s.logRetry("observing a hand-out failed; answering provisioning", err, zap.String("instance", name))
 		return controller.Observation{TargetID: name, Owner: p.Owner, Phase: controller.PhaseProvisioning,
 			Message: "Handing out a warm instance."}, nil
 	}
@@ -988,7 +988,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		// The close is recorded: the reconciler carries it out whatever
 		// this answer says, so it is closing, not unavailable (a refusal
 		// the runtime would take for a close that did not happen).
-		s.log.Warn("observing a recorded close failed; answering closing", zap.String("instance", name), zap.Error(err))
+		s.logRetry("observing a recorded close failed; answering closing", err, zap.String("instance", name))
 		recorded := *inst
 		recorded.Config = maps.Clone(inst.Config)
 		if !rec.has(fClosing) {
