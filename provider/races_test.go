@@ -21,12 +21,16 @@ import (
 // meet Incus's own busy refusals, operation timing and events.
 
 // Fifty dials at once on twenty paused targets: every dial is answered
-// with an upgrade, after a 503's Retry-After at most (as the runtime
+// with an upgrade, after 503s with a Retry-After at most (as the runtime
 // retries: twenty unfreezes, their records and leases at once can keep
 // this machine's Incus busy past the 5 s hold, its reads past a second),
-// each target is woken exactly once however many dials share the wake,
-// and afterwards Incus shows every target running, one instance per owner
-// and nothing else. How many dials were refused first is logged.
+// each target is woken exactly once however many dials share the wake
+// (Incus resumes it once, and the provider flies one wake from its
+// paused read), and afterwards Incus shows every target running, one
+// instance per owner and nothing else. How many dials were refused first,
+// and every flight (those from running included: a record of the use's
+// request that a loaded Incus let time out is made again by the next
+// use), are logged.
 func TestFiftyDialsOnTwentyPausedTargets(t *testing.T) {
 	const targets, dials = 20, 50
 	seed := testSeed(t)
@@ -52,7 +56,12 @@ func TestFiftyDialsOnTwentyPausedTargets(t *testing.T) {
 			to[i] = rng.IntN(targets)
 		}
 	}
-	before := r.wakes()
+	names := make([]string, len(all))
+	for i, rt := range all {
+		names[i] = rt.TargetID
+	}
+	before := r.flights()
+	resumed := r.resumes(names, time.Minute)
 	start := make(chan struct{})
 	errs := make(chan error, dials)
 	var refusedFirst atomic.Int32
@@ -80,9 +89,16 @@ func TestFiftyDialsOnTwentyPausedTargets(t *testing.T) {
 	for err := range errs {
 		t.Error(err)
 	}
-	t.Logf("%d of %d dials were refused 503 on their first try", refusedFirst.Load(), dials)
-	if w := r.wakes() - before; w != targets {
-		t.Errorf("%d wakes for %d dials on %d paused targets, want one per target", w, dials, targets)
+	fs := flightsSince(before, r.flights())
+	t.Logf("%d of %d dials were refused 503 on their first try; wake flights by from/outcome: %s", refusedFirst.Load(), dials, describeFlights(fs))
+	counts := resumed()
+	for _, name := range names {
+		if n := counts[name]; n != 1 {
+			t.Errorf("Incus resumed %s %d times for the dials, want once", name, n)
+		}
+	}
+	if w := fromPowerDown(fs); w != targets {
+		t.Errorf("%d wake flights from a powered-down read for %d dials on %d paused targets, want one per target (%s)", w, dials, targets, describeFlights(fs))
 	}
 	checkOneRunningInstanceEach(r, all)
 }

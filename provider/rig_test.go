@@ -326,9 +326,13 @@ func (r *rig) dial(route routes.Route) conformance.RouteDial {
 }
 
 // dialAsTheRuntime dials route until it is upgraded, honouring a 503's
-// Retry-After as the runtime does, at most five times; any other refusal
-// is an error. redials is how many refusals came first.
+// Retry-After as the runtime does, for up to two minutes; any other
+// refusal is an error. redials is how many refusals came first.
 func (r *rig) dialAsTheRuntime(route routes.Route) (conn *websocket.Conn, redials int, err error) {
+	// A runtime dials again for as long as it is told to retry; the test
+	// bounds that by time, not by count, since how many 5 s holds a
+	// loaded Incus needs is the load's, not the provider's.
+	giveUp := time.Now().Add(2 * time.Minute)
 	for redials = 0; ; redials++ {
 		d, err := conformance.RouteDialer{AsARuntime: true}.Dial(context.Background(), r.url(route), credential)
 		if err != nil {
@@ -337,7 +341,7 @@ func (r *rig) dialAsTheRuntime(route routes.Route) (conn *websocket.Conn, redial
 		if d.Conn != nil {
 			return d.Conn, redials, nil
 		}
-		if redials == 5 || d.Refusal == nil || d.Refusal.Status != 503 {
+		if time.Now().After(giveUp) || d.Refusal == nil || d.Refusal.Status != 503 {
 			return nil, redials, fmt.Errorf("refused: %+v after %s (%d redials)", d.Refusal, d.Elapsed, redials)
 		}
 		time.Sleep(d.Refusal.RetryAfter)
