@@ -970,3 +970,71 @@ func TestFakeAlreadyThereOutranksAnOlderWriteLandingLater(t *testing.T) {
 		return ok && v.Status == incus.InstanceFrozen && v.HeldBy == "" && v.Config[keyPower] == string(controller.PowerPaused)
 	})
 }
+
+// A process started after a kill does not relay a use of a running target
+// before it has read the power requests the dead process kept on the
+// project: such a request is older than the use, and once restored it would
+// be carried out over it (the kill matrix: a dial relayed 1.4 s into a
+// fresh process with nothing recorded, its target paused afterwards by the
+// kept request). Staged: a paused request kept on the project, the new
+// process's first read of the project held; the use's read of its running
+// target waits for it, then finds the request in sight, and its wake's
+// record outranks it.
+func TestFakeAUseWaitsForTheKeptRequestsOfADeadProcess(t *testing.T) {
+	r := newFakeRig(t, fakeDurations(seeded(t)), Config{ReconcileInterval: time.Hour})
+	o := fakeOwner("env-kept-unread")
+	name := r.seedTarget(o, incus.InstanceRunning, controller.PowerRunning)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	kept := pendingWrite{intent: Intent{Power: controller.PowerPaused, At: time.Now().Add(-time.Second), By: BySetPower}}
+	if err := r.svc.storePending(ctx, name, kept); err != nil {
+		t.Fatal(err)
+	}
+	held := r.fake.Inject(incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodGet, Path: "/1.0/projects/*", Times: 1})
+	defer held.Release()
+	next, err := New(r.client, fakeCatalog(t), nopDialer{}, relays.New(0), zaptest.NewLogger(t), Config{Replica: "r-fake-2", ReconcileInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nctx, ncancel := context.WithCancel(context.Background())
+	ran := make(chan struct{})
+	go func() { defer close(ran); _ = next.Run(nctx) }()
+	defer func() { ncancel(); <-ran }()
+	select {
+	case <-held.Hit():
+	case <-ctx.Done():
+		t.Fatal("the new process never read the project: the test staged nothing")
+	}
+
+	early, ecancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	rt, err := next.ResolveRoute(early, o, name)
+	ecancel()
+	if err == nil {
+		t.Fatalf("a use resolved its running target (pending power-down %v) before the kept requests were read: relayed now, it is lost to the kept paused request",
+			next.PowerDownPending(rt, time.Now()))
+	}
+	held.Release()
+	arrived := time.Now()
+	rt, err = next.ResolveRoute(ctx, o, name)
+	if err != nil {
+		t.Fatalf("once the project was read: %v", err)
+	}
+	if !next.PowerDownPending(rt, arrived) {
+		t.Fatal("the kept paused request, older than the use, is not in sight: the use would be relayed with nothing recorded")
+	}
+	if _, err := next.Wake(ctx, rt, arrived, nil); err != nil {
+		t.Fatalf("the use's wake: %v", err)
+	}
+	next.own.kick(name)
+	r.awaitFake("the kept request cleared", 10*time.Second, func() bool {
+		cfg, _, ok := r.fake.Project(fakeProject)
+		if !ok {
+			return false
+		}
+		_, present, _ := pendingIn(cfg, name)
+		return !present
+	})
+	if inst := r.instance(name); inst.Status != incus.InstanceRunning || inst.Config[keyPower] != string(controller.PowerRunning) {
+		t.Fatalf("after the kept request's flush the target is %s with power %q recorded; want running\n%s", inst.Status, inst.Config[keyPower], r.history(name))
+	}
+}

@@ -3,7 +3,10 @@ package targets
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -129,6 +132,7 @@ func (s *Service) restorePending(ctx context.Context) {
 		}
 		return
 	}
+	defer s.kept.read()
 	kept, bad := pendingAll(p.Config)
 	for name, v := range bad {
 		s.log.Warn("a stored power request does not decode; dropping it", zap.String("instance", name), zap.String("value", v))
@@ -181,5 +185,37 @@ func (s *Service) strandedLock(ctx context.Context, name string) {
 	s.failMu.Unlock()
 	if err != nil && !isAlreadyStopped(err) && ctx.Err() == nil {
 		s.logRetry("forcing a stranded stop failed; retrying", err, zap.String("instance", name))
+	}
+}
+
+// keptKnown is whether this process has read the project's kept requests
+// since its reconciler started. A use (a dial, an ingress request) that
+// finds its target running, with no power-down recorded on the instance
+// nor held in memory, is relayed without a write; a request a killed
+// process kept on the project is older than that use, yet once restored
+// it would be carried out over it, and the use's answer lost (the kill
+// matrix: a dial relayed 1.4 s into a fresh process, its target paused
+// afterwards by the request the previous process had kept). So such a use
+// waits, within its own bound, for the first read. A service whose
+// reconciler never runs restores nothing, and is not waited for.
+type keptKnown struct {
+	started atomic.Bool
+	once    sync.Once
+	known   chan struct{}
+}
+
+// read marks the kept requests read (and taken into memory).
+func (k *keptKnown) read() { k.once.Do(func() { close(k.known) }) }
+
+// wait returns once the kept requests are known, or with ctx's error.
+func (k *keptKnown) wait(ctx context.Context) error {
+	if !k.started.Load() {
+		return nil
+	}
+	select {
+	case <-k.known:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("targets: the power requests kept on the project are not read yet: %w", ctx.Err())
 	}
 }

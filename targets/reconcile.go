@@ -18,6 +18,7 @@ import (
 // returns when ctx ends, after the background work it started has stopped.
 func (s *Service) Run(ctx context.Context) error {
 	defer s.own.stop()
+	s.kept.started.Store(true)
 	leasesDone := make(chan struct{})
 	go func() { defer close(leasesDone); s.runLeases(ctx) }()
 	defer func() { <-leasesDone }()
@@ -48,13 +49,15 @@ func (s *Service) Run(ctx context.Context) error {
 func (s *Service) pass(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
+	// The kept requests first: until they are read once, a use that
+	// finds its target running waits for them (keptKnown).
+	s.restorePending(ctx)
 	since := s.ingress.mark()
 	list, stale, err := s.instancesNoting(ctx)
 	if err != nil {
 		return err
 	}
 	s.refreshIngress(list, since, stale)
-	s.restorePending(ctx)
 	for i := range list {
 		inst := &list[i]
 		if _, ok := ownerOf(inst); !ok {

@@ -151,5 +151,13 @@ func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targ
 	if err := checkOwned(inst, owner); err != nil {
 		return Route{}, ErrRouteOwner
 	}
-	return routeOf(inst, owner), nil
+	rt := routeOf(inst, owner)
+	if rt.State == RouteRunning {
+		// Relayed as it is unless a power-down is in sight: the ones a
+		// killed process kept must be (keptKnown).
+		if err := s.kept.wait(ctx); err != nil {
+			return Route{}, err
+		}
+	}
+	return rt, nil
 }

@@ -126,6 +126,9 @@ type Service struct {
 	// (see written.go).
 	written   writtenTable
 	projectMu sync.Mutex
+	// kept tells whether the power requests the project keeps (see
+	// pendingstore.go) have been read once since the reconciler started.
+	kept keptKnown
 	// creates are the creates this process answered and still follows.
 	creates createTable
 	// closed are the names this process answered closed (see closed.go).
@@ -168,6 +171,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	}
 	s := &Service{incus: client, dialer: dialer, relays: reg, log: log, cfg: cfg, now: time.Now,
 		lockedSince: map[string]time.Time{}}
+	s.kept.known = make(chan struct{})
 	s.leases.expires, s.leases.kicked = map[string]time.Time{}, map[string]time.Time{}
 	s.leaseKey = leaseKeyOf(cfg.Replica)
 	s.ingress.init()
