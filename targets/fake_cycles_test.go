@@ -12,6 +12,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 )
 
 // fakeCycles is how many wake, close and power-down cycles each variant of
@@ -35,7 +36,9 @@ func TestFakePowerDownRightAfterAWake(t *testing.T) {
 	r := newFakeRig(t, fakeDurations(rng), Config{GracefulStop: time.Second, ReconcileInterval: 100 * time.Millisecond,
 		AnswerWithin: 5 * time.Second, MethodBudget: 15 * time.Second})
 	variants := []time.Duration{-1, 0, time.Millisecond, 5 * time.Millisecond, 20 * time.Millisecond}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	// A bound against a hang, not a speed: beside stress-ng and the other
+	// lanes, 40 cycles took 98 s.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var wg sync.WaitGroup
 	for _, p := range []controller.Power{controller.PowerPaused, controller.PowerStopped} {
@@ -71,6 +74,30 @@ func describeCycleDelay(d time.Duration) string {
 	return d.String() + " after"
 }
 
+// setPowerAsARuntime asks for p as a runtime does: an unavailable answer
+// (Incus did not answer within a read's bound, as this machine's fake did
+// beside stress-ng and the other lanes: "Incus did not answer while
+// looking up the owner's target") is asked again after its retryAfterMs.
+// Any other error, or ctx's end, is the caller's.
+func (r *fakeRig) setPowerAsARuntime(ctx context.Context, ref controller.TargetRef, p controller.Power) error {
+	for {
+		_, err := r.svc.SetPower(ctx, ref, p)
+		var e *jsonrpc.Error
+		if err == nil || !errors.As(err, &e) || e.Kind != jsonrpc.KindUnavailable {
+			return err
+		}
+		wait := time.Second
+		if e.RetryAfterMs != nil {
+			wait = time.Duration(*e.RetryAfterMs) * time.Millisecond
+		}
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return fmt.Errorf("still answered unavailable at the test's bound: %w", err)
+		}
+	}
+}
+
 // wakeCloseAndPowerDown is one cycle on the fake: the target rests at p.
 func (r *fakeRig) wakeCloseAndPowerDown(ctx context.Context, o controller.Owner, name string, p controller.Power, delay time.Duration, rng *rand.Rand) error {
 	ref := controller.TargetRef{Owner: o, TargetID: name}
@@ -79,7 +106,7 @@ func (r *fakeRig) wakeCloseAndPowerDown(ctx context.Context, o controller.Owner,
 		return fmt.Errorf("the waking dial: %w", err)
 	}
 	if delay < 0 {
-		if _, err := r.svc.SetPower(ctx, ref, p); err != nil {
+		if err := r.setPowerAsARuntime(ctx, ref, p); err != nil {
 			c.Kill("the test failed")
 			return fmt.Errorf("setPower with the relay open: %w", err)
 		}
@@ -94,7 +121,7 @@ func (r *fakeRig) wakeCloseAndPowerDown(ctx context.Context, o controller.Owner,
 	} else {
 		c.Kill("the client closed")
 		time.Sleep(delay)
-		if _, err := r.svc.SetPower(ctx, ref, p); err != nil {
+		if err := r.setPowerAsARuntime(ctx, ref, p); err != nil {
 			return fmt.Errorf("setPower: %w", err)
 		}
 	}
