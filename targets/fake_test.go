@@ -334,11 +334,7 @@ func TestFakeAKeptRequestIsStoredBeforeItIsAnswered(t *testing.T) {
 	r.awaitFake("running at rest with the kept request", 20*time.Second, func() bool {
 		return restsAt(r.instance(name), incus.InstanceRunning, controller.PowerRunning)
 	})
-	r.awaitFake("the project's copy cleared", 10*time.Second, func() bool {
-		cfg, _, _ := r.fake.Project(fakeProject)
-		_, present, _ := pendingIn(cfg, name)
-		return !present
-	})
+	r.awaitKeptCleared(name)
 }
 
 // A setPower paused asked while a dial's wake is under way (its unfreeze
@@ -757,14 +753,7 @@ func TestFakeAlreadyThereOutranksAStoredRequest(t *testing.T) {
 	// The pass that would have restored the stored request, then its flush.
 	r.svc.restorePending(ctx)
 	r.svc.own.kick(name)
-	r.awaitFake("the stored request cleared", 10*time.Second, func() bool {
-		cfg, _, ok := r.fake.Project(fakeProject)
-		if !ok {
-			return false
-		}
-		_, present, _ := pendingIn(cfg, name)
-		return !present
-	})
+	r.awaitKeptCleared(name)
 	inst := r.instance(name)
 	if inst.Status != incus.InstanceStopped || inst.Config[keyPower] != string(controller.PowerStopped) {
 		t.Fatalf("after the stored request's flush the target is %s with power %q recorded; want stopped", inst.Status, inst.Config[keyPower])
@@ -1026,7 +1015,17 @@ func TestFakeAUseWaitsForTheKeptRequestsOfADeadProcess(t *testing.T) {
 		t.Fatalf("the use's wake: %v", err)
 	}
 	next.own.kick(name)
-	r.awaitFake("the kept request cleared", 10*time.Second, func() bool {
+	r.awaitKeptCleared(name)
+	if inst := r.instance(name); inst.Status != incus.InstanceRunning || inst.Config[keyPower] != string(controller.PowerRunning) {
+		t.Fatalf("after the kept request's flush the target is %s with power %q recorded; want running\n%s", inst.Status, inst.Config[keyPower], r.history(name))
+	}
+}
+
+// awaitKeptCleared waits until the project no longer keeps a power request
+// for name (see pendingstore.go).
+func (r *fakeRig) awaitKeptCleared(name string) {
+	r.t.Helper()
+	r.awaitFake("the project's kept request cleared", 10*time.Second, func() bool {
 		cfg, _, ok := r.fake.Project(fakeProject)
 		if !ok {
 			return false
@@ -1034,7 +1033,4 @@ func TestFakeAUseWaitsForTheKeptRequestsOfADeadProcess(t *testing.T) {
 		_, present, _ := pendingIn(cfg, name)
 		return !present
 	})
-	if inst := r.instance(name); inst.Status != incus.InstanceRunning || inst.Config[keyPower] != string(controller.PowerRunning) {
-		t.Fatalf("after the kept request's flush the target is %s with power %q recorded; want running\n%s", inst.Status, inst.Config[keyPower], r.history(name))
-	}
 }
