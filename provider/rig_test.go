@@ -386,18 +386,9 @@ func (r *rig) upgradeAsARuntime(route routes.Route) *websocket.Conn {
 // metric.
 func (r *rig) wakes() int {
 	r.t.Helper()
-	mfs, err := r.metrics.Gather()
-	if err != nil {
-		r.t.Fatal(err)
-	}
 	n := 0
-	for _, mf := range mfs {
-		if mf.GetName() != "incus_provider_route_wake_duration_seconds" {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			n += int(m.GetHistogram().GetSampleCount())
-		}
+	for _, c := range r.flights() {
+		n += c
 	}
 	return n
 }

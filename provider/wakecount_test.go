@@ -1,7 +1,6 @@
 package provider_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"maps"
@@ -122,29 +121,29 @@ func (r *rig) resumes(want []string, within time.Duration) func() map[string]int
 			}
 		}
 	}()
+	allSeen := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, w := range want {
+			if counts[w] == 0 {
+				return false
+			}
+		}
+		return true
+	}
 	var once sync.Once
 	var result map[string]int
 	stop := func() map[string]int {
 		once.Do(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), within)
-			defer cancel()
-			for {
-				mu.Lock()
-				all := true
-				for _, w := range want {
-					all = all && counts[w] > 0
-				}
-				mu.Unlock()
-				if all {
-					break
-				}
+			bound := time.After(within)
+		wait:
+			for !allSeen() {
 				select {
 				case <-seen:
 				case <-done:
-				case <-ctx.Done():
-				}
-				if ctx.Err() != nil || isClosed(done) {
-					break
+					break wait
+				case <-bound:
+					break wait
 				}
 			}
 			_ = stream.Close()
@@ -157,13 +156,4 @@ func (r *rig) resumes(want []string, within time.Duration) func() map[string]int
 	}
 	r.t.Cleanup(func() { stop() })
 	return stop
-}
-
-func isClosed(c <-chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
-	}
 }
