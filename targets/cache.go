@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -49,6 +50,10 @@ type obsCache struct {
 	// settle is how long after connecting the confirming list waits, so
 	// that Incus has registered the stream before the list is read.
 	settle time.Duration
+	// rereadsBegun and rereadsEnded count the cache's own re-reads of an
+	// instance, so that a count of the client's calls can tell a window
+	// in which only its readers called Incus.
+	rereadsBegun, rereadsEnded atomic.Int64
 
 	mu        sync.Mutex
 	connected bool
@@ -726,9 +731,11 @@ func (c *obsCache) rereads(ctx context.Context) {
 		delete(c.pending, name)
 		c.mu.Unlock()
 		at := c.mark(name)
+		c.rereadsBegun.Add(1)
 		rctx, cancel := context.WithTimeout(ctx, cacheCallTimeout)
 		inst, _, err := c.client.GetInstance(rctx, name)
 		cancel()
+		c.rereadsEnded.Add(1)
 		switch {
 		case errors.Is(err, incus.ErrNotFound):
 			c.offer(name, at, nil)
