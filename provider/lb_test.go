@@ -129,7 +129,7 @@ func (r *lbRig) start(i int) {
 		r.t.Fatal(err)
 	}
 	cmd := exec.Command(r.bin)
-	cmd.Env = append(os.Environ(),
+	cmd.Env = append(childEnv(),
 		"PROVIDER_LISTEN="+rep.addr, "PROVIDER_METRICS_LISTEN="+rep.metrics, "PROVIDER_REPLICA_ID="+rep.id,
 		"PROVIDER_INGRESS_LISTEN=off",
 		"PROVIDER_TEMPLATES="+filepath.Join(r.dir, "templates.yaml"), "PROVIDER_CREDENTIAL_FILE="+filepath.Join(r.dir, "credential"),

@@ -12,6 +12,17 @@ drop_incus_project() {
   incus project delete "$1" >/dev/null 2>&1 || true
 }
 
+# provider_env_unset prints env(1) options that unset the variables a
+# provider refuses as not its settings but a test run exports: the test
+# harness's own (INCUS_PROVIDER_*, PROVIDER_TEST_*) and the cluster rig's
+# (INCUS_CLUSTER_*, from cluster.env). Use: env $(provider_env_unset) ...
+provider_env_unset() {
+  local v
+  for v in $(compgen -e); do
+    case $v in INCUS_PROVIDER_* | PROVIDER_TEST_* | INCUS_CLUSTER_MEMBERS | INCUS_CLUSTER_SOCKETS | INCUS_CLUSTER_PIDS) printf -- '-u %s ' "$v" ;; esac
+  done
+}
+
 # await_provider PID OUT LOG waits up to 10 s for the provider process PID
 # to print its controller URL on OUT; if it exits or never does, its LOG is
 # shown and the wait fails.

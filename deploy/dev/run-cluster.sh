@@ -68,6 +68,8 @@ for i in 0 1; do
   n=$((i + 1))
   (
     set -a; . "$STATE_DIR/cluster/cluster.env"; set +a
+    # The rig's own lists are not the provider's settings, which it would refuse.
+    unset INCUS_CLUSTER_MEMBERS INCUS_CLUSTER_SOCKETS INCUS_CLUSTER_PIDS
     # Public ingress is off on the rig: each replica's edge would hand out
     # its own endpoints, and nothing balances the edges yet.
     PROVIDER_LISTEN=127.0.0.1:$((18490 + n)) PROVIDER_METRICS_LISTEN=127.0.0.1:$((19490 + n)) PROVIDER_INGRESS_LISTEN=off \

@@ -51,7 +51,8 @@ incus project create "$project" -c features.images=false -c features.profiles=fa
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 sed "s/imageAlias: lightspeed-dev-guest/imageAlias: $alias/" deploy/templates.dev.yaml > "$work/templates.yaml"
 grep -q "imageAlias: $alias" "$work/templates.yaml" || { echo "test-image: no template of deploy/templates.dev.yaml names lightspeed-dev-guest any more" >&2; exit 1; }
-PROVIDER_LISTEN=127.0.0.1:18490 PROVIDER_METRICS_LISTEN=127.0.0.1:19490 \
+# shellcheck disable=SC2046 # one word per option
+env $(provider_env_unset) PROVIDER_LISTEN=127.0.0.1:18490 PROVIDER_METRICS_LISTEN=127.0.0.1:19490 \
   PROVIDER_INGRESS_LISTEN=127.0.0.1:18491 PROVIDER_INGRESS_BASE_URL='http://{label}.localhost:18491' \
   PROVIDER_TEMPLATES="$work/templates.yaml" PROVIDER_CREDENTIAL_FILE="$work/credential" \
   INCUS_PROJECT="$project" PROVIDER_GRACEFUL_STOP=10s \

@@ -128,7 +128,8 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 # NAME=VALUE words) and waits for it to serve; its pid is in $served.
 serve() {
   local name=$1; shift
-  env "$@" PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
+  # shellcheck disable=SC2046 # one word per option
+  env $(provider_env_unset) "$@" PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
     PROVIDER_GRACEFUL_STOP=5s bin/incus-provider >"$work/$name.out" 2>"$work/$name.log" &
   served=$! served_log="$work/$name.log"
   await_provider "$served" "$work/$name.out" "$work/$name.log"
