@@ -32,7 +32,9 @@ COPY deploy/templates.dev.yaml /etc/incus-provider/templates.yaml
 # the local Incus socket is root's. With PROVIDER_GUEST_DIALER=exec and an
 # Incus reached over HTTPS (INCUS_URL), run it as any user: --user 65532.
 USER 0:0
-# Listen on every address of the network it is given; the metrics too.
+# Listen on every address of the network it is given; the metrics too. The
+# controller listener then needs PROVIDER_CREDENTIAL_FILE (a mounted file),
+# or the provider refuses to start (PROVIDER_ALLOW_NO_CREDENTIAL).
 ENV PROVIDER_LISTEN=0.0.0.0:8480 PROVIDER_METRICS_LISTEN=0.0.0.0:9480
 EXPOSE 8480 9480
 ENTRYPOINT ["/incus-provider"]

@@ -158,6 +158,40 @@ func oneSentence(t *testing.T, r ran, want ...string) {
 	}
 }
 
+// TestEveryBadSettingAtOnce: one start names every refused setting, each in
+// a sentence of its own on a line of its own, and touches nothing: the
+// Incus socket named does not exist, and a start that reached for it would
+// exit 1, not 2.
+func TestEveryBadSettingAtOnce(t *testing.T) {
+	notPEM := filepath.Join(t.TempDir(), "not.pem")
+	if err := os.WriteFile(notPEM, []byte("not a certificate\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := runBinary(t, []string{"INCUS_SOCKET=/nonexistent/incus.sock", "PROVIDER_TEMPLATES=/nonexistent.yaml",
+		"PROVIDER_LISTEN=0.0.0.0:8480", "PROVIDER_MAX_IN_FLIGHT=many", "PROVIDER_GRACEFUL_STOP=0s",
+		"PROVIDER_TLS_CERT=" + notPEM, "PROVIDER_TLS_KEY=" + notPEM, "PROVIDER_CREDENTAIL_FILE=/etc/credential",
+		"INCUS_PORJECT=prod", "INCUS_DIR=/var/lib/incus"})
+	if r.code != exitBadSetting {
+		t.Fatalf("exit %d, want %d; stderr:\n%s", r.code, exitBadSetting, r.stderr)
+	}
+	lines := strings.Split(strings.TrimRight(r.stderr, "\n"), "\n")
+	for _, want := range []string{"PROVIDER_TEMPLATES=", "PROVIDER_LISTEN=", "PROVIDER_MAX_IN_FLIGHT=", "PROVIDER_GRACEFUL_STOP=",
+		"PROVIDER_TLS_CERT=", "PROVIDER_CREDENTAIL_FILE is set", "INCUS_PORJECT is set"} {
+		n := 0
+		for _, l := range lines {
+			if strings.HasPrefix(l, "incus-provider: "+want) {
+				n++
+			}
+		}
+		if n != 1 {
+			t.Errorf("%d lines begin %q, want 1:\n%s", n, want, r.stderr)
+		}
+	}
+	if len(lines) != 7 || strings.Contains(r.stderr, "INCUS_DIR") || strings.Contains(r.stderr, "{") {
+		t.Errorf("want exactly the 7 refusals (INCUS_DIR is Incus's own), got:\n%s", r.stderr)
+	}
+}
+
 func TestUnknownArgumentsExit2(t *testing.T) {
 	for _, args := range [][]string{{"--foo"}, {"serve"}, {"--help", "extra"}, {"-version=1"}} {
 		r := runBinary(t, nil, args...)
@@ -197,8 +231,11 @@ func TestBadSettingsExit2WithOneSentence(t *testing.T) {
 		{[]string{"PROVIDER_TEMPLATES=" + badTemplates}, []string{badTemplates, "nonsense"}},
 		{[]string{"PROVIDER_TEMPLATES=" + good, "PROVIDER_CREDENTIAL_FILE=" + empty}, []string{"PROVIDER_CREDENTIAL_FILE", "empty"}},
 		{[]string{"PROVIDER_TEMPLATES=" + good, "PROVIDER_TLS_CERT=" + notPEM, "PROVIDER_TLS_KEY=" + notPEM}, []string{"PROVIDER_TLS_CERT", "not a usable pair"}},
-		{[]string{"PROVIDER_TEMPLATES=" + good, "PROVIDER_LISTEN=192.0.2.1:8480", "INCUS_SOCKET=" + incustest.Socket()},
+		{[]string{"PROVIDER_TEMPLATES=" + good, "PROVIDER_LISTEN=192.0.2.1:8480", "PROVIDER_ALLOW_NO_CREDENTIAL=yes", "INCUS_SOCKET=" + incustest.Socket()},
 			[]string{"PROVIDER_LISTEN", "cannot be bound"}},
+		{[]string{"PROVIDER_LISTEN=0.0.0.0:8480"}, []string{`PROVIDER_LISTEN="0.0.0.0:8480"`, "PROVIDER_CREDENTIAL_FILE is unset"}},
+		{[]string{"PROVIDER_CREDENTAIL_FILE=" + empty}, []string{"PROVIDER_CREDENTAIL_FILE is set", "did you mean PROVIDER_CREDENTIAL_FILE?"}},
+		{[]string{"PROVIDER_INGRESS_TLS_CERT=" + notPEM, "PROVIDER_INGRESS_TLS_KEY=" + notPEM}, []string{"PROVIDER_INGRESS_TLS_CERT", "not a usable pair"}},
 	}
 	// The rest reach Incus; a missing project is refused as one, not as
 	// an image that cannot be resolved.

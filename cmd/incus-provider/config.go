@@ -1,6 +1,7 @@
 package main
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"math"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
 	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
 	"github.com/lightspeed-dev/incus-provider/targets"
@@ -38,6 +40,7 @@ type config struct {
 	TLSCert           string        `env:"PROVIDER_TLS_CERT" allowed:"a readable PEM file; set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither" help:"serve wss:// with this certificate (reloaded on SIGHUP)"`
 	TLSKey            string        `env:"PROVIDER_TLS_KEY" allowed:"a readable PEM file; set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither" help:"the private key of PROVIDER_TLS_CERT"`
 	CredentialFile    string        `env:"PROVIDER_CREDENTIAL_FILE" allowed:"a readable file holding the bearer credential" help:"when set, /control and every route answer 401 without Authorization: Bearer <credential>"`
+	AllowNoCredential string        `env:"PROVIDER_ALLOW_NO_CREDENTIAL" envDefault:"no" allowed:"no or yes" help:"yes lets PROVIDER_LISTEN or PROVIDER_ROUTE_LISTEN serve beyond loopback with no PROVIDER_CREDENTIAL_FILE (only where something in front checks every caller); no refuses to start that way"`
 	MetricsListen     string        `env:"PROVIDER_METRICS_LISTEN" envDefault:"127.0.0.1:9480" allowed:"host:port (such as 127.0.0.1:9480), or off" help:"Prometheus /metrics, /healthz and /readyz"`
 	Templates         string        `env:"PROVIDER_TEMPLATES" envDefault:"/etc/incus-provider/templates.yaml" allowed:"a readable templates file (YAML or JSON)" help:"the templates offered, each with an optional warm pool (warm: 0-32 instances created ahead); reloaded on SIGHUP"`
 	MaxInFlight       int           `env:"PROVIDER_MAX_IN_FLIGHT" envDefault:"64" allowed:"a whole number from 16 (the protocol's floor) to 4096" help:"requests in flight per controller connection; past it, busy/requestLimit"`
@@ -78,25 +81,40 @@ type config struct {
 	peerSecret        []byte
 	ingressBase       *ingressurl.Base // nil: PROVIDER_INGRESS_LISTEN=off
 	cacheOn           bool             // PROVIDER_OBSERVATION_CACHE=on
+	credential        bearer.Credential
+	tlsCert           *tls.Certificate // nil: PROVIDER_TLS_CERT unset
 }
 
-// loadConfig reads and checks the environment. Every refusal is one
-// sentence naming the variable, the value and what is allowed.
-func loadConfig() (config, error) {
+// loadConfig reads and checks the environment (as os.Environ gives it). Every refusal is one
+// sentence naming the variable, the value and what is allowed, and every
+// one is reported at once (a *configError, one sentence a line).
+func loadConfig(environ []string) (config, error) {
 	var c config
-	if err := env.Parse(&c); err != nil {
-		var agg env.AggregateError
-		if errors.As(err, &agg) && len(agg.Errors) > 0 {
-			err = agg.Errors[0]
+	var r refusals
+	vars := make(map[string]string, len(environ))
+	for _, kv := range environ {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			vars[k] = v
 		}
-		var pe env.ParseError
-		if errors.As(err, &pe) {
-			name := varName(pe.Name)
-			return c, fmt.Errorf("%s=%q is not valid: %s", name, os.Getenv(name), allowed(name))
-		}
-		return c, fmt.Errorf("configuration: %w", err)
 	}
-	return c, c.check()
+	if err := env.ParseWithOptions(&c, env.Options{Environment: vars}); err != nil {
+		var agg env.AggregateError
+		errs := []error{err}
+		if errors.As(err, &agg) && len(agg.Errors) > 0 {
+			errs = agg.Errors
+		}
+		for _, err := range errs {
+			var pe env.ParseError
+			if !errors.As(err, &pe) {
+				return c, fmt.Errorf("configuration: %w", err)
+			}
+			name := varName(pe.Name)
+			r.add(name, vars[name], allowed(name))
+		}
+	}
+	unknownVariables(environ, &r)
+	c.check(&r)
+	return c, r.err()
 }
 
 // varName is the variable a config field is read from.
@@ -107,137 +125,176 @@ func varName(field string) string {
 	return field
 }
 
-func (c *config) check() error {
-	bad := func(name, value, want string) error {
-		return fmt.Errorf("%s=%q is not valid: %s", name, value, want)
-	}
-	if err := checkListen(c.Listen); err != nil {
-		return bad("PROVIDER_LISTEN", c.Listen, err.Error())
-	}
-	if c.RouteListen != "" {
-		if err := checkListen(c.RouteListen); err != nil || strings.HasPrefix(c.RouteListen, "unix:") {
-			return bad("PROVIDER_ROUTE_LISTEN", c.RouteListen, allowed("PROVIDER_ROUTE_LISTEN"))
+// check refuses what the values' types alone do not, reads the files the
+// settings name (the credential, certificates, the peers' secret) so that
+// a bad one stops the start before anything touches Incus, and fills the
+// derived fields. A value r already refused is not looked at again.
+func (c *config) check(r *refusals) {
+	bad := r.add
+	listenOK := func(name, value string, unixOK bool, want string) bool {
+		if r.refused(name) {
+			return false
 		}
+		if err := checkListen(value); err != nil || (!unixOK && strings.HasPrefix(value, "unix:")) {
+			if want == "" {
+				want = err.Error()
+			}
+			bad(name, value, want)
+			return false
+		}
+		return true
+	}
+	listenOK("PROVIDER_LISTEN", c.Listen, true, "")
+	if c.RouteListen != "" {
+		listenOK("PROVIDER_ROUTE_LISTEN", c.RouteListen, false, allowed("PROVIDER_ROUTE_LISTEN"))
 	}
 	if !routePath.MatchString(c.RoutePath) {
-		return bad("PROVIDER_ROUTE_PATH", c.RoutePath, allowed("PROVIDER_ROUTE_PATH"))
+		bad("PROVIDER_ROUTE_PATH", c.RoutePath, allowed("PROVIDER_ROUTE_PATH"))
 	}
 	if c.MetricsListen != "off" {
-		if err := checkListen(c.MetricsListen); err != nil || strings.HasPrefix(c.MetricsListen, "unix:") {
-			return bad("PROVIDER_METRICS_LISTEN", c.MetricsListen, allowed("PROVIDER_METRICS_LISTEN"))
+		listenOK("PROVIDER_METRICS_LISTEN", c.MetricsListen, false, allowed("PROVIDER_METRICS_LISTEN"))
+	}
+	c.checkFiles(r)
+	if c.AllowNoCredential != "no" && c.AllowNoCredential != "yes" {
+		bad("PROVIDER_ALLOW_NO_CREDENTIAL", c.AllowNoCredential, allowed("PROVIDER_ALLOW_NO_CREDENTIAL"))
+	} else if c.CredentialFile == "" && c.AllowNoCredential == "no" {
+		for name, addr := range map[string]string{"PROVIDER_LISTEN": c.Listen, "PROVIDER_ROUTE_LISTEN": c.RouteListen} {
+			if addr != "" && !r.refused(name) && !loopbackOnly(addr) {
+				bad(name, addr, "it reaches beyond this host and PROVIDER_CREDENTIAL_FILE is unset, so anyone who reaches it could create, power and close targets and reach every guest; set PROVIDER_CREDENTIAL_FILE, listen on loopback or a unix socket, or set PROVIDER_ALLOW_NO_CREDENTIAL=yes where something in front checks callers")
+			}
 		}
 	}
-	if (c.TLSCert == "") != (c.TLSKey == "") {
-		return bad("PROVIDER_TLS_CERT", c.TLSCert, "set PROVIDER_TLS_CERT and PROVIDER_TLS_KEY together, or neither")
+	if !r.refused("PROVIDER_MAX_IN_FLIGHT") && (c.MaxInFlight < jsonrpc.MinInFlight || c.MaxInFlight > 4096) {
+		bad("PROVIDER_MAX_IN_FLIGHT", fmt.Sprint(c.MaxInFlight), allowed("PROVIDER_MAX_IN_FLIGHT"))
 	}
-	for name, path := range map[string]string{"PROVIDER_TLS_CERT": c.TLSCert, "PROVIDER_TLS_KEY": c.TLSKey,
-		"PROVIDER_CREDENTIAL_FILE": c.CredentialFile, "PROVIDER_TEMPLATES": c.Templates} {
-		if path == "" {
-			continue
-		}
-		if _, err := os.Stat(path); err != nil {
-			return bad(name, path, "it must name a readable file ("+err.Error()+")")
-		}
+	if !r.refused("PROVIDER_GRACEFUL_STOP") && (c.GracefulStop < time.Second || c.GracefulStop > 10*time.Minute) {
+		bad("PROVIDER_GRACEFUL_STOP", c.GracefulStop.String(), allowed("PROVIDER_GRACEFUL_STOP"))
 	}
-	if c.MaxInFlight < jsonrpc.MinInFlight || c.MaxInFlight > 4096 {
-		return bad("PROVIDER_MAX_IN_FLIGHT", fmt.Sprint(c.MaxInFlight), allowed("PROVIDER_MAX_IN_FLIGHT"))
-	}
-	if c.GracefulStop < time.Second || c.GracefulStop > 10*time.Minute {
-		return bad("PROVIDER_GRACEFUL_STOP", c.GracefulStop.String(), allowed("PROVIDER_GRACEFUL_STOP"))
-	}
-	if c.ReconcileInterval < time.Second || c.ReconcileInterval > time.Hour {
-		return bad("PROVIDER_RECONCILE_INTERVAL", c.ReconcileInterval.String(), allowed("PROVIDER_RECONCILE_INTERVAL"))
+	if !r.refused("PROVIDER_RECONCILE_INTERVAL") && (c.ReconcileInterval < time.Second || c.ReconcileInterval > time.Hour) {
+		bad("PROVIDER_RECONCILE_INTERVAL", c.ReconcileInterval.String(), allowed("PROVIDER_RECONCILE_INTERVAL"))
 	}
 	if c.ObservationCache != "on" && c.ObservationCache != "off" {
-		return bad("PROVIDER_OBSERVATION_CACHE", c.ObservationCache, allowed("PROVIDER_OBSERVATION_CACHE"))
+		bad("PROVIDER_OBSERVATION_CACHE", c.ObservationCache, allowed("PROVIDER_OBSERVATION_CACHE"))
 	}
 	c.cacheOn = c.ObservationCache == "on"
-	if c.CacheCorrection < 10*time.Second || c.CacheCorrection > time.Hour {
-		return bad("PROVIDER_CACHE_CORRECTION_INTERVAL", c.CacheCorrection.String(), allowed("PROVIDER_CACHE_CORRECTION_INTERVAL"))
+	if !r.refused("PROVIDER_CACHE_CORRECTION_INTERVAL") && (c.CacheCorrection < 10*time.Second || c.CacheCorrection > time.Hour) {
+		bad("PROVIDER_CACHE_CORRECTION_INTERVAL", c.CacheCorrection.String(), allowed("PROVIDER_CACHE_CORRECTION_INTERVAL"))
 	}
-	if c.RelayIdleTimeout < time.Minute || c.RelayIdleTimeout > 24*time.Hour {
-		return bad("PROVIDER_RELAY_IDLE_TIMEOUT", c.RelayIdleTimeout.String(), allowed("PROVIDER_RELAY_IDLE_TIMEOUT"))
+	if !r.refused("PROVIDER_RELAY_IDLE_TIMEOUT") && (c.RelayIdleTimeout < time.Minute || c.RelayIdleTimeout > 24*time.Hour) {
+		bad("PROVIDER_RELAY_IDLE_TIMEOUT", c.RelayIdleTimeout.String(), allowed("PROVIDER_RELAY_IDLE_TIMEOUT"))
 	}
-	if c.RouteMaxHeld < 1 || c.RouteMaxHeld > 65536 {
-		return bad("PROVIDER_ROUTE_MAX_HELD", fmt.Sprint(c.RouteMaxHeld), allowed("PROVIDER_ROUTE_MAX_HELD"))
+	if !r.refused("PROVIDER_ROUTE_MAX_HELD") && (c.RouteMaxHeld < 1 || c.RouteMaxHeld > 65536) {
+		bad("PROVIDER_ROUTE_MAX_HELD", fmt.Sprint(c.RouteMaxHeld), allowed("PROVIDER_ROUTE_MAX_HELD"))
 	}
-	if c.MaxConnections < 16 || c.MaxConnections > 1<<20 {
-		return bad("PROVIDER_MAX_CONNECTIONS", fmt.Sprint(c.MaxConnections), allowed("PROVIDER_MAX_CONNECTIONS"))
+	if !r.refused("PROVIDER_MAX_CONNECTIONS") && (c.MaxConnections < 16 || c.MaxConnections > 1<<20) {
+		bad("PROVIDER_MAX_CONNECTIONS", fmt.Sprint(c.MaxConnections), allowed("PROVIDER_MAX_CONNECTIONS"))
 	}
-	if c.MaxControl < 1 || c.MaxControl > 65536 {
-		return bad("PROVIDER_MAX_CONTROL_CONNECTIONS", fmt.Sprint(c.MaxControl), allowed("PROVIDER_MAX_CONTROL_CONNECTIONS"))
+	if !r.refused("PROVIDER_MAX_CONTROL_CONNECTIONS") && (c.MaxControl < 1 || c.MaxControl > 65536) {
+		bad("PROVIDER_MAX_CONTROL_CONNECTIONS", fmt.Sprint(c.MaxControl), allowed("PROVIDER_MAX_CONTROL_CONNECTIONS"))
 	}
-	budget, ok := parseBytes(c.DecodeBudget)
-	if !ok || budget < jsonrpc.MaxMessageBytes || budget > 64<<30 {
-		return bad("PROVIDER_DECODE_BUDGET", c.DecodeBudget, allowed("PROVIDER_DECODE_BUDGET"))
+	if budget, ok := parseBytes(c.DecodeBudget); !ok || budget < jsonrpc.MaxMessageBytes || budget > 64<<30 {
+		bad("PROVIDER_DECODE_BUDGET", c.DecodeBudget, allowed("PROVIDER_DECODE_BUDGET"))
+	} else {
+		c.decodeBudgetBytes = budget
 	}
-	c.decodeBudgetBytes = budget
 	if c.MemoryLimit != "off" {
-		n, ok := parseBytes(c.MemoryLimit)
-		if !ok || n < 64<<20 {
-			return bad("PROVIDER_MEMORY_LIMIT", c.MemoryLimit, allowed("PROVIDER_MEMORY_LIMIT"))
+		if n, ok := parseBytes(c.MemoryLimit); !ok || n < 64<<20 {
+			bad("PROVIDER_MEMORY_LIMIT", c.MemoryLimit, allowed("PROVIDER_MEMORY_LIMIT"))
+		} else {
+			c.memoryLimitBytes = n
 		}
-		c.memoryLimitBytes = n
 	}
 	switch c.GuestDialer {
 	case "auto", guest.KindNetns, guest.KindProxy, guest.KindExec, guest.KindMember:
 	default:
-		return bad("PROVIDER_GUEST_DIALER", c.GuestDialer, allowed("PROVIDER_GUEST_DIALER"))
+		bad("PROVIDER_GUEST_DIALER", c.GuestDialer, allowed("PROVIDER_GUEST_DIALER"))
 	}
 	if c.Replica != "" && !targets.ValidReplica(c.Replica) {
-		return bad("PROVIDER_REPLICA_ID", c.Replica, allowed("PROVIDER_REPLICA_ID"))
+		bad("PROVIDER_REPLICA_ID", c.Replica, allowed("PROVIDER_REPLICA_ID"))
 	}
 	if c.IncusMember != "" && !memberName.MatchString(c.IncusMember) {
-		return bad("PROVIDER_INCUS_MEMBER", c.IncusMember, allowed("PROVIDER_INCUS_MEMBER"))
+		bad("PROVIDER_INCUS_MEMBER", c.IncusMember, allowed("PROVIDER_INCUS_MEMBER"))
 	}
 	if !strings.HasPrefix(c.GuestSocketDir, "/") {
-		return bad("PROVIDER_GUEST_SOCKET_DIR", c.GuestSocketDir, allowed("PROVIDER_GUEST_SOCKET_DIR"))
+		bad("PROVIDER_GUEST_SOCKET_DIR", c.GuestSocketDir, allowed("PROVIDER_GUEST_SOCKET_DIR"))
 	}
-	if err := c.checkPeers(); err != nil {
-		return err
-	}
+	c.checkPeers(r)
 	switch c.LogLevel {
 	case "debug", "info", "warn", "error":
 	default:
-		return bad("PROVIDER_LOG_LEVEL", c.LogLevel, allowed("PROVIDER_LOG_LEVEL"))
+		bad("PROVIDER_LOG_LEVEL", c.LogLevel, allowed("PROVIDER_LOG_LEVEL"))
 	}
 	if c.IncusURL != "" {
-		urls, why := splitIncusURLs(c.IncusURL)
-		if why != "" {
-			return bad("INCUS_URL", c.IncusURL, why+"; "+allowed("INCUS_URL"))
+		if urls, why := splitIncusURLs(c.IncusURL); why != "" {
+			bad("INCUS_URL", c.IncusURL, why+"; "+allowed("INCUS_URL"))
+		} else {
+			c.incusURLs = urls
 		}
-		c.incusURLs = urls
-		for name, path := range map[string]string{"INCUS_CLIENT_CERT": c.IncusClientCert, "INCUS_CLIENT_KEY": c.IncusClientKey, "INCUS_SERVER_CERT": c.IncusServerCert} {
-			if path == "" {
-				return bad(name, path, "INCUS_URL needs INCUS_CLIENT_CERT, INCUS_CLIENT_KEY and INCUS_SERVER_CERT (the pinned server certificate)")
+		var unset []string
+		for _, f := range []struct{ name, path string }{{"INCUS_CLIENT_CERT", c.IncusClientCert}, {"INCUS_CLIENT_KEY", c.IncusClientKey}, {"INCUS_SERVER_CERT", c.IncusServerCert}} {
+			if f.path == "" {
+				unset = append(unset, f.name)
 			}
+		}
+		if len(unset) > 0 {
+			r.addLine(unset[0], strings.Join(unset, ", ")+" unset: INCUS_URL needs INCUS_CLIENT_CERT, INCUS_CLIENT_KEY and INCUS_SERVER_CERT (the pinned server certificate)")
 		}
 	}
 	if c.IncusProject == "" {
-		return bad("INCUS_PROJECT", c.IncusProject, allowed("INCUS_PROJECT"))
+		bad("INCUS_PROJECT", c.IncusProject, allowed("INCUS_PROJECT"))
 	}
 	if c.IngressListen != "off" {
-		if err := checkListen(c.IngressListen); err != nil || strings.HasPrefix(c.IngressListen, "unix:") {
-			return bad("PROVIDER_INGRESS_LISTEN", c.IngressListen, "use host:port (such as 127.0.0.1:8482), or off to serve no public ingress")
-		}
-		base, err := ingressurl.Parse(c.IngressBaseURL)
-		if err != nil {
-			return bad("PROVIDER_INGRESS_BASE_URL", c.IngressBaseURL, err.Error())
-		}
-		c.ingressBase = &base
-		if (c.IngressTLSCert == "") != (c.IngressTLSKey == "") {
-			return bad("PROVIDER_INGRESS_TLS_CERT", c.IngressTLSCert, "set PROVIDER_INGRESS_TLS_CERT and PROVIDER_INGRESS_TLS_KEY together, or neither")
-		}
-		for name, path := range map[string]string{"PROVIDER_INGRESS_TLS_CERT": c.IngressTLSCert, "PROVIDER_INGRESS_TLS_KEY": c.IngressTLSKey} {
-			if path == "" {
-				continue
-			}
-			if _, err := os.Stat(path); err != nil {
-				return bad(name, path, "it must name a readable file ("+err.Error()+")")
-			}
+		listenOK("PROVIDER_INGRESS_LISTEN", c.IngressListen, false, "use host:port (such as 127.0.0.1:8482), or off to serve no public ingress")
+		if base, err := ingressurl.Parse(c.IngressBaseURL); err != nil {
+			bad("PROVIDER_INGRESS_BASE_URL", c.IngressBaseURL, err.Error())
+		} else {
+			c.ingressBase = &base
 		}
 	}
-	return nil
+}
+
+// checkFiles reads the files the settings name, each once, at start: a
+// credential, a certificate or a key that cannot be used is refused here,
+// not at the first request or handshake, when the service already
+// answers and systemd would restart it for ever.
+func (c *config) checkFiles(r *refusals) {
+	if c.Templates != "" {
+		if _, err := os.Stat(c.Templates); err != nil {
+			r.add("PROVIDER_TEMPLATES", c.Templates, "it must name a readable file ("+err.Error()+")")
+		}
+	}
+	if c.CredentialFile != "" {
+		cred, err := bearer.Load(c.CredentialFile)
+		if err != nil {
+			r.add("PROVIDER_CREDENTIAL_FILE", c.CredentialFile, "it must name a readable file holding the credential ("+err.Error()+")")
+		}
+		c.credential = cred
+	}
+	pair := func(certName, cert, keyName, key string) *tls.Certificate {
+		switch {
+		case cert == "" && key == "":
+			return nil
+		case cert == "" || key == "":
+			r.add(certName, cert, "set "+certName+" and "+keyName+" together, or neither")
+			return nil
+		}
+		for _, f := range []struct{ name, path string }{{certName, cert}, {keyName, key}} {
+			if _, err := os.Stat(f.path); err != nil {
+				r.add(f.name, f.path, "it must name a readable file ("+err.Error()+")")
+				return nil
+			}
+		}
+		kp, err := tls.LoadX509KeyPair(cert, key)
+		if err != nil {
+			r.add(certName, cert, "it and "+keyName+" are not a usable pair: a PEM certificate and its key ("+err.Error()+")")
+			return nil
+		}
+		return &kp
+	}
+	c.tlsCert = pair("PROVIDER_TLS_CERT", c.TLSCert, "PROVIDER_TLS_KEY", c.TLSKey)
+	if c.IngressListen != "off" {
+		pair("PROVIDER_INGRESS_TLS_CERT", c.IngressTLSCert, "PROVIDER_INGRESS_TLS_KEY", c.IngressTLSKey)
+	}
 }
 
 // splitIncusURLs reads INCUS_URL: https://host:port URLs separated by
@@ -300,13 +357,11 @@ func parseBytes(s string) (int64, bool) {
 // checkPeers reads the replica-to-replica forwarding settings: where this
 // replica serves its member's guests to the others, where the others
 // serve theirs, and the secret they share.
-func (c *config) checkPeers() error {
-	bad := func(name, value, allowed string) error {
-		return fmt.Errorf("%s=%q is not valid: %s", name, value, allowed)
-	}
+func (c *config) checkPeers(r *refusals) {
+	bad := r.add
 	if c.PeerListen != "off" {
 		if err := checkListen(c.PeerListen); err != nil || strings.HasPrefix(c.PeerListen, "unix:") {
-			return bad("PROVIDER_PEER_LISTEN", c.PeerListen, "use host:port on an address the other replicas reach (such as the member's own address), or off")
+			bad("PROVIDER_PEER_LISTEN", c.PeerListen, "use host:port on an address the other replicas reach (such as the member's own address), or off")
 		}
 	}
 	if c.Peers != "" {
@@ -315,37 +370,42 @@ func (c *config) checkPeers() error {
 			m, addr, ok := strings.Cut(strings.TrimSpace(item), "=")
 			_, _, err := net.SplitHostPort(addr)
 			if !ok || !memberName.MatchString(m) || err != nil {
-				return bad("PROVIDER_PEERS", c.Peers, "give member=host:port for each replica's PROVIDER_PEER_LISTEN, separated by commas, such as node1=10.0.0.1:8483,node2=10.0.0.2:8483")
+				bad("PROVIDER_PEERS", c.Peers, "give member=host:port for each replica's PROVIDER_PEER_LISTEN, separated by commas, such as node1=10.0.0.1:8483,node2=10.0.0.2:8483")
+				break
 			}
 			if _, dup := c.peers[m]; dup {
-				return bad("PROVIDER_PEERS", c.Peers, "it names member "+m+" twice; one replica serves each member's guests to the others")
+				bad("PROVIDER_PEERS", c.Peers, "it names member "+m+" twice; one replica serves each member's guests to the others")
+				break
 			}
 			c.peers[m] = addr
 		}
 	}
 	if c.PeerListen == "off" && c.Peers == "" {
 		if c.PeerSecretFile != "" {
-			return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it is used only with PROVIDER_PEER_LISTEN or PROVIDER_PEERS; set one of them, or leave this empty")
+			bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it is used only with PROVIDER_PEER_LISTEN or PROVIDER_PEERS; set one of them, or leave this empty")
 		}
-		return nil
+		return
 	}
 	if c.PeerSecretFile == "" {
-		return bad("PROVIDER_PEER_SECRET_FILE", "", "PROVIDER_PEER_LISTEN and PROVIDER_PEERS need the replicas' shared secret in a file")
+		bad("PROVIDER_PEER_SECRET_FILE", "", "PROVIDER_PEER_LISTEN and PROVIDER_PEERS need the replicas' shared secret in a file")
+		return
 	}
 	fi, err := os.Stat(c.PeerSecretFile)
 	if err != nil {
-		return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it must name a readable file ("+err.Error()+")")
+		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it must name a readable file ("+err.Error()+")")
+		return
 	}
 	if fi.Mode().Perm()&0o077 != 0 {
-		return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, fmt.Sprintf("its mode is %04o: a secret that opens every guest must be readable by its owner only (chmod 600)", fi.Mode().Perm()))
+		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, fmt.Sprintf("its mode is %04o: a secret that opens every guest must be readable by its owner only (chmod 600)", fi.Mode().Perm()))
+		return
 	}
 	raw, err := os.ReadFile(c.PeerSecretFile)
 	if err != nil {
-		return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it must name a readable file ("+err.Error()+")")
+		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it must name a readable file ("+err.Error()+")")
+		return
 	}
 	c.peerSecret = []byte(strings.TrimSpace(string(raw)))
 	if len(c.peerSecret) < guest.MinForwardSecret {
-		return bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, fmt.Sprintf("it holds %d bytes; use at least %d, such as the output of `openssl rand -hex 32`", len(c.peerSecret), guest.MinForwardSecret))
+		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, fmt.Sprintf("it holds %d bytes; use at least %d, such as the output of `openssl rand -hex 32`", len(c.peerSecret), guest.MinForwardSecret))
 	}
-	return nil
 }

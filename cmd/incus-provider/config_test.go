@@ -70,13 +70,20 @@ func TestConfigRefusesBadValuesWithOneSentence(t *testing.T) {
 		t.Run(c.name+"="+c.value, func(t *testing.T) {
 			t.Setenv("PROVIDER_TEMPLATES", templates)
 			t.Setenv(c.name, c.value)
-			_, err := loadConfig()
+			_, err := loadConfig(testEnviron())
 			if err == nil {
 				t.Fatal("accepted")
 			}
-			msg := err.Error()
-			if !strings.Contains(msg, c.name) || !strings.Contains(msg, c.value) || !strings.Contains(msg, c.want) || strings.Contains(msg, "\n") {
-				t.Fatalf("got %q: want one line naming %s, %q and %q", msg, c.name, c.value, c.want)
+			// Other settings may be refused beside it (a cluster URL
+			// without its certificates); its own refusal is one line.
+			var line string
+			for l := range strings.SplitSeq(err.Error(), "\n") {
+				if strings.HasPrefix(l, c.name+"=") {
+					line = l
+				}
+			}
+			if !strings.Contains(line, c.value) || !strings.Contains(line, c.want) {
+				t.Fatalf("got %q: want a line naming %s, %q and %q", err, c.name, c.value, c.want)
 			}
 		})
 	}
@@ -88,7 +95,7 @@ func TestConfigDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv("PROVIDER_TEMPLATES", templates)
-	c, err := loadConfig()
+	c, err := loadConfig(testEnviron())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,7 +119,7 @@ func TestConfigSizes(t *testing.T) {
 	}{{"off", "16777216", 0, 16 << 20}, {"2GiB", "1GiB", 2 << 30, 1 << 30}, {"67108864B", "32768KiB", 64 << 20, 32 << 20}} {
 		t.Setenv("PROVIDER_MEMORY_LIMIT", c.memory)
 		t.Setenv("PROVIDER_DECODE_BUDGET", c.budget)
-		got, err := loadConfig()
+		got, err := loadConfig(testEnviron())
 		if err != nil {
 			t.Fatalf("%s, %s: %v", c.memory, c.budget, err)
 		}
@@ -137,7 +144,7 @@ func TestConfigIncusURLs(t *testing.T) {
 			"https://10.0.0.1:8443", "https://10.0.0.2:8443", "https://m3.example:8443/"},
 	} {
 		t.Setenv("INCUS_URL", v)
-		c, err := loadConfig()
+		c, err := loadConfig(testEnviron())
 		if err != nil {
 			t.Fatalf("%s: %v", v, err)
 		}
@@ -147,7 +154,7 @@ func TestConfigIncusURLs(t *testing.T) {
 	}
 	t.Setenv("INCUS_URL", "https://10.0.0.1:8443,https://10.0.0.2:8443")
 	t.Setenv("INCUS_SERVER_CERT", "")
-	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "INCUS_SERVER_CERT") {
+	if _, err := loadConfig(testEnviron()); err == nil || !strings.Contains(err.Error(), "INCUS_SERVER_CERT") {
 		t.Errorf("a list without the pinned certificate: %v", err)
 	}
 }
@@ -161,7 +168,7 @@ func TestConfigPeers(t *testing.T) {
 	t.Setenv("PROVIDER_TEMPLATES", templates)
 	t.Setenv("PROVIDER_PEER_LISTEN", "127.0.0.2:8483")
 	t.Setenv("PROVIDER_PEERS", "node1=127.0.0.2:8483, node2=127.0.0.3:8483")
-	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "PROVIDER_PEER_SECRET_FILE") {
+	if _, err := loadConfig(testEnviron()); err == nil || !strings.Contains(err.Error(), "PROVIDER_PEER_SECRET_FILE") {
 		t.Fatalf("peers without a secret: %v", err)
 	}
 	secret := filepath.Join(dir, "peer.secret")
@@ -176,15 +183,15 @@ func TestConfigPeers(t *testing.T) {
 	}
 	t.Setenv("PROVIDER_PEER_SECRET_FILE", secret)
 	write(strings.Repeat("s", 40)+"\n", 0o644)
-	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "chmod 600") {
+	if _, err := loadConfig(testEnviron()); err == nil || !strings.Contains(err.Error(), "chmod 600") {
 		t.Fatalf("a readable secret: %v", err)
 	}
 	write("short\n", 0o600)
-	if _, err := loadConfig(); err == nil || !strings.Contains(err.Error(), "at least 32") {
+	if _, err := loadConfig(testEnviron()); err == nil || !strings.Contains(err.Error(), "at least 32") {
 		t.Fatalf("a short secret: %v", err)
 	}
 	write(strings.Repeat("s", 40)+"\n", 0o600)
-	c, err := loadConfig()
+	c, err := loadConfig(testEnviron())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -231,5 +238,144 @@ func TestDefaultReplicaOfAnyListener(t *testing.T) {
 			t.Fatalf("%s and %s share the replica id %q", listen, other, id)
 		}
 		seen[id] = listen
+	}
+}
+
+// testEnviron is this process's environment without the test harness's
+// own variables (INCUS_PROVIDER_REQUIRE_INCUS and the like, which make
+// test exports): the provider refuses them as unknown settings, as it
+// would any, and a provider started by a test never sees them.
+func testEnviron() []string {
+	var out []string
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "INCUS_PROVIDER_") || strings.HasPrefix(kv, "PROVIDER_TEST_") {
+			continue
+		}
+		out = append(out, kv)
+	}
+	return out
+}
+
+// TestConfigRefusesWhatIsNotASetting: a PROVIDER_* or INCUS_* variable the
+// provider does not read is refused, with the setting it most likely
+// meant; Incus's own variables pass.
+func TestConfigRefusesWhatIsNotASetting(t *testing.T) {
+	templates := filepath.Join(t.TempDir(), "t.yaml")
+	if err := os.WriteFile(templates, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base := append(testEnviron(), "PROVIDER_TEMPLATES="+templates)
+	for _, c := range []struct{ kv, want string }{
+		{"PROVIDER_CREDENTAIL_FILE=/etc/c", "PROVIDER_CREDENTAIL_FILE is set, and is not a setting of incus-provider; did you mean PROVIDER_CREDENTIAL_FILE?"},
+		{"PROVIDER_LISTN=0.0.0.0:1", "did you mean PROVIDER_LISTEN?"},
+		{"INCUS_PORJECT=prod", "did you mean INCUS_PROJECT?"},
+		{"INCUS_SOCKT=/s", "did you mean INCUS_SOCKET?"},
+		{"PROVIDER_TOTALLY_DIFFERENT=1", "PROVIDER_TOTALLY_DIFFERENT is set, and is not a setting of incus-provider; unset it"},
+		{"INCUS_PROVIDER_REQUIRE_INCUS=1", "INCUS_PROVIDER_REQUIRE_INCUS is set, and is not a setting"},
+	} {
+		_, err := loadConfig(append(base, c.kv))
+		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Count(err.Error(), "\n") != 0 {
+			t.Errorf("%s: got %v, want the one line %q", c.kv, err, c.want)
+		}
+	}
+	for _, own := range incusOwnVariables {
+		if _, err := loadConfig(append(base, own+"=1")); err != nil {
+			t.Errorf("%s, Incus's own, refused: %v", own, err)
+		}
+	}
+}
+
+// TestConfigRefusesAnOpenListenerWithoutACredential: a controller listener
+// that reaches beyond this host needs a credential, or the explicit
+// setting that says something in front checks every caller.
+func TestConfigRefusesAnOpenListenerWithoutACredential(t *testing.T) {
+	dir := t.TempDir()
+	templates := filepath.Join(dir, "t.yaml")
+	credential := filepath.Join(dir, "credential")
+	for _, f := range []string{templates, credential} {
+		if err := os.WriteFile(f, []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	base := append(testEnviron(), "PROVIDER_TEMPLATES="+templates)
+	for _, c := range []struct {
+		env     []string
+		refused string // the variable refused, or "" for accepted
+	}{
+		{[]string{"PROVIDER_LISTEN=127.0.0.1:8480"}, ""},
+		{[]string{"PROVIDER_LISTEN=127.9.9.9:8480"}, ""},
+		{[]string{"PROVIDER_LISTEN=[::1]:8480"}, ""},
+		{[]string{"PROVIDER_LISTEN=localhost:8480"}, ""},
+		{[]string{"PROVIDER_LISTEN=unix:/run/p.sock"}, ""},
+		{[]string{"PROVIDER_LISTEN=0.0.0.0:8480"}, "PROVIDER_LISTEN"},
+		{[]string{"PROVIDER_LISTEN=:8480"}, "PROVIDER_LISTEN"},
+		{[]string{"PROVIDER_LISTEN=[::]:8480"}, "PROVIDER_LISTEN"},
+		{[]string{"PROVIDER_LISTEN=10.1.2.3:8480"}, "PROVIDER_LISTEN"},
+		{[]string{"PROVIDER_LISTEN=provider.example.com:8480"}, "PROVIDER_LISTEN"},
+		{[]string{"PROVIDER_LISTEN=unix:/run/p.sock", "PROVIDER_ROUTE_LISTEN=0.0.0.0:8481"}, "PROVIDER_ROUTE_LISTEN"},
+		{[]string{"PROVIDER_LISTEN=0.0.0.0:8480", "PROVIDER_CREDENTIAL_FILE=" + credential}, ""},
+		{[]string{"PROVIDER_LISTEN=0.0.0.0:8480", "PROVIDER_ALLOW_NO_CREDENTIAL=yes"}, ""},
+		{[]string{"PROVIDER_LISTEN=0.0.0.0:8480", "PROVIDER_ALLOW_NO_CREDENTIAL=maybe"}, "PROVIDER_ALLOW_NO_CREDENTIAL"},
+	} {
+		_, err := loadConfig(append(base, c.env...))
+		switch {
+		case c.refused == "" && err != nil:
+			t.Errorf("%v: refused: %v", c.env, err)
+		case c.refused != "" && (err == nil || !strings.HasPrefix(err.Error(), c.refused+"=") || strings.Contains(err.Error(), "\n")):
+			t.Errorf("%v: got %v, want one refusal of %s", c.env, err, c.refused)
+		}
+	}
+}
+
+// TestConfigReadsTheFilesItNames: a credential, a certificate pair or a
+// peers' secret that cannot be used is refused by the configuration's
+// check, before the process touches Incus or binds a port, and a good
+// pair is handed on loaded.
+func TestConfigReadsTheFilesItNames(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	templates := write("t.yaml", "x")
+	empty := write("empty", " \n")
+	notPEM := write("not.pem", "not a certificate\n")
+	cert, key := selfSigned(t)
+	base := append(testEnviron(), "PROVIDER_TEMPLATES="+templates)
+	for _, c := range []struct {
+		env  []string
+		want string
+	}{
+		{[]string{"PROVIDER_CREDENTIAL_FILE=" + empty}, "PROVIDER_CREDENTIAL_FILE="},
+		{[]string{"PROVIDER_TLS_CERT=" + notPEM, "PROVIDER_TLS_KEY=" + key}, "PROVIDER_TLS_CERT="},
+		{[]string{"PROVIDER_TLS_CERT=" + cert, "PROVIDER_TLS_KEY=" + notPEM}, "PROVIDER_TLS_CERT="},
+		{[]string{"PROVIDER_TLS_CERT=" + cert, "PROVIDER_TLS_KEY=/nonexistent.key"}, "PROVIDER_TLS_KEY="},
+		{[]string{"PROVIDER_INGRESS_TLS_CERT=" + cert, "PROVIDER_INGRESS_TLS_KEY=" + notPEM}, "PROVIDER_INGRESS_TLS_CERT="},
+	} {
+		_, err := loadConfig(append(base, c.env...))
+		if err == nil || !strings.HasPrefix(err.Error(), c.want) {
+			t.Errorf("%v: got %v, want a refusal beginning %q", c.env, err, c.want)
+		}
+	}
+	c, err := loadConfig(append(base, "PROVIDER_TLS_CERT="+cert, "PROVIDER_TLS_KEY="+key, "PROVIDER_CREDENTIAL_FILE="+write("credential", "s3cret\n")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.tlsCert == nil || len(c.tlsCert.Certificate) == 0 || !c.credential.Enabled() {
+		t.Fatalf("a good pair and credential were not handed on: cert %v, credential %v", c.tlsCert != nil, c.credential.Enabled())
+	}
+}
+
+func TestEditDistance(t *testing.T) {
+	for _, c := range []struct {
+		a, b string
+		d    int
+	}{{"", "", 0}, {"abc", "abc", 0}, {"abc", "acb", 1}, {"abc", "ab", 1}, {"ab", "abc", 1}, {"kitten", "sitting", 3}, {"", "abc", 3}} {
+		if got := editDistance(c.a, c.b); got != c.d {
+			t.Errorf("editDistance(%q, %q) = %d, want %d", c.a, c.b, got, c.d)
+		}
 	}
 }

@@ -28,7 +28,6 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
-	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/internal/serve"
 	"github.com/lightspeed-dev/incus-provider/provider"
 	"github.com/lightspeed-dev/incus-provider/targets"
@@ -39,9 +38,12 @@ func main() {
 	if code, done := handleArgs(os.Args[1:], os.Stdout, os.Stderr); done {
 		os.Exit(code)
 	}
-	cfg, err := loadConfig()
+	cfg, err := loadConfig(os.Environ())
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
+		// Every refusal, each on a line of its own, so that one edit fixes them all.
+		for line := range strings.SplitSeq(err.Error(), "\n") {
+			fmt.Fprintln(os.Stderr, "incus-provider: "+line)
+		}
 		os.Exit(exitBadSetting)
 	}
 	log, err := newLogger(cfg.LogLevel)
@@ -86,20 +88,12 @@ func newLogger(level string) (*zap.Logger, error) {
 }
 
 func run(ctx context.Context, cfg config, log *zap.Logger) error {
-	// Files the settings name are read before anything else is touched,
-	// so that a bad one is the only thing said.
-	credential, err := bearer.Load(cfg.CredentialFile)
-	if err != nil {
-		return badSetting(fmt.Errorf("PROVIDER_CREDENTIAL_FILE=%q: %w", cfg.CredentialFile, err))
-	}
+	// The files the settings name were read by loadConfig, before
+	// anything here touches Incus.
+	credential := cfg.credential
 	rl := &reloader{cfg: cfg, log: log}
-	if cfg.TLSCert != "" {
-		// Fail at start-up, not at the first handshake, on a bad pair.
-		cert, err := loadCert(cfg)
-		if err != nil {
-			return err
-		}
-		rl.cert.Store(cert)
+	if cfg.tlsCert != nil {
+		rl.cert.Store(cfg.tlsCert)
 	}
 	// From here a SIGHUP is a reload, never the default (the end of the
 	// process); one that comes before serving is taken once serving.

@@ -65,7 +65,10 @@ Usage: incus-provider            serve, configured by the environment below
        incus-provider --version  print the build and exit
 
 Every setting is an environment variable (under systemd, from EnvironmentFile).
-A bad value stops start-up with one sentence on stderr and exit status 2.
+Bad values stop start-up before anything touches Incus, each refused in one
+sentence on stderr, all at once, with exit status 2. So does a PROVIDER_* or
+INCUS_* variable that is not a setting below (Incus's own variables, such as
+INCUS_DIR, pass), and a listener beyond loopback with no credential.
 SIGTERM or SIGINT stops gracefully; SIGHUP reloads PROVIDER_TEMPLATES and the
 TLS certificate, keeping the old ones if the new ones are refused.
 
