@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"os/signal"
 	"syscall"
 
 	"github.com/lightspeed-dev/incus-provider/incus"
@@ -69,8 +71,8 @@ func checkProject(ctx context.Context, client *incus.Client, cfg config) error {
 }
 
 // handleArgs answers the command line. The service takes no arguments
-// (settings come from the environment); done says the process ends now
-// with code.
+// (settings come from the environment); check validates them without
+// serving; done says the process ends now with code.
 func handleArgs(args []string, stdout, stderr io.Writer) (code int, done bool) {
 	if len(args) == 0 {
 		return 0, false
@@ -86,7 +88,13 @@ func handleArgs(args []string, stdout, stderr io.Writer) (code int, done bool) {
 			writeVersion(stdout)
 			return 0, true
 		}
+	case "check":
+		if len(args) == 1 {
+			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return runCheck(ctx, os.Environ(), stdout), true
+		}
 	}
-	_, _ = fmt.Fprintf(stderr, "incus-provider: %q is not an argument it takes; it takes --help or --version alone, and reads every setting from the environment (see --help).\n", args[0])
+	_, _ = fmt.Fprintf(stderr, "incus-provider: %q is not an argument it takes; it takes check, --help or --version alone, and reads every setting from the environment (see --help).\n", args[0])
 	return exitBadSetting, true
 }

@@ -61,6 +61,11 @@ func writeUsage(w io.Writer) {
 	b.WriteString(`incus-provider serves Lightspeed's controller plane and data routes on Incus.
 
 Usage: incus-provider            serve, configured by the environment below
+       incus-provider check      check that configuration without serving:
+                                 the settings, Incus and the rights in its
+                                 project, the templates' images, the guest
+                                 dialer, the listeners' addresses; exit 0,
+                                 2 for a setting, 1 for the environment
        incus-provider --help     print this reference and exit
        incus-provider --version  print the build and exit
 
