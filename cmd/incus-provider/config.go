@@ -83,6 +83,7 @@ type config struct {
 	cacheOn           bool             // PROVIDER_OBSERVATION_CACHE=on
 	credential        bearer.Credential
 	tlsCert           *tls.Certificate // nil: PROVIDER_TLS_CERT unset
+	edgeCert          *tls.Certificate // nil: PROVIDER_INGRESS_TLS_CERT unset or the edge off
 }
 
 // loadConfig reads and checks the environment (as os.Environ gives it). Every refusal is one
@@ -293,7 +294,7 @@ func (c *config) checkFiles(r *refusals) {
 	}
 	c.tlsCert = pair("PROVIDER_TLS_CERT", c.TLSCert, "PROVIDER_TLS_KEY", c.TLSKey)
 	if c.IngressListen != "off" {
-		pair("PROVIDER_INGRESS_TLS_CERT", c.IngressTLSCert, "PROVIDER_INGRESS_TLS_KEY", c.IngressTLSKey)
+		c.edgeCert = pair("PROVIDER_INGRESS_TLS_CERT", c.IngressTLSCert, "PROVIDER_INGRESS_TLS_KEY", c.IngressTLSKey)
 	}
 }
 

@@ -91,9 +91,12 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	// The files the settings name were read by loadConfig, before
 	// anything here touches Incus.
 	credential := cfg.credential
-	rl := &reloader{cfg: cfg, log: log}
+	rl := &reloader{cfg: cfg, log: log, credential: credential}
 	if cfg.tlsCert != nil {
 		rl.cert.Store(cfg.tlsCert)
+	}
+	if cfg.edgeCert != nil {
+		rl.edgeCert.Store(cfg.edgeCert)
 	}
 	// From here a SIGHUP is a reload, never the default (the end of the
 	// process); one that comes before serving is taken once serving.
@@ -302,8 +305,10 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 			defer wg.Done()
 			var err error
 			if cfg.IngressTLSCert != "" {
-				// TLS brings HTTP/2 with it (ALPN h2, then http/1.1).
-				err = edgeSrv.ServeTLS(eln, cfg.IngressTLSCert, cfg.IngressTLSKey)
+				// TLS brings HTTP/2 with it (ALPN h2, then http/1.1); the
+				// certificate is whichever SIGHUP loaded last.
+				edgeSrv.TLSConfig = rl.edgeTLSConfig()
+				err = edgeSrv.ServeTLS(eln, "", "")
 			} else {
 				err = edgeSrv.Serve(eln)
 			}

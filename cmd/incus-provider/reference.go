@@ -74,8 +74,9 @@ Bad values stop start-up before anything touches Incus, each refused in one
 sentence on stderr, all at once, with exit status 2. So does a PROVIDER_* or
 INCUS_* variable that is not a setting below (Incus's own variables, such as
 INCUS_DIR, pass), and a listener beyond loopback with no credential.
-SIGTERM or SIGINT stops gracefully; SIGHUP reloads PROVIDER_TEMPLATES and the
-TLS certificate, keeping the old ones if the new ones are refused.
+SIGTERM or SIGINT stops gracefully; SIGHUP reloads PROVIDER_TEMPLATES, the
+TLS certificates (controller and ingress edge) and the credential file,
+keeping the old ones if the new ones are refused; open connections stay.
 
 `)
 	for _, s := range settings() {

@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/lightspeed-dev/incus-provider/incus"
+	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/targets"
 	"github.com/lightspeed-dev/incus-provider/templates"
 )
@@ -35,18 +36,22 @@ func loadCatalog(ctx context.Context, path string, client *incus.Client, server 
 	return catalog, nil
 }
 
-// reloader holds what SIGHUP replaces: the templates and the TLS
-// certificate. Connections are untouched: open ones keep their handshake,
-// new ones get the new certificate, and every method call after the swap
-// sees the new templates.
+// reloader holds what SIGHUP replaces: the templates, the controller's
+// and the edge's TLS certificates, and the bearer credential.
+// Connections are untouched: open ones keep their handshake and the
+// credential they were admitted with, new ones get the new certificate
+// and are checked against the new credential, and every method call after
+// the swap sees the new templates.
 type reloader struct {
-	cfg     config
-	client  *incus.Client
-	server  *incus.Server
-	targets *targets.Service
-	log     *zap.Logger
-	catalog atomic.Pointer[templates.Catalog]
-	cert    atomic.Pointer[tls.Certificate]
+	cfg        config
+	client     *incus.Client
+	server     *incus.Server
+	targets    *targets.Service
+	log        *zap.Logger
+	credential bearer.Credential
+	catalog    atomic.Pointer[templates.Catalog]
+	cert       atomic.Pointer[tls.Certificate]
+	edgeCert   atomic.Pointer[tls.Certificate]
 }
 
 func loadCert(cfg config) (*tls.Certificate, error) {
@@ -67,6 +72,16 @@ func (r *reloader) tlsConfig() *tls.Config {
 	}
 }
 
+// edgeTLSConfig serves whichever edge certificate was loaded last.
+func (r *reloader) edgeTLSConfig() *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS12,
+		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+			return r.edgeCert.Load(), nil
+		},
+	}
+}
+
 // reload reads both again. Each part is replaced only when the new one is
 // accepted whole; a refusal is logged as a sentence and the old one stays.
 func (r *reloader) reload(ctx context.Context) {
@@ -80,16 +95,30 @@ func (r *reloader) reload(ctx context.Context) {
 		r.targets.SetCatalog(catalog)
 		r.log.Info("SIGHUP: templates reloaded", zap.String("file", r.cfg.Templates), zap.Strings("templates", templateIDs(catalog)))
 	}
-	if r.cfg.TLSCert == "" {
-		return
+	if r.cfg.TLSCert != "" {
+		if cert, err := loadCert(r.cfg); err != nil {
+			r.log.Error("SIGHUP: the TLS certificate is refused; the one loaded before stays in force", zap.String("file", r.cfg.TLSCert), zap.Error(err))
+		} else {
+			r.cert.Store(cert)
+			r.log.Info("SIGHUP: TLS certificate reloaded", zap.String("file", r.cfg.TLSCert))
+		}
 	}
-	cert, err := loadCert(r.cfg)
-	if err != nil {
-		r.log.Error("SIGHUP: the TLS certificate is refused; the one loaded before stays in force", zap.String("file", r.cfg.TLSCert), zap.Error(err))
-		return
+	if r.cfg.edgeCert != nil {
+		if cert, err := tls.LoadX509KeyPair(r.cfg.IngressTLSCert, r.cfg.IngressTLSKey); err != nil {
+			r.log.Error("SIGHUP: the ingress TLS certificate is refused; the one loaded before stays in force", zap.String("file", r.cfg.IngressTLSCert), zap.Error(err))
+		} else {
+			r.edgeCert.Store(&cert)
+			r.log.Info("SIGHUP: ingress TLS certificate reloaded", zap.String("file", r.cfg.IngressTLSCert))
+		}
 	}
-	r.cert.Store(cert)
-	r.log.Info("SIGHUP: TLS certificate reloaded", zap.String("file", r.cfg.TLSCert))
+	if r.cfg.CredentialFile != "" {
+		// The file only: never the secret, nor a digest of it, in a log.
+		if err := r.credential.Reload(r.cfg.CredentialFile); err != nil {
+			r.log.Error("SIGHUP: the credential file is refused; the credential loaded before stays in force", zap.String("file", r.cfg.CredentialFile), zap.Error(err))
+		} else {
+			r.log.Info("SIGHUP: credential reloaded", zap.String("file", r.cfg.CredentialFile))
+		}
+	}
 }
 
 // watch reloads on each signal until ctx ends.

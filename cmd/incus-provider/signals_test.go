@@ -136,15 +136,89 @@ func TestSighupReloadsTemplates(t *testing.T) {
 	}
 }
 
-// SIGHUP reloads the TLS certificate: new handshakes get the new one, and
-// a connection made before keeps working.
+// SIGHUP rotates the bearer credential: a connection admitted before stays
+// open, a new one needs the new credential and the old is refused; a file
+// that cannot be used is refused with a sentence and the credential in
+// force stays; no secret reaches the log.
+func TestSighupRotatesTheCredential(t *testing.T) {
+	c := startProvider(t)
+	old := c.credential
+	before := c.dial(t)
+	before.initialize(t)
+	ids := before.templateIDs(t, 1)
+
+	const rotated = "rotated-credential-after-sighup-42"
+	if err := os.WriteFile(c.credFile, []byte(rotated+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	c.waitLog(t, "SIGHUP: credential reloaded")
+	if got := c.upgradeStatus(t, old); got != http.StatusUnauthorized {
+		t.Fatalf("the old credential after the rotation: HTTP %d, want 401", got)
+	}
+	c.credential = rotated
+	after := c.dial(t)
+	after.initialize(t)
+	if got := before.templateIDs(t, 2); !slices.Equal(got, ids) {
+		t.Fatalf("the connection admitted before the rotation: %v, want %v", got, ids)
+	}
+
+	if err := os.WriteFile(c.credFile, []byte("  \n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	c.waitLog(t, "SIGHUP: the credential file is refused; the credential loaded before stays in force")
+	if got := c.upgradeStatus(t, rotated); got != http.StatusSwitchingProtocols {
+		t.Fatalf("the credential in force after a refused reload: HTTP %d, want 101", got)
+	}
+	if got := c.upgradeStatus(t, ""); got != http.StatusUnauthorized {
+		t.Fatalf("no credential after a refused reload: HTTP %d, want 401", got)
+	}
+	c.logMu.Lock()
+	logged := c.log.String()
+	c.logMu.Unlock()
+	if strings.Contains(logged, rotated) || strings.Contains(logged, old) {
+		t.Fatal("a credential reached the log")
+	}
+}
+
+// upgradeStatus is the HTTP status of a controller upgrade presenting
+// secret (none when empty).
+func (c *child) upgradeStatus(t *testing.T, secret string) int {
+	t.Helper()
+	d := websocket.Dialer{HandshakeTimeout: 10 * time.Second}
+	h := http.Header{}
+	if secret != "" {
+		h.Set("Authorization", "Bearer "+secret)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	ws, resp, err := d.DialContext(ctx, c.control, h)
+	if ws != nil {
+		_ = ws.Close()
+	}
+	if resp == nil {
+		t.Fatalf("no HTTP answer to the upgrade: %v", err)
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
+
+// SIGHUP reloads the TLS certificates, the controller's and the public
+// edge's: new handshakes get the new ones, a connection made before keeps
+// working, and a file refused leaves the one in force.
 func TestSighupReloadsTheCertificate(t *testing.T) {
 	crtA, keyA := selfSigned(t)
 	crtB, keyB := selfSigned(t)
 	dir := t.TempDir()
 	crt, key := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	edgeCrt, edgeKey := filepath.Join(dir, "edge.crt"), filepath.Join(dir, "edge.key")
 	install := func(fromCrt, fromKey string) {
-		for _, p := range [][2]string{{fromCrt, crt}, {fromKey, key}} {
+		for _, p := range [][2]string{{fromCrt, crt}, {fromKey, key}, {fromCrt, edgeCrt}, {fromKey, edgeKey}} {
 			b, err := os.ReadFile(p[0])
 			if err != nil {
 				t.Fatal(err)
@@ -155,27 +229,35 @@ func TestSighupReloadsTheCertificate(t *testing.T) {
 		}
 	}
 	install(crtA, keyA)
-	c := startProvider(t, "PROVIDER_TLS_CERT="+crt, "PROVIDER_TLS_KEY="+key)
+	edge := freePort(t)
+	c := startProvider(t, "PROVIDER_TLS_CERT="+crt, "PROVIDER_TLS_KEY="+key,
+		"PROVIDER_INGRESS_LISTEN="+edge, "PROVIDER_INGRESS_BASE_URL=https://{label}.localhost:1",
+		"PROVIDER_INGRESS_TLS_CERT="+edgeCrt, "PROVIDER_INGRESS_TLS_KEY="+edgeKey)
 	// The test's own self-signed certificates, on loopback: nothing to verify.
 	tlsConf := &tls.Config{InsecureSkipVerify: true} //nolint:gosec
-	served := func() []byte {
-		// A client that offers h2 first, as browsers and many HTTP stacks
-		// do, must still be given HTTP/1.1, the only way to a WebSocket.
+	// served is the certificate a new handshake with addr gets. A client
+	// that offers h2 first, as browsers and many HTTP stacks do, must be
+	// given HTTP/1.1 by the controller (the only way to a WebSocket) and
+	// h2 by the edge.
+	served := func(addr, alpn string) []byte {
 		offer := tlsConf.Clone()
 		offer.NextProtos = []string{"h2", "http/1.1"}
 		d := tls.Dialer{Config: offer, NetDialer: &net.Dialer{Timeout: 10 * time.Second}}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		conn, err := d.DialContext(ctx, "tcp", c.listen)
+		conn, err := d.DialContext(ctx, "tcp", addr)
 		if err != nil {
-			t.Fatalf("TLS dial: %v", err)
+			t.Fatalf("TLS dial %s: %v", addr, err)
 		}
 		defer conn.Close()
 		state := conn.(*tls.Conn).ConnectionState()
-		if state.NegotiatedProtocol != "http/1.1" {
-			t.Fatalf("ALPN gave %q to a client offering h2 and http/1.1; want http/1.1", state.NegotiatedProtocol)
+		if state.NegotiatedProtocol != alpn {
+			t.Fatalf("%s: ALPN gave %q to a client offering h2 and http/1.1; want %s", addr, state.NegotiatedProtocol, alpn)
 		}
 		return state.PeerCertificates[0].Raw
+	}
+	both := func(want []byte) bool {
+		return bytes.Equal(served(c.listen, "http/1.1"), want) && bytes.Equal(served(edge, "h2"), want)
 	}
 	pemDER := func(path string) []byte {
 		cert, err := tls.LoadX509KeyPair(path, strings.TrimSuffix(path, ".crt")+".key")
@@ -184,8 +266,8 @@ func TestSighupReloadsTheCertificate(t *testing.T) {
 		}
 		return cert.Certificate[0]
 	}
-	if !bytes.Equal(served(), pemDER(crtA)) {
-		t.Fatal("the provider does not serve the configured certificate")
+	if !both(pemDER(crtA)) {
+		t.Fatal("the provider does not serve the configured certificates")
 	}
 	d := websocket.Dialer{TLSClientConfig: tlsConf, HandshakeTimeout: 10 * time.Second}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
@@ -206,19 +288,23 @@ func TestSighupReloadsTheCertificate(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.waitLog(t, "SIGHUP: TLS certificate reloaded")
-	if !bytes.Equal(served(), pemDER(crtB)) {
+	c.waitLog(t, "SIGHUP: ingress TLS certificate reloaded")
+	if !both(pemDER(crtB)) {
 		t.Fatal("a new handshake after SIGHUP does not get the new certificate")
 	}
 	old.templateIDs(t, 1) // the connection from before still answers
 
-	if err := os.WriteFile(crt, []byte("not a certificate\n"), 0o600); err != nil {
-		t.Fatal(err)
+	for _, f := range []string{crt, edgeCrt} {
+		if err := os.WriteFile(f, []byte("not a certificate\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if err := c.cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
 	c.waitLog(t, "SIGHUP: the TLS certificate is refused")
-	if !bytes.Equal(served(), pemDER(crtB)) {
+	c.waitLog(t, "SIGHUP: the ingress TLS certificate is refused")
+	if !both(pemDER(crtB)) {
 		t.Fatal("a refused certificate replaced the one in force")
 	}
 }
