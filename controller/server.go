@@ -113,6 +113,12 @@ func NewHandler(ctx context.Context, opts Options) *Handler {
 	return h
 }
 
+// BeginDrain starts a graceful end of every controller connection: each
+// answers what it has in flight, refuses new requests as `unavailable`
+// (the runtime asks again, on a connection the load balancer gives
+// another replica) and then closes with 1001. Drain waits for it.
+func (h *Handler) BeginDrain() { h.rpc.Drain() }
+
 // Drain waits until every controller connection has ended, or ctx does.
 // Cancelling the handler's context makes each send its going-away close
 // first; a shutdown waits here so the process does not exit before those

@@ -235,6 +235,16 @@ func (p *Provider) Run(ctx context.Context) error {
 	return <-errc
 }
 
+// Drain ends the controller plane gracefully: every connection answers
+// the calls it took (each within its own method bound), refuses new ones
+// as retryable, and goes away. It returns when every controller
+// connection has ended, or ctx does; Stop then ends the rest (relays, the
+// edge, the loops). The listeners are the caller's to close first.
+func (p *Provider) Drain(ctx context.Context) {
+	p.Control.BeginDrain()
+	p.Control.Drain(ctx)
+}
+
 // Stop ends what the provider serves: controller connections and relays
 // get their going-away closes. It returns once the relays' closes are out
 // and every controller connection has ended, or ctx ends.

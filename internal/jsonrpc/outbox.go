@@ -1,6 +1,7 @@
 package jsonrpc
 
 import (
+	"context"
 	"sync"
 	"time"
 
@@ -149,6 +150,25 @@ func (o *outbox) next() (pong *string, message []byte, ok bool) {
 		o.queue = o.queue[1:]
 	}
 	return nil, message, true
+}
+
+// flushed waits until every message queued has been written, and says
+// so; false when the outbox closed first or ctx ended.
+func (o *outbox) flushed(ctx context.Context) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for !o.closed && o.queued > 0 {
+		room := o.room
+		o.mu.Unlock()
+		select {
+		case <-room:
+		case <-ctx.Done():
+			o.mu.Lock()
+			return false
+		}
+		o.mu.Lock()
+	}
+	return !o.closed
 }
 
 // wrote frees the room a written message held.

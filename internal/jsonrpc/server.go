@@ -65,6 +65,33 @@ type Server struct {
 	// OnBudgetRefused, when set, is told of each request refused for want
 	// of budget (for metrics).
 	OnBudgetRefused func()
+
+	drainOnce sync.Once
+	drainCh   chan struct{} // closed by Drain
+}
+
+// drainRetryMs is the retryAfterMs of a request refused while draining:
+// the client's next connection reaches another replica at once.
+const drainRetryMs = 100
+
+// Drain begins a graceful end of every connection, open or to come: each
+// answers every request it has in flight, refuses new ones as
+// `unavailable` (a client asks again, on a connection that reaches another
+// replica), and once nothing is in flight and every answer is written,
+// closes with 1001 (going away). It does not wait; a connection whose
+// requests do not end keeps running until ServeConn's ctx ends.
+func (s *Server) Drain() {
+	ch := s.draining()
+	select {
+	case <-ch:
+	default:
+		close(ch)
+	}
+}
+
+func (s *Server) draining() chan struct{} {
+	s.drainOnce.Do(func() { s.drainCh = make(chan struct{}) })
+	return s.drainCh
 }
 
 // goingAwayWait bounds a shutdown's close handshake on each connection.
@@ -87,6 +114,14 @@ type conn struct {
 	slots chan struct{}
 	wg    sync.WaitGroup
 
+	// The drain's view of requests in flight: once drainMu finds the
+	// connection draining, no request is admitted, and idle is closed as
+	// the last one in flight is answered (queued for writing).
+	drainMu      sync.Mutex
+	drainStarted bool
+	inFlight     int
+	idle         chan struct{}
+
 	initMu      sync.Mutex
 	initialized bool
 }
@@ -102,7 +137,7 @@ func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
 	if most < MinInFlight {
 		most = MinInFlight
 	}
-	c := &conn{srv: s, ws: ws, slots: make(chan struct{}, most)}
+	c := &conn{srv: s, ws: ws, slots: make(chan struct{}, most), idle: make(chan struct{})}
 	c.out = newOutbox(ws, c.writeTimeout())
 	go c.out.run()
 	ws.SetReadLimit(MaxMessageBytes)
@@ -129,6 +164,9 @@ func (s *Server) ServeConn(ctx context.Context, ws *websocket.Conn) error {
 		_ = ws.SetReadDeadline(deadline)
 	})
 	defer stop()
+	drained := make(chan struct{})
+	defer close(drained)
+	go c.drainWhenAsked(ctx, drained)
 	defer c.wg.Wait()
 	defer func() {
 		// The read loop has ended: no answer can reach the peer any more.
@@ -400,6 +438,67 @@ func (c *conn) isInitialized() bool {
 	return c.initialized
 }
 
+// drainWhenAsked ends the connection gracefully once the server drains:
+// no request admitted, every one in flight answered and written, then the
+// going-away close, whose answer the read loop takes (as on a shutdown).
+// It returns when the connection ends (done) whatever it was doing.
+func (c *conn) drainWhenAsked(ctx context.Context, done <-chan struct{}) {
+	select {
+	case <-c.srv.draining():
+	case <-done:
+		return
+	}
+	c.drainMu.Lock()
+	c.drainStarted = true
+	if c.inFlight == 0 {
+		close(c.idle)
+	}
+	c.drainMu.Unlock()
+	select {
+	case <-c.idle:
+	case <-done:
+		return
+	}
+	if !c.out.flushed(ctx) {
+		return
+	}
+	deadline := time.Now().Add(goingAwayWait)
+	if c.ws.WriteControl(websocket.CloseMessage, websocket.FormatCloseMessage(websocket.CloseGoingAway, "server draining"), deadline) != nil {
+		_ = c.ws.Close()
+		return
+	}
+	_ = c.ws.SetReadDeadline(deadline)
+}
+
+// admit counts a request in flight, unless the connection drains.
+func (c *conn) admit() bool {
+	c.drainMu.Lock()
+	defer c.drainMu.Unlock()
+	if c.drainStarted {
+		return false
+	}
+	select {
+	case <-c.srv.draining():
+		// The drain has begun and has not reached this connection yet:
+		// refuse as it will.
+		return false
+	default:
+	}
+	c.inFlight++
+	return true
+}
+
+// answered counts a request's answer queued; the last one in flight of a
+// draining connection lets the drain go on.
+func (c *conn) answered() {
+	c.drainMu.Lock()
+	defer c.drainMu.Unlock()
+	c.inFlight--
+	if c.drainStarted && c.inFlight == 0 {
+		close(c.idle)
+	}
+}
+
 // request serves one well-formed request, and returns its frame's budget
 // once the method has returned (or at once, for a request it answers
 // itself).
@@ -409,6 +508,16 @@ func (c *conn) request(ctx context.Context, env envelope) {
 	defer func() {
 		if held && env.release != nil {
 			env.release()
+		}
+	}()
+	if !c.admit() {
+		c.finish(env, start, nil, Unavailable(drainRetryMs, "This provider is shutting down and takes no new request; ask again on a new connection, which reaches another replica."))
+		return
+	}
+	inline := true
+	defer func() {
+		if inline {
+			c.answered()
 		}
 	}()
 	if env.release == nil {
@@ -440,10 +549,11 @@ func (c *conn) request(ctx context.Context, env envelope) {
 		c.finish(env, start, nil, e)
 		return
 	}
-	held = false
+	held, inline = false, false
 	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()
+		defer c.answered()
 		result, err := c.call(context.WithValue(ctx, ctxKey{}, env.id), m, env.params)
 		// The budget is free, and the slot too, before the answer can leave:
 		// a client that sends its next request as soon as it reads this

@@ -904,3 +904,54 @@ func TestStrictEnvelopes(t *testing.T) {
 		t.Fatalf("a surrogate pair under id -0: %s", r.raw)
 	}
 }
+
+// TestDrainAnswersWhatIsInFlightThenGoesAway: a draining connection answers
+// the requests it took, refuses new ones as retryable `unavailable`, and
+// closes with 1001 only after every answer is written; a connection with
+// nothing in flight goes away at once. No method's context is cut.
+func TestDrainAnswersWhatIsInFlightThenGoesAway(t *testing.T) {
+	s := newTestServer(t)
+	busy := s.dial(t)
+	busy.initialize()
+	quiet := s.dial(t)
+	quiet.initialize()
+	for i := range 3 {
+		busy.request(i, "test/slow", map[string]any{"key": strconv.Itoa(i)})
+	}
+	s.waitStarted(t, 3)
+
+	s.srv.Drain()
+	s.srv.Drain() // twice is the same as once
+
+	// The quiet connection has nothing in flight: 1001 at once.
+	_ = quiet.ws.SetReadDeadline(time.Now().Add(hangGuard))
+	if _, data, err := quiet.ws.ReadMessage(); !websocket.IsCloseError(err, websocket.CloseGoingAway) {
+		t.Fatalf("a quiet connection after Drain: read %q, %v; want close 1001", data, err)
+	}
+
+	// A request after the drain began is refused, retryably.
+	busy.request("late", "test/echo", map[string]any{"x": 1})
+	r := busy.read()
+	expectError(t, r, jsonrpc.KindUnavailable, `"late"`)
+	if r.data["retryAfterMs"] == nil {
+		t.Fatalf("the refusal carries no retryAfterMs: %s", r.raw)
+	}
+
+	// The three in flight end and are answered, each, before the close.
+	for i := 2; i >= 0; i-- {
+		s.release(strconv.Itoa(i))
+		r := busy.read()
+		if r.err != nil || r.id != strconv.Itoa(i) {
+			t.Fatalf("released %d, read %s", i, r.raw)
+		}
+	}
+	_ = busy.ws.SetReadDeadline(time.Now().Add(hangGuard))
+	if _, data, err := busy.ws.ReadMessage(); !websocket.IsCloseError(err, websocket.CloseGoingAway) {
+		t.Fatalf("after its last answer: read %q, %v; want close 1001", data, err)
+	}
+	select {
+	case k := <-s.ended:
+		t.Fatalf("a method's context was cut (%q)", k)
+	default:
+	}
+}
