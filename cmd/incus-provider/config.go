@@ -45,6 +45,8 @@ type config struct {
 	Templates         string        `env:"PROVIDER_TEMPLATES" envDefault:"/etc/incus-provider/templates.yaml" allowed:"a readable templates file (YAML or JSON)" help:"the templates offered, each with an optional warm pool (warm: 0-32 instances created ahead); reloaded on SIGHUP"`
 	MaxInFlight       int           `env:"PROVIDER_MAX_IN_FLIGHT" envDefault:"64" allowed:"a whole number from 16 (the protocol's floor) to 4096" help:"requests in flight per controller connection; past it, busy/requestLimit"`
 	GracefulStop      time.Duration `env:"PROVIDER_GRACEFUL_STOP" envDefault:"10s" allowed:"a duration from 1s to 10m (Incus caps a graceful stop at 10 minutes)" help:"how long a close or stop waits for a graceful shutdown before forcing it"`
+	DrainDelay        time.Duration `env:"PROVIDER_DRAIN_DELAY" envDefault:"0s" allowed:"a duration from 0s to 1m" help:"on SIGTERM, how long /readyz answers 503 draining while everything is still served, so a load balancer's health check takes this replica out before its listeners close (about its interval times its fall count)"`
+	DrainTimeout      time.Duration `env:"PROVIDER_DRAIN_TIMEOUT" envDefault:"20s" allowed:"a duration from 1s to 10m" help:"on SIGTERM, after the delay, how long controller calls in flight may take to be answered (new ones are refused as unavailable) before every connection and relay is closed with 1001 and the process exits"`
 	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s" allowed:"a duration from 1s to 1h" help:"period of the full reconcile pass"`
 	ObservationCache  string        `env:"PROVIDER_OBSERVATION_CACHE" envDefault:"on" allowed:"on or off" help:"answer reads from a cache kept by Incus's event stream and corrected by a full list every PROVIDER_CACHE_CORRECTION_INTERVAL; off: every read asks Incus"`
 	CacheCorrection   time.Duration `env:"PROVIDER_CACHE_CORRECTION_INTERVAL" envDefault:"1m" allowed:"a duration from 10s to 1h" help:"period of the observation cache's correcting full list of the project; shorter catches an event lost without a gap sooner, and each list decodes every instance"`
@@ -170,6 +172,12 @@ func (c *config) check(r *refusals) {
 	}
 	if !r.refused("PROVIDER_GRACEFUL_STOP") && (c.GracefulStop < time.Second || c.GracefulStop > 10*time.Minute) {
 		bad("PROVIDER_GRACEFUL_STOP", c.GracefulStop.String(), allowed("PROVIDER_GRACEFUL_STOP"))
+	}
+	if !r.refused("PROVIDER_DRAIN_DELAY") && (c.DrainDelay < 0 || c.DrainDelay > time.Minute) {
+		bad("PROVIDER_DRAIN_DELAY", c.DrainDelay.String(), allowed("PROVIDER_DRAIN_DELAY"))
+	}
+	if !r.refused("PROVIDER_DRAIN_TIMEOUT") && (c.DrainTimeout < time.Second || c.DrainTimeout > 10*time.Minute) {
+		bad("PROVIDER_DRAIN_TIMEOUT", c.DrainTimeout.String(), allowed("PROVIDER_DRAIN_TIMEOUT"))
 	}
 	if !r.refused("PROVIDER_RECONCILE_INTERVAL") && (c.ReconcileInterval < time.Second || c.ReconcileInterval > time.Hour) {
 		bad("PROVIDER_RECONCILE_INTERVAL", c.ReconcileInterval.String(), allowed("PROVIDER_RECONCILE_INTERVAL"))

@@ -17,6 +17,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -167,7 +168,10 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if cfg.Replica == "" {
 		cfg.Replica = defaultReplica(cfg.Listen)
 	}
-	srvCtx, cancelServe := context.WithCancel(ctx)
+	// The service's own context outlives the signal: on SIGTERM the drain
+	// below decides when each part ends (Stop cancels it), so that a
+	// connection is not cut while the drain still serves it.
+	srvCtx, cancelServe := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelServe()
 	prov, err := provider.New(srvCtx, provider.Config{
 		Incus: client, Catalog: catalog, Dialer: dialer, Credential: credential, Log: log, Metrics: reg,
@@ -218,6 +222,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	}
 
 	var wg sync.WaitGroup
+	var draining atomic.Bool // set on SIGTERM: /readyz answers 503 from then on
 	errc := make(chan error, 5)
 	if cfg.PeerListen != "off" {
 		servePeer, err := servePeers(srvCtx, cfg, member, client, peerMx, peerLog)
@@ -273,7 +278,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		mmux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		mmux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 		mmux.HandleFunc("/readyz", readyz(client, rl.catalog.Load, reachOf(kind, member, cfg.peers), server.Environment.ServerClustered, dialer,
-			cacheStateOf(cfg.cacheOn, prov.Targets.CacheConfirmed)))
+			cacheStateOf(cfg.cacheOn, prov.Targets.CacheConfirmed), draining.Load))
 		metricsSrv = &http.Server{Addr: cfg.MetricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
 		var lc net.ListenConfig
 		mln, err := lc.Listen(ctx, "tcp", cfg.MetricsListen)
@@ -351,13 +356,28 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	case <-ctx.Done():
 	case runErr = <-errc:
 	}
+	// The drain: readiness first, so a load balancer sends new
+	// connections elsewhere while this process still serves them; then
+	// the listeners close and the controller plane answers what it took
+	// and goes away; then everything else ends (below).
+	draining.Store(true)
+	if runErr == nil && cfg.DrainDelay > 0 {
+		log.Info("draining: /readyz answers 503; serving on until the load balancer has seen it", zap.Duration("delay", cfg.DrainDelay))
+		time.Sleep(cfg.DrainDelay)
+	}
+	drainStart := time.Now()
+	drainCtx, cancelDrain := context.WithTimeout(context.Background(), cfg.DrainTimeout)
+	defer cancelDrain()
+	_ = main.Shutdown(drainCtx)
+	if routeSrv != nil {
+		_ = routeSrv.Shutdown(drainCtx)
+	}
+	prov.Drain(drainCtx)
+	log.Info("drained the controller plane: calls in flight answered, connections gone away",
+		zap.Duration("took", time.Since(drainStart)), zap.Bool("timedOut", drainCtx.Err() != nil))
 	log.Info("shutting down")
 	shutdownCtx, cancelShutdown := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancelShutdown()
-	_ = main.Shutdown(shutdownCtx)
-	if routeSrv != nil {
-		_ = routeSrv.Shutdown(shutdownCtx)
-	}
 	if metricsSrv != nil {
 		_ = metricsSrv.Shutdown(shutdownCtx)
 	}
@@ -518,32 +538,43 @@ func routeBaseURL(cfg config, scheme string) string {
 	return scheme + "://" + cfg.Listen + cfg.RoutePath
 }
 
-// readyz answers 200 "ok" when Incus answers and every template's image is
-// there, 503 otherwise; with several Incus endpoints it then lists what
-// the client knows of each, so an operator sees which members this
-// replica can reach.
-func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach string, clustered bool, dialer guest.Dialer, cacheState func() string) http.HandlerFunc {
+// readyz answers 200 while this process serves and 503 once it drains
+// (SIGTERM): a load balancer takes a replica out for that alone. What
+// Incus does is reported, not judged: an Incus that does not answer, or a
+// template whose image is gone, is the same for every replica, and taking
+// them all out of the balancer at once would turn typed, retryable
+// answers (unavailable, and the alerts on Incus) into refused
+// connections. The body says all of it; with several Incus endpoints it
+// lists what the client knows of each, so an operator sees which members
+// this replica can reach.
+func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach string, clustered bool, dialer guest.Dialer, cacheState func() string, draining func() bool) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 		defer cancel()
 		status, verdict := http.StatusOK, "ok"
+		if draining() {
+			status, verdict = http.StatusServiceUnavailable, "draining: the process is stopping; new connections belong to other replicas"
+		}
+		incusOK := true
+		incusLine := "incus: ok"
 		if _, err := client.GetServer(ctx); err != nil {
-			status, verdict = http.StatusServiceUnavailable, "incus: unreachable"
+			incusOK, incusLine = false, "incus: unreachable; calls that need it answer unavailable"
 		} else {
 			for _, t := range catalogNow().All() {
 				if _, err := client.GetImage(ctx, t.Fingerprint); err != nil {
-					status, verdict = http.StatusServiceUnavailable, "template "+t.Wire.TemplateID+": image missing"
+					incusLine = "incus: ok; template " + t.Wire.TemplateID + ": image missing"
 					break
 				}
 			}
 		}
+		verdict += "\n" + incusLine
 		body := verdict + "\n"
 		if eps := client.Endpoints(); len(eps) > 1 {
 			body += endpointLines(eps, time.Now())
 		}
 		body += "guests: " + reach + "\n" + peerLines(dialer)
 		body += "observation cache: " + cacheState() + "\n"
-		if clustered && status == http.StatusOK {
+		if clustered && incusOK {
 			// What Incus says of each member: a guest on one that is not
 			// online is observed unknown until it is back.
 			if members, err := client.ListClusterMembers(ctx); err == nil {

@@ -16,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -87,7 +88,9 @@ func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
 		t.Fatal("a dial through a dead peer and a failing fallback succeeded")
 	}
 	rec := httptest.NewRecorder()
-	readyz(client, func() *templates.Catalog { return &templates.Catalog{} }, reachOf(guest.KindMember, "m1", map[string]string{"m1": "x:1", "m2": dead}), true, fwd, cacheStateOf(true, func() bool { return false }))(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	var draining atomic.Bool
+	ready := readyz(client, func() *templates.Catalog { return &templates.Catalog{} }, reachOf(guest.KindMember, "m1", map[string]string{"m1": "x:1", "m2": dead}), true, fwd, cacheStateOf(true, func() bool { return false }), draining.Load)
+	ready(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
 	body := rec.Body.String()
 	if !strings.Contains(body, "guests: netns on member m1, through the replicas of m2 on theirs (exec while one is unreachable), exec on every other member\n") {
 		t.Errorf("readyz does not say how guests are reached: %q", body)
@@ -98,7 +101,9 @@ func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
 	if !strings.Contains(body, "peer m2 at "+dead+": unreachable, its guests are dialled through exec: ") || !strings.Contains(body, "connection refused") {
 		t.Errorf("readyz does not report the dead peer: %q", body)
 	}
-	if rec.Code != http.StatusServiceUnavailable || !strings.HasPrefix(body, "incus: unreachable\n") {
+	// Incus unreachable is reported, not a reason to leave the balancer:
+	// every replica would leave at once.
+	if rec.Code != http.StatusOK || !strings.HasPrefix(body, "ok\nincus: unreachable; calls that need it answer unavailable\n") {
 		t.Fatalf("got %d %q", rec.Code, body)
 	}
 	for _, addr := range []string{a, b} {
@@ -109,7 +114,14 @@ func TestReadyzAndMetricsNameEachEndpoint(t *testing.T) {
 	if !strings.Contains(body, "connection refused") {
 		t.Errorf("readyz should give the last error: %q", body)
 	}
-	if got := testutil.ToFloat64(m.attempts.WithLabelValues(a, "transport")); got != 1 {
+	// Draining is: 503 from then on.
+	draining.Store(true)
+	rec = httptest.NewRecorder()
+	ready(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	if rec.Code != http.StatusServiceUnavailable || !strings.HasPrefix(rec.Body.String(), "draining: ") {
+		t.Fatalf("draining: got %d %q", rec.Code, rec.Body.String())
+	}
+	if got := testutil.ToFloat64(m.attempts.WithLabelValues(a, "transport")); got != 2 {
 		t.Errorf("attempts{endpoint=%s,status=transport} = %v", a, got)
 	}
 	if got := endpointUp(t, reg, b); got != 0 {

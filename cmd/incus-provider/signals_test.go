@@ -47,6 +47,65 @@ func TestSigtermSendsGoingAway(t *testing.T) {
 	}
 }
 
+// TestSigtermDrains: on SIGTERM readiness goes first (503 draining) while
+// the provider still serves, a connection made then included, for
+// PROVIDER_DRAIN_DELAY; then every controller connection goes away with
+// 1001 and the process exits.
+func TestSigtermDrains(t *testing.T) {
+	// Long enough for a loopback dial and three calls answered from memory
+	// on a loaded machine: the calls are what the delay is for.
+	const delay = 5 * time.Second
+	c := startProvider(t, "PROVIDER_DRAIN_DELAY=5s", "PROVIDER_DRAIN_TIMEOUT=5s")
+	readyzURL := strings.TrimSuffix(c.metrics, "/metrics") + "/readyz"
+	readyStatus := func() int {
+		resp, err := http.Get(readyzURL) //nolint:noctx // loopback, bounded by the client's default dial and the process's own deadline
+		if err != nil {
+			return 0
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode
+	}
+	if got := readyStatus(); got != http.StatusOK {
+		t.Fatalf("/readyz before SIGTERM: %d", got)
+	}
+	before := c.dial(t)
+	before.initialize(t)
+	sent := time.Now()
+	if err := c.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	for readyStatus() != http.StatusServiceUnavailable {
+		if time.Since(sent) > delay {
+			t.Fatal("/readyz did not answer 503 within the drain delay")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	c.waitLog(t, "draining: /readyz answers 503")
+	// Still serving: a new connection and a call on the old one.
+	during := c.dial(t)
+	during.initialize(t)
+	during.templateIDs(t, 1)
+	before.templateIDs(t, 2)
+	t.Logf("served a new connection and two calls %v into the %v drain delay", time.Since(sent).Round(time.Millisecond), delay)
+	for i, r := range []*rpcConn{before, during} {
+		_ = r.ws.SetReadDeadline(time.Now().Add(20 * time.Second))
+		_, _, err := r.ws.ReadMessage()
+		var ce *websocket.CloseError
+		if !errors.As(err, &ce) || ce.Code != websocket.CloseGoingAway {
+			t.Errorf("connection %d ended with %v, want a close frame with 1001", i, err)
+		}
+		if time.Since(sent) < delay {
+			t.Errorf("connection %d went away %v after SIGTERM, inside the drain delay", i, time.Since(sent))
+		}
+	}
+	select {
+	case <-c.exited:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the provider still runs 20 s after SIGTERM")
+	}
+	c.waitLog(t, "drained the controller plane")
+}
+
 // templateIDs asks template/list on r.
 func (r *rpcConn) templateIDs(t *testing.T, id int) []string {
 	t.Helper()

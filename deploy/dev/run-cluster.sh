@@ -72,7 +72,7 @@ for i in 0 1; do
     unset INCUS_CLUSTER_MEMBERS INCUS_CLUSTER_SOCKETS INCUS_CLUSTER_PIDS
     # Public ingress is off on the rig: each replica's edge would hand out
     # its own endpoints, and nothing balances the edges yet.
-    PROVIDER_LISTEN=127.0.0.1:$((18490 + n)) PROVIDER_METRICS_LISTEN=127.0.0.1:$((19490 + n)) PROVIDER_INGRESS_LISTEN=off \
+    PROVIDER_LISTEN=127.0.0.1:$((18490 + n)) PROVIDER_METRICS_LISTEN=127.0.0.1:$((19490 + n)) PROVIDER_INGRESS_LISTEN=off PROVIDER_DRAIN_DELAY=${PROVIDER_DRAIN_DELAY:-2s} \
       PROVIDER_INCUS_MEMBER=${members[$i]} PROVIDER_REPLICA_ID=replica$n PROVIDER_PEER_LISTEN=127.0.0.$((n + 1)):18500 \
       exec bin/incus-provider >"$work/replica$n.out" 2>"$work/replica$n.log"
   ) &
