@@ -88,6 +88,10 @@ func handleArgs(args []string, stdout, stderr io.Writer) (code int, done bool) {
 			writeVersion(stdout)
 			return 0, true
 		}
+	case "targets":
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		defer stop()
+		return runTargets(ctx, args[1:], os.Environ(), stdout, stderr), true
 	case "check":
 		if len(args) == 1 {
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -95,6 +99,6 @@ func handleArgs(args []string, stdout, stderr io.Writer) (code int, done bool) {
 			return runCheck(ctx, os.Environ(), stdout), true
 		}
 	}
-	_, _ = fmt.Fprintf(stderr, "incus-provider: %q is not an argument it takes; it takes check, --help or --version alone, and reads every setting from the environment (see --help).\n", args[0])
+	_, _ = fmt.Fprintf(stderr, "incus-provider: %q is not an argument it takes; it takes check, targets, --help or --version, and reads every setting from the environment (see --help).\n", args[0])
 	return exitBadSetting, true
 }

@@ -40,7 +40,8 @@ type child struct {
 	listen     string // 127.0.0.1:port
 	metrics    string // http://127.0.0.1:port/metrics
 	credential string
-	credFile   string // where credential is, for a test that rotates it
+	credFile   string   // where credential is, for a test that rotates it
+	env        []string // the settings it was started with
 	log        *bytes.Buffer
 	logMu      *sync.Mutex
 	exited     chan struct{} // closed once Wait has returned
@@ -83,7 +84,7 @@ func startProvider(t *testing.T, env ...string) *child {
 		t.Fatal(err)
 	}
 	c := &child{cmd: cmd, control: "ws://" + listen + "/control", listen: listen,
-		metrics: "http://" + metrics + "/metrics", credential: secret, credFile: credFile, log: &bytes.Buffer{}, logMu: &sync.Mutex{}}
+		metrics: "http://" + metrics + "/metrics", credential: secret, credFile: credFile, env: cmd.Env, log: &bytes.Buffer{}, logMu: &sync.Mutex{}}
 	cmd.Stderr = lockedWriter{c.logMu, c.log}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -66,6 +66,13 @@ Usage: incus-provider            serve, configured by the environment below
                                  project, the templates' images, the guest
                                  dialer, the listeners' addresses; exit 0,
                                  2 for a setting, 1 for the environment
+       incus-provider targets list [--json]
+       incus-provider targets show TARGET_ID|UNIVERSE/ENVIRONMENT [--json]
+                                 what Incus records of the targets, read
+                                 with the provider's own settings and code
+       incus-provider targets close TARGET_ID|UNIVERSE/ENVIRONMENT
+                                 ask the running provider to close one, as
+                                 a runtime would, and follow it to closed
        incus-provider --help     print this reference and exit
        incus-provider --version  print the build and exit
 
