@@ -79,7 +79,7 @@ func TestOperatorCommands(t *testing.T) {
 	}
 	r = runBinary(t, c.env, "targets", "show", ids["env-a"])
 	for _, want := range []string{"target +" + ids["env-a"], "owner +u-ops/env-a", "phase +active", "power +running"} {
-		if r.code != 0 || !regexp.MustCompile("(?m)^" + want + "$").MatchString(r.stdout) {
+		if r.code != 0 || !regexp.MustCompile("(?m)^"+want+"$").MatchString(r.stdout) {
 			t.Errorf("show by id lacks %q: exit %d:\n%s%s", want, r.code, r.stdout, r.stderr)
 		}
 	}
