@@ -240,13 +240,6 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if err := prov.Run(srvCtx); err != nil {
-			errc <- err
-		}
-	}()
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
 		var err error
 		if cfg.TLSCert != "" {
 			err = main.ServeTLS(ln, "", "") // the certificate comes from TLSConfig
@@ -323,6 +316,17 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		}()
 		log.Info("public ingress edge", zap.String("listen", cfg.IngressListen), zap.String("base", cfg.ingressBase.String()))
 	}
+
+	// Only now that every listener is bound does the provider act on
+	// Incus (the reconciler, warm pools, the idle loop): a start that
+	// fails on an address changes nothing there.
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := prov.Run(srvCtx); err != nil {
+			errc <- err
+		}
+	}()
 
 	ids := templateIDs(catalog)
 	url := controlURL(cfg, scheme)
