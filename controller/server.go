@@ -51,6 +51,9 @@ type Options struct {
 	DecodeBudget *jsonrpc.Budget
 	Metrics      *Metrics
 	Log          *zap.Logger
+	// Audit, when set, gets a line for every method call answered (see
+	// audit.go); nil keeps no audit trail.
+	Audit *zap.Logger
 	// ServerName is serverInfo.name.
 	ServerName string
 }
@@ -99,7 +102,7 @@ func NewHandler(ctx context.Context, opts Options) *Handler {
 		Plane:           Plane,
 		ProtocolVersion: ProtocolVersion,
 		Initialize:      h.initialize,
-		Methods:         h.methods(),
+		Methods:         h.auditedMethods(),
 		MaxInFlight:     opts.MaxInFlight,
 		Budget:          opts.DecodeBudget,
 	}
@@ -166,7 +169,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request) {
 		defer m.connections.Dec()
 	}
 	defer func() { _ = ws.Close() }()
-	if err := h.rpc.ServeConn(h.ctx, ws); err != nil {
+	if err := h.rpc.ServeConn(withRemote(h.ctx, r.RemoteAddr), ws); err != nil {
 		h.opts.Log.Debug("controller connection ended", zap.Error(err))
 	}
 }
@@ -208,6 +211,18 @@ const (
 func Methods() []string {
 	return []string{MethodInitialize, MethodTemplateList, MethodTargetCreate, MethodTargetGet,
 		MethodTargetSet, MethodTargetClose, MethodIngressEnsure, MethodIngressRemove}
+}
+
+// auditedMethods are the methods, each logged to the audit trail when
+// there is one.
+func (h *Handler) auditedMethods() map[string]jsonrpc.Method {
+	ms := h.methods()
+	if h.opts.Audit != nil {
+		for name, m := range ms {
+			ms[name] = audited(h.opts.Audit, name, m)
+		}
+	}
+	return ms
 }
 
 func (h *Handler) methods() map[string]jsonrpc.Method {

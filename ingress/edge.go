@@ -72,6 +72,10 @@ type Options struct {
 	// Stall bounds a client's silence while it sends its body or reads
 	// its answer (default DefaultStall).
 	Stall time.Duration
+	// AccessLog, when set, gets a line for every request the edge
+	// answers: method, host label, status, bytes written, time taken. Nil
+	// keeps none.
+	AccessLog *zap.Logger
 }
 
 // Edge serves public ingress.
@@ -220,9 +224,19 @@ func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	stall := e.opts.Stall
 	defer func() { _ = rc.SetWriteDeadline(time.Now().Add(stall)) }()
 	sw := &statusWriter{ResponseWriter: w, rc: rc, stall: stall}
-	defer func() { e.opts.Metrics.request(sw.class(r)) }()
-	var route targets.IngressRoute
 	label, ok := e.opts.Base.Label(r.Host)
+	start := time.Now()
+	defer func() {
+		status := sw.class(r)
+		e.opts.Metrics.request(status)
+		if al := e.opts.AccessLog; al != nil {
+			// The label, not the host: a host that maps to no label is
+			// the client's text, and unbounded.
+			al.Info("edge request", zap.String("method", r.Method), zap.String("label", label), zap.Int("status", status),
+				zap.Int64("bytes", sw.written), zap.Duration("took", time.Since(start)), zap.String("remote", r.RemoteAddr))
+		}
+	}()
+	var route targets.IngressRoute
 	if ok {
 		route, ok = e.opts.Targets.IngressLookup(label)
 	}
@@ -476,10 +490,11 @@ func isTimeout(err error) bool {
 // proxy reach the flusher and the hijacker.
 type statusWriter struct {
 	http.ResponseWriter
-	rc     *http.ResponseController
-	stall  time.Duration
-	body   *stallBody // nil without a request body
-	status int
+	rc      *http.ResponseController
+	stall   time.Duration
+	body    *stallBody // nil without a request body
+	status  int
+	written int64 // body bytes written through it (a hijacked upgrade's are not)
 }
 
 func (s *statusWriter) WriteHeader(code int) {
@@ -500,7 +515,9 @@ func (s *statusWriter) Write(p []byte) (int, error) {
 		s.status = http.StatusOK
 	}
 	_ = s.rc.SetWriteDeadline(time.Now().Add(s.stall))
-	return s.ResponseWriter.Write(p)
+	n, err := s.ResponseWriter.Write(p)
+	s.written += int64(n)
+	return n, err
 }
 
 // Flush carries the write deadline too: an event stream's flush is where

@@ -15,6 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/internal/ingressurl"
@@ -279,5 +282,33 @@ func TestAnUploadStreamsThroughWhole(t *testing.T) {
 		if resp.StatusCode != http.StatusOK || string(got) != "1048576" {
 			t.Fatalf("the upload: %d %q", resp.StatusCode, got)
 		}
+	}
+}
+
+// TestAccessLogNamesEveryRequest: with an access log, each request the edge
+// answers is one line: method, label (none for a host that maps to none),
+// status and the body's bytes.
+func TestAccessLogNamesEveryRequest(t *testing.T) {
+	r := newEdgeRig(t, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = w.Write([]byte("twelve bytes"))
+	}))
+	core, logs := observer.New(zap.InfoLevel)
+	r.edge.opts.AccessLog = zap.New(core)
+	if resp, body := r.get(t, r.label+".env.example.com", "/page", nil); resp.StatusCode != http.StatusOK || body != "twelve bytes" {
+		t.Fatalf("%d %q", resp.StatusCode, body)
+	}
+	if resp, _ := r.get(t, "elsewhere.example.com", "/", nil); resp.StatusCode != http.StatusNotFound {
+		t.Fatalf("an unknown host: %d", resp.StatusCode)
+	}
+	lines := logs.FilterMessage("edge request").All()
+	if len(lines) != 2 {
+		t.Fatalf("%d access lines for 2 requests", len(lines))
+	}
+	first, second := lines[0].ContextMap(), lines[1].ContextMap()
+	if first["method"] != "GET" || first["label"] != r.label || first["status"] != int64(200) || first["bytes"] != int64(12) {
+		t.Errorf("the routed request: %v", first)
+	}
+	if second["label"] != "" || second["status"] != int64(404) {
+		t.Errorf("the unknown host: %v", second)
 	}
 }

@@ -38,7 +38,10 @@ type Config struct {
 	Catalog    *templates.Catalog
 	Dialer     guest.Dialer
 	Credential bearer.Credential
-	Log        *zap.Logger
+	// Audit, when set, logs every controller call answered; AccessLog,
+	// when set, every request the public edge answers.
+	Audit, AccessLog *zap.Logger
+	Log              *zap.Logger
 	// Metrics is where the provider's collectors are registered; nil
 	// registers none.
 	Metrics prometheus.Registerer
@@ -171,7 +174,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	var edge *ingress.Edge
 	if cfg.IngressBase != nil {
 		edge, err = ingress.New(ingress.Options{Targets: svc, Waker: wk, Dialer: cfg.Dialer, Relays: reg,
-			Base: *cfg.IngressBase, Metrics: edgeMetrics, Log: log.Named("ingress")})
+			Base: *cfg.IngressBase, Metrics: edgeMetrics, Log: log.Named("ingress"), AccessLog: cfg.AccessLog})
 		if err != nil {
 			cancel()
 			return nil, fmt.Errorf("ingress edge: %w", err)
@@ -191,6 +194,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		DecodeBudget:   jsonrpc.NewBudget(budget, jsonrpc.DefaultBudgetWait),
 		Metrics:        ctrlMetrics,
 		Log:            log.Named("controller"),
+		Audit:          cfg.Audit,
 	})
 	mux := http.NewServeMux()
 	// The contract allows any path for a controller URL (and a unix://

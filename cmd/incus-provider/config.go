@@ -57,6 +57,8 @@ type config struct {
 	Peers             string        `env:"PROVIDER_PEERS" allowed:"member=host:port for each replica's PROVIDER_PEER_LISTEN, separated by commas, such as node1=10.0.0.1:8483,node2=10.0.0.2:8483" help:"where the replicas serve their members' guests; one list for every replica"`
 	PeerSecretFile    string        `env:"PROVIDER_PEER_SECRET_FILE" allowed:"a file of mode 0600 or stricter holding at least 32 bytes; needed by PROVIDER_PEER_LISTEN and PROVIDER_PEERS" help:"the replicas' shared forwarding secret"`
 	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests" allowed:"an absolute directory path" help:"host directory for the proxy dialer's sockets"`
+	AuditLog          string        `env:"PROVIDER_AUDIT_LOG" envDefault:"on" allowed:"on or off" help:"a log line (logger audit) for every controller call answered: method, owner, target, outcome kind, time taken, caller; never a credential or a payload"`
+	AccessLog         string        `env:"PROVIDER_ACCESS_LOG" envDefault:"off" allowed:"on or off" help:"a log line (logger access) for every request the public ingress edge answers: method, host label, status, bytes, time taken, caller"`
 	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info" allowed:"debug, info, warn or error" help:"JSON logs on stderr"`
 	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s" allowed:"a duration from 60s (the protocol's floor for idle closes) to 24h" help:"a data relay with no frame either way for this long is closed"`
 	RouteMaxHeld      int           `env:"PROVIDER_ROUTE_MAX_HELD" envDefault:"256" allowed:"a whole number from 1 to 65536" help:"data-route dials held at once while targets wake; past it, 503 at once"`
@@ -228,6 +230,11 @@ func (c *config) check(r *refusals) {
 		bad("PROVIDER_GUEST_SOCKET_DIR", c.GuestSocketDir, allowed("PROVIDER_GUEST_SOCKET_DIR"))
 	}
 	c.checkPeers(r)
+	for _, sw := range []struct{ name, value string }{{"PROVIDER_AUDIT_LOG", c.AuditLog}, {"PROVIDER_ACCESS_LOG", c.AccessLog}} {
+		if sw.value != "on" && sw.value != "off" {
+			bad(sw.name, sw.value, allowed(sw.name))
+		}
+	}
 	switch c.LogLevel {
 	case "debug", "info", "warn", "error":
 	default:

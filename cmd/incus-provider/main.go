@@ -69,6 +69,16 @@ func main() {
 	_ = log.Sync()
 }
 
+// switchedLog is the named logger when its setting is on, else nil. Its
+// lines are info: they stay at every level but warn and error, where an
+// operator asked for problems alone.
+func switchedLog(setting string, log *zap.Logger, name string) *zap.Logger {
+	if setting != "on" {
+		return nil
+	}
+	return log.Named(name)
+}
+
 func newLogger(level string) (*zap.Logger, error) {
 	lvl, err := zapcore.ParseLevel(level)
 	if err != nil {
@@ -179,6 +189,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld, RoutePath: cfg.RoutePath,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
 		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn, CacheCorrection: cfg.CacheCorrection,
+		Audit: switchedLog(cfg.AuditLog, log, "audit"), AccessLog: switchedLog(cfg.AccessLog, log, "access"),
 	})
 	if err != nil {
 		return err

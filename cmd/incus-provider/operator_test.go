@@ -101,6 +101,27 @@ func TestOperatorCommands(t *testing.T) {
 	if r.code != exitFailed || !strings.Contains(r.stderr, "holds no target u-ops/env-never") {
 		t.Errorf("an unknown owner: exit %d: %s", r.code, r.stderr)
 	}
+	// The audit trail (on by default) has the runtime's create and the
+	// operator's close, each naming owner, target and outcome.
+	c.logMu.Lock()
+	logged := c.log.String()
+	c.logMu.Unlock()
+	found := map[string]bool{}
+	for line := range strings.SplitSeq(logged, "\n") {
+		var rec map[string]any
+		if json.Unmarshal([]byte(line), &rec) != nil || rec["logger"] != "audit" || rec["universe"] != "u-ops" || rec["environment"] != "env-a" {
+			continue
+		}
+		switch {
+		case rec["method"] == "target/create" && rec["outcome"] == "ok":
+			found["create"] = true
+		case rec["method"] == "target/close" && rec["target"] == ids["env-a"] && rec["outcome"] == "ok":
+			found["close"] = true
+		}
+	}
+	if !found["create"] || !found["close"] {
+		t.Errorf("the audit trail lacks the create or the close of u-ops/env-a: %v", found)
+	}
 	r = runBinary(t, c.env, "targets", "frobnicate")
 	if r.code != exitBadSetting || !strings.Contains(r.stderr, "usage: incus-provider targets list") {
 		t.Errorf("an unknown command: exit %d: %s", r.code, r.stderr)
