@@ -343,6 +343,34 @@ func TestDashboardUsesOnlyRegisteredMetrics(t *testing.T) {
 	}
 }
 
+// projectWide are the gauges every replica serving a project reports for
+// the whole project; summed across replicas they would count each target
+// once per replica.
+var projectWide = []string{"incus_provider_targets", "incus_provider_targets_by_member", "incus_provider_warm_instances"}
+
+// TestDashboardCountsAProjectOnce: a panel that adds up a project-wide
+// gauge takes one replica's value per project first (max by project), so
+// two replicas behind a load balancer show the project's count, not twice
+// it. Expressions that only take a maximum need no such step.
+func TestDashboardCountsAProjectOnce(t *testing.T) {
+	var dash map[string]any
+	if err := json.Unmarshal(read(t, dashboardFile), &dash); err != nil {
+		t.Fatal(err)
+	}
+	var exprs []string
+	collect(dash["panels"], "expr", &exprs)
+	for _, e := range exprs {
+		for _, name := range projectWide {
+			if !regexp.MustCompile(`\b` + name + `\{`).MatchString(e) {
+				continue
+			}
+			if strings.Contains(e, "sum") && !strings.Contains(e, "max by (project") {
+				t.Errorf("%s adds up %s across replicas: %s", dashboardFile, name, e)
+			}
+		}
+	}
+}
+
 func TestDashboardUsesTheDatasourceVariable(t *testing.T) {
 	var dash struct {
 		UID        string `json:"uid"`

@@ -120,8 +120,13 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	reg := relays.New(closeWait)
 	var warmMetrics *targets.WarmMetrics
 	var cacheMetrics *targets.CacheMetrics
+	// Every replica serving a project reports what the whole project holds
+	// (its targets, its pools): the project label lets a dashboard count
+	// each once (max by project) however many replicas report it.
+	var projectMetrics prometheus.Registerer
 	if cfg.Metrics != nil {
-		warmMetrics = targets.NewWarmMetrics(cfg.Metrics)
+		projectMetrics = prometheus.WrapRegistererWith(prometheus.Labels{"project": cfg.Incus.Project()}, cfg.Metrics)
+		warmMetrics = targets.NewWarmMetrics(projectMetrics)
 		cacheMetrics = targets.NewCacheMetrics(cfg.Metrics)
 	}
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
@@ -145,7 +150,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		}
 		wakeMetrics = wake.NewMetrics(cfg.Metrics)
 		routeMetrics = routes.NewMetrics(cfg.Metrics)
-		idleMetrics = idle.NewMetrics(cfg.Metrics)
+		idleMetrics = idle.NewMetrics(projectMetrics)
 		ctrlMetrics = controller.NewMetrics(cfg.Metrics)
 	}
 	ctx, cancel := context.WithCancel(ctx)
