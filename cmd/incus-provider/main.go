@@ -129,6 +129,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	watchEndpoints(reg, client)
 	incusMetrics.watchAttempts(client)
 	registerBuildInfo(reg)
+	registerLimits(reg, cfg)
 	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	server, err := client.GetServer(startCtx)

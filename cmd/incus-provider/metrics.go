@@ -92,3 +92,22 @@ func watchEndpoints(reg prometheus.Registerer, client *incus.Client) {
 		}))
 	}
 }
+
+// registerLimits exposes the ceilings the settings put on this process, so
+// that alerts and panels compare what is used with what is allowed without
+// a copy of the settings: limit is listener_connections
+// (PROVIDER_MAX_CONNECTIONS), controller_connections
+// (PROVIDER_MAX_CONTROL_CONNECTIONS) and, unless it is off, memory_bytes
+// (PROVIDER_MEMORY_LIMIT, the Go runtime's soft limit).
+func registerLimits(reg prometheus.Registerer, cfg config) {
+	limits := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "incus_provider_limit",
+		Help: "A ceiling the settings put on this process, by limit: listener_connections (PROVIDER_MAX_CONNECTIONS), controller_connections (PROVIDER_MAX_CONTROL_CONNECTIONS), memory_bytes (PROVIDER_MEMORY_LIMIT; absent when off).",
+	}, []string{"limit"})
+	reg.MustRegister(limits)
+	limits.WithLabelValues("listener_connections").Set(float64(cfg.MaxConnections))
+	limits.WithLabelValues("controller_connections").Set(float64(cfg.MaxControl))
+	if cfg.memoryLimitBytes > 0 {
+		limits.WithLabelValues("memory_bytes").Set(float64(cfg.memoryLimitBytes))
+	}
+}
