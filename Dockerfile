@@ -8,7 +8,7 @@
 #     -v /usr/local/go:/usr/local/go:ro -v "$(go env GOMODCACHE)":/gomod:ro \
 #     -t localhost/incus-provider .
 #
-# README.md ("Container image") gives the run line and why each flag is there.
+# docs/operations.md ("As a container") gives the run line and why each flag is there.
 
 # The build stage has no shell: go is static and RUN uses the exec form.
 FROM scratch AS build

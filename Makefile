@@ -9,9 +9,13 @@ export GOFLAGS ?= -mod=mod
 
 .PHONY: run run-cluster test test-image build lint unit bench fuzz clean-test-projects
 
+# The version a build prints (--version, build_info, serverInfo): VERSION's
+# at the tag vVERSION, and VERSION-dev anywhere else (docs/operations.md).
+VERSION_STAMP := $(shell v=$$(cat VERSION); if git describe --exact-match --tags HEAD 2>/dev/null | grep -qx "v$$v"; then echo "$$v"; else echo "$$v-dev"; fi)
+
 build:
 	@mkdir -p $(BIN)
-	$(GO) build -o $(BIN)/incus-provider ./cmd/incus-provider
+	$(GO) build -ldflags "-X github.com/lightspeed-dev/incus-provider/internal/buildinfo.Version=$(VERSION_STAMP)" -o $(BIN)/incus-provider ./cmd/incus-provider
 	$(GO) build -o $(BIN)/lsconform ./cmd/lsconform
 
 # Brings up a local Incus, builds and imports the development guest image,

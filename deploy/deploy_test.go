@@ -35,6 +35,9 @@ const (
 	envExampleFile = "provider.env.example"
 	unitFile       = "systemd/incus-provider.service"
 	readmeFile     = "../README.md"
+	metricsDoc     = "../docs/metrics.md"
+	configDoc      = "../docs/configuration.md"
+	operationsDoc  = "../docs/operations.md"
 	configFile     = "../cmd/incus-provider/config.go"
 	// The files of cmd/incus-provider that declare metrics of their own.
 	incusMetricsFiles = "../cmd/incus-provider/metrics.go ../cmd/incus-provider/peers.go"
@@ -499,9 +502,10 @@ func TestAlertsUseOnlyRegisteredMetrics(t *testing.T) {
 	checkRefs(t, alertsFile, string(raw), known)
 }
 
-func TestReadmeMetricsAreRegistered(t *testing.T) {
+func TestMetricsDocListsEveryRegisteredMetric(t *testing.T) {
 	fams := registered(t)
-	readme := string(read(t, readmeFile))
+	readme := string(read(t, metricsDoc))
+	readmeFile := metricsDoc
 	_, section, ok := strings.Cut(readme, "\n## Metrics\n")
 	if !ok {
 		t.Fatalf("%s has no \"## Metrics\" section", readmeFile)
@@ -721,11 +725,12 @@ func TestAlertsHaveRunbooksAndTests(t *testing.T) {
 // runbooksDir is where runbook_url points, from the repository's root.
 const runbooksDir = "deploy/prometheus/"
 
-// README's configuration section names every variable config.go reads
-// (--help prints the reference itself from config.go; this keeps the
-// README's table from missing one).
-func TestReadmeNamesEveryVariable(t *testing.T) {
-	readme := string(read(t, readmeFile))
+// docs/configuration.md's configuration section names every variable
+// config.go reads (--help prints the reference itself from config.go; this
+// keeps the table from missing one).
+func TestConfigDocNamesEveryVariable(t *testing.T) {
+	readme := string(read(t, configDoc))
+	readmeFile := configDoc
 	_, section, ok := strings.Cut(readme, "\n## Configuration\n")
 	if !ok {
 		t.Fatalf("%s has no \"## Configuration\" section", readmeFile)
@@ -741,5 +746,52 @@ func TestReadmeNamesEveryVariable(t *testing.T) {
 		if !strings.Contains(section, "`"+m[1]+"`") {
 			t.Errorf("%s's configuration section does not name %s", readmeFile, m[1])
 		}
+	}
+}
+
+// The README is the overview a newcomer reads first: its two commands, what
+// the provider is, the architecture, and where the rest lives. Everything
+// else is under docs/; a README that grows past this has taken in a
+// document.
+func TestReadmeIsAnOverview(t *testing.T) {
+	const most = 15 << 10
+	readme := read(t, readmeFile)
+	if len(readme) > most {
+		t.Errorf("%s is %d bytes, over %d: move what is not an overview to docs/", readmeFile, len(readme), most)
+	}
+	head := strings.Join(strings.SplitN(string(readme), "\n", 8)[:7], "\n")
+	for _, cmd := range []string{"make run ", "make test "} {
+		if !strings.Contains(head, "    "+cmd) {
+			t.Errorf("%s's first lines do not give %q", readmeFile, cmd)
+		}
+	}
+	for _, m := range regexp.MustCompile(`\]\(((?:docs/)?[A-Za-z]+\.md)(#[a-z0-9-]+)?\)`).FindAllStringSubmatch(string(readme), -1) {
+		if _, err := os.Stat(filepath.Join("..", m[1])); err != nil {
+			t.Errorf("%s links to %s, which is not there", readmeFile, m[1])
+		}
+	}
+}
+
+// docs/operations.md has what an operator looks for, each under its own
+// heading.
+func TestOperationsDocCoversOperations(t *testing.T) {
+	doc := string(read(t, operationsDoc))
+	for _, h := range []string{"## Install", "### From a release build", "### As a systemd unit", "### As a container",
+		"## Upgrade and rollback", "## Backup and restore", "## Troubleshooting by symptom", "## Security model", "## Versions"} {
+		if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(h) + `$`).MatchString(doc) {
+			t.Errorf("%s has no heading %q", operationsDoc, h)
+		}
+	}
+}
+
+// CHANGELOG.md's newest entry is the version VERSION holds.
+func TestChangelogNamesTheVersion(t *testing.T) {
+	version := strings.TrimSpace(string(read(t, "../VERSION")))
+	if !regexp.MustCompile(`^[0-9]+\.[0-9]+\.[0-9]+$`).MatchString(version) {
+		t.Fatalf("VERSION holds %q, not MAJOR.MINOR.PATCH", version)
+	}
+	first := regexp.MustCompile(`(?m)^## ([0-9]+\.[0-9]+\.[0-9]+)`).FindStringSubmatch(string(read(t, "../CHANGELOG.md")))
+	if first == nil || first[1] != version {
+		t.Errorf("CHANGELOG.md's newest entry is %v, VERSION says %s", first, version)
 	}
 }

@@ -302,7 +302,7 @@ func (h *killHarness) work(ctx context.Context, round int, rng *rand.Rand, l *ow
 			// Answered as under way while an Incus operation held the
 			// instance: the request lives in this process's memory until
 			// Incus takes it, and a kill before that loses it (the one
-			// window the README names). Its fate is unknown until the
+			// window docs/targets.md names). Its fate is unknown until the
 			// next answer, as a cut request's is.
 			l.unknown = append(l.unknown, op)
 			l.inFlight = ""

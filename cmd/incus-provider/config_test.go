@@ -100,10 +100,10 @@ func TestConfigDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	if c.Listen != "127.0.0.1:8480" || c.MetricsListen != "127.0.0.1:9480" || c.GuestDialer != "auto" || c.IncusProject != "default" || c.MaxInFlight != 64 {
-		t.Fatalf("defaults changed; update README.md with them: %+v", c)
+		t.Fatalf("defaults changed; update docs/configuration.md with them: %+v", c)
 	}
 	if c.memoryLimitBytes != 768<<20 || c.decodeBudgetBytes != 64<<20 || c.MaxConnections != 4096 || c.MaxControl != 64 {
-		t.Fatalf("defaults changed; update README.md with them: %+v", c)
+		t.Fatalf("defaults changed; update docs/configuration.md with them: %+v", c)
 	}
 }
 

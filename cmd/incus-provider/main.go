@@ -1,5 +1,5 @@
 // Command incus-provider serves Lightspeed's controller plane on Incus: see
-// README.md for its configuration.
+// docs/configuration.md for its configuration.
 package main
 
 import (

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the container image (the top-level Dockerfile) offline with podman
-# and runs it against this host's Incus socket, as README.md ("Container
-# image") tells an operator to: the running container must pass lsconform
+# and runs it against this host's Incus socket, as docs/operations.md ("As a
+# container") tells an operator to: the running container must pass lsconform
 # and wake a target through its data route (cmd/routecheck), and say ready. Works in an Incus project of its own and removes it, the
 # container and the image it built when it ends. Nothing is pulled: both
 # stages start FROM scratch, with the host's Go toolchain and module cache
@@ -64,7 +64,7 @@ incus project create "$project" -c features.images=false -c features.profiles=fa
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 chmod 0600 "$work/credential"
 
-# The run line of README.md, with this test's ports, project and
+# The run line of docs/operations.md, with this test's ports, project and
 # credential. The open-file ceiling is the host's own hard limit: a runner
 # without CAP_SYS_RESOURCE (as here) cannot grant more.
 nofile=$(ulimit -Hn)
