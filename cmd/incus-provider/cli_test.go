@@ -204,13 +204,7 @@ func TestUnknownArgumentsExit2(t *testing.T) {
 
 func TestBadSettingsExit2WithOneSentence(t *testing.T) {
 	dir := t.TempDir()
-	write := func(name, body string) string {
-		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		return p
-	}
+	write := func(name, body string) string { return fileIn(t, dir, name, body) }
 	good, err := filepath.Abs("../../deploy/templates.dev.yaml")
 	if err != nil {
 		t.Fatal(err)

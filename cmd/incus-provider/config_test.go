@@ -333,13 +333,7 @@ func TestConfigRefusesAnOpenListenerWithoutACredential(t *testing.T) {
 // pair is handed on loaded.
 func TestConfigReadsTheFilesItNames(t *testing.T) {
 	dir := t.TempDir()
-	write := func(name, body string) string {
-		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		return p
-	}
+	write := func(name, body string) string { return fileIn(t, dir, name, body) }
 	templates := write("t.yaml", "x")
 	empty := write("empty", " \n")
 	notPEM := write("not.pem", "not a certificate\n")
@@ -378,4 +372,15 @@ func TestEditDistance(t *testing.T) {
 			t.Errorf("editDistance(%q, %q) = %d, want %d", c.a, c.b, got, c.d)
 		}
 	}
+}
+
+// fileIn writes body to a file of the test's own directory dir and
+// answers its path.
+func fileIn(t *testing.T, dir, name, body string) string {
+	t.Helper()
+	p := filepath.Join(dir, name)
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"regexp"
 	"strings"
@@ -20,13 +19,7 @@ func TestOperatorCommands(t *testing.T) {
 	c := startProvider(t)
 	ctl := c.controller(t)
 	owners := []controller.Owner{{UniverseID: "u-ops", EnvironmentID: "env-a"}, {UniverseID: "u-ops", EnvironmentID: "env-b"}}
-	call := func(method string, params any) (controller.Observation, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		var res controller.TargetResult
-		err := ctl.Call(ctx, method, params, &res)
-		return res.Target, err
-	}
+	call := targetCaller(ctl)
 	ids := map[string]string{}
 	for _, o := range owners {
 		if _, err := call("target/create", controller.CreateParams{Owner: o, TemplateID: "dev-small"}); err != nil {

@@ -55,13 +55,7 @@ func TestLivePrometheus(t *testing.T) {
 
 	ctl := c.controller(t)
 	owner := controller.Owner{UniverseID: "u-prom", EnvironmentID: "env-1"}
-	call := func(method string, params any) (controller.Observation, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		var res controller.TargetResult
-		err := ctl.Call(ctx, method, params, &res)
-		return res.Target, err
-	}
+	call := targetCaller(ctl)
 	until := func(what string, cond func(controller.Observation) bool) controller.Observation {
 		t.Helper()
 		deadline := time.Now().Add(90 * time.Second)
@@ -227,6 +221,18 @@ func TestLivePrometheus(t *testing.T) {
 	// No alert fires on this healthy workload.
 	if firing := prom.query(t, `ALERTS{alertstate="firing"}`); len(firing) > 0 {
 		t.Errorf("alerts firing after a healthy workload: %v", firing)
+	}
+}
+
+// targetCaller calls a target method on ctl, each call bounded by 30 s,
+// and answers the observation.
+func targetCaller(ctl *jsonrpc.Client) func(method string, params any) (controller.Observation, error) {
+	return func(method string, params any) (controller.Observation, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		var res controller.TargetResult
+		err := ctl.Call(ctx, method, params, &res)
+		return res.Target, err
 	}
 }
 
