@@ -41,6 +41,7 @@ type lbRig struct {
 	lb       string
 	replicas [2]*lbReplica
 	haproxy  *exec.Cmd
+	env      []string // added to every replica's settings
 }
 
 type lbReplica struct {
@@ -50,7 +51,11 @@ type lbReplica struct {
 	cmd                             *exec.Cmd
 }
 
-func newLBRig(t *testing.T) *lbRig {
+func newLBRig(t *testing.T) *lbRig { return newLBRigWith(t) }
+
+// newLBRigWith is newLBRig with settings of the test's added to every
+// replica's.
+func newLBRigWith(t *testing.T, env ...string) *lbRig {
 	t.Helper()
 	cl := incustest.Cluster(t)
 	haproxy, err := exec.LookPath("haproxy")
@@ -60,7 +65,7 @@ func newLBRig(t *testing.T) *lbRig {
 		}
 		t.Skipf("haproxy is not installed: %v", err)
 	}
-	r := &lbRig{t: t, bin: buildProvider(t), dir: t.TempDir(), client: cl.Client(t), cl: cl, lb: loopback.FreeAddr(t)}
+	r := &lbRig{t: t, bin: buildProvider(t), dir: t.TempDir(), client: cl.Client(t), cl: cl, lb: loopback.FreeAddr(t), env: env}
 	if err := os.WriteFile(filepath.Join(r.dir, "credential"), []byte(credential), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -140,6 +145,7 @@ func (r *lbRig) start(i int) {
 		// One peer list for both, as one environment file would give it.
 		"PROVIDER_PEER_LISTEN="+rep.peer, "PROVIDER_PEER_SECRET_FILE="+filepath.Join(r.dir, "peer.secret"),
 		"PROVIDER_PEERS="+r.replicas[0].member+"="+r.replicas[0].peer+","+r.replicas[1].member+"="+r.replicas[1].peer)
+	cmd.Env = append(cmd.Env, r.env...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
 		r.t.Fatal(err)
@@ -156,6 +162,18 @@ func (r *lbRig) stop(i int, sig syscall.Signal) {
 	_ = rep.cmd.Process.Signal(sig)
 	_ = rep.cmd.Wait()
 	rep.cmd = nil
+}
+
+// awaitLog waits until the replica's log says what.
+func (r *lbRig) awaitLog(i int, what string) {
+	r.t.Helper()
+	path := filepath.Join(r.dir, r.replicas[i].id+".log")
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if out, err := os.ReadFile(path); err == nil && strings.Contains(string(out), what) {
+			return
+		}
+	}
+	r.t.Fatalf("replica %s never logged %q", r.replicas[i].id, what)
 }
 
 // awaitUp waits until the replica's /readyz answers 200.
@@ -180,8 +198,16 @@ func (r *lbRig) awaitUp(i int) {
 
 // connect opens a controller connection through the load balancer.
 func (r *lbRig) connect(ctx context.Context) (*jsonrpc.Client, error) {
+	return r.connectWith(ctx, credential)
+}
+
+// connectWith is connect presenting secret as the credential.
+func (r *lbRig) connectWith(ctx context.Context, secret string) (*jsonrpc.Client, error) {
 	d := websocket.Dialer{HandshakeTimeout: 5 * time.Second}
-	ws, _, err := d.DialContext(ctx, "ws://"+r.lb+"/control", http.Header{"Authorization": {"Bearer " + credential}})
+	ws, resp, err := d.DialContext(ctx, "ws://"+r.lb+"/control", http.Header{"Authorization": {"Bearer " + secret}})
+	if resp != nil && resp.Body != nil {
+		_ = resp.Body.Close()
+	}
 	if err != nil {
 		return nil, err
 	}
