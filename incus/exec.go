@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/gorilla/websocket"
@@ -236,7 +237,7 @@ func (x *ExecConn) Read(p []byte) (int, error) {
 		if x.reader == nil {
 			mt, r, err := x.stdout.NextReader()
 			if err != nil {
-				if websocket.IsCloseError(err, websocket.CloseNormalClosure) {
+				if streamEnded(err) {
 					err = io.EOF
 				}
 				x.rerr = x.ended(err)
@@ -260,6 +261,15 @@ func (x *ExecConn) Read(p []byte) (int, error) {
 			return n, err
 		}
 	}
+}
+
+// streamEnded says a stdout read error is Incus ending the stream: its
+// close (any code), or the failed write of gorilla's answer to that close
+// on a socket Incus has already shut (a broken pipe or a reset, which the
+// read then returns in the close's place; seen on a loaded machine).
+func streamEnded(err error) bool {
+	var ce *websocket.CloseError
+	return errors.As(err, &ce) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
 }
 
 // ended turns the end of stdout into the Read error: a command that ended

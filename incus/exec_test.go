@@ -3,10 +3,14 @@ package incus
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -166,4 +170,27 @@ func TestExecConnDeadlinesDuringWritesAndClose(t *testing.T) {
 	}
 	wg.Wait()
 	_ = x.Close()
+}
+
+// TestStreamEndedIsIncusClosingTheStream: a close of any code, and the
+// broken pipe or reset that gorilla's answer to a close meets on a socket
+// Incus already shut, end the stream; a timeout does not.
+func TestStreamEndedIsIncusClosingTheStream(t *testing.T) {
+	pipe := &net.OpError{Op: "write", Net: "unix", Err: os.NewSyscallError("write", syscall.EPIPE)}
+	reset := &net.OpError{Op: "read", Net: "unix", Err: os.NewSyscallError("read", syscall.ECONNRESET)}
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{&websocket.CloseError{Code: websocket.CloseNormalClosure}, true},
+		{&websocket.CloseError{Code: websocket.CloseAbnormalClosure}, true},
+		{fmt.Errorf("websocket: %w", pipe), true},
+		{reset, true},
+		{os.ErrDeadlineExceeded, false},
+		{errors.New("something else"), false},
+	} {
+		if got := streamEnded(c.err); got != c.want {
+			t.Errorf("streamEnded(%v) = %v, want %v", c.err, got, c.want)
+		}
+	}
 }
