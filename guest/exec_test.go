@@ -101,7 +101,8 @@ func TestIncusExecDialerReachesGuestLoopback(t *testing.T) {
 		var err error
 		for attempt := 1; attempt <= 3; attempt++ {
 			id, err = fetchID(context.Background(), x, tg)
-			if err == nil || !(errors.Is(err, incus.ErrExecEnded) || errors.Is(err, io.EOF)) {
+			ended := errors.Is(err, incus.ErrExecEnded) || errors.Is(err, io.EOF)
+			if err == nil || !ended {
 				break
 			}
 			t.Logf("round %d, attempt %d: the bridge ended before any output: %v", i, attempt, err)
