@@ -116,8 +116,11 @@ type ForwardOptions struct {
 	// Peers maps a cluster member to the address (host:port) of the
 	// replica serving its guests.
 	Peers map[string]string
-	// Secret is the replicas' shared secret, at least MinForwardSecret bytes.
-	Secret []byte
+	// Secrets are the replicas' shared secrets (SIGHUP replaces them);
+	// Secret, when Secrets is nil, is the one secret, at least
+	// MinForwardSecret bytes.
+	Secrets *PeerSecrets
+	Secret  []byte
 	// Fallback dials guests of members without a reachable peer (exec).
 	Fallback Dialer
 	// PeerDown is how long an unreachable peer is skipped (0: DefaultPeerDown).
@@ -129,7 +132,7 @@ type ForwardOptions struct {
 
 type forwardDialer struct {
 	peers    map[string]string
-	secret   []byte
+	secrets  *PeerSecrets
 	fallback Dialer
 	downFor  time.Duration
 	observe  func(member, outcome string, reason error)
@@ -147,8 +150,9 @@ type peerDown struct {
 // replica of the guest's member (Target.Location) and through o.Fallback
 // where there is none or it cannot be reached.
 func NewForward(o ForwardOptions) (Dialer, error) {
-	if len(o.Secret) < MinForwardSecret {
-		return nil, fmt.Errorf("guest: the forwarding secret has %d bytes; it needs at least %d", len(o.Secret), MinForwardSecret)
+	secrets, err := secretsOf(o.Secrets, o.Secret)
+	if err != nil {
+		return nil, err
 	}
 	if o.Fallback == nil {
 		return nil, errors.New("guest: forwarding needs a fallback dialer for members without a reachable peer")
@@ -168,7 +172,7 @@ func NewForward(o ForwardOptions) (Dialer, error) {
 	if observe == nil {
 		observe = func(string, string, error) {}
 	}
-	return &forwardDialer{peers: peers, secret: append([]byte(nil), o.Secret...), fallback: o.Fallback,
+	return &forwardDialer{peers: peers, secrets: secrets, fallback: o.Fallback,
 		downFor: down, observe: observe, down: map[string]peerDown{}}, nil
 }
 
@@ -248,7 +252,7 @@ func (d *forwardDialer) DialContext(ctx context.Context, t Target) (net.Conn, er
 		d.observe(t.Location, ForwardFallback, why)
 		return d.fallback.DialContext(ctx, t)
 	}
-	c, err := forwardDial(ctx, addr, d.secret, t)
+	c, err := forwardDial(ctx, addr, d.secrets.proving(), t)
 	if err == nil {
 		d.markUp(t.Location)
 		d.observe(t.Location, ForwardOK, nil)
@@ -391,8 +395,10 @@ type ForwardServerOptions struct {
 	Member string
 	// Local dials them (netns, with an OnMember lookup).
 	Local Dialer
-	// Secret is the replicas' shared secret.
-	Secret []byte
+	// Secrets are the replicas' shared secrets (SIGHUP replaces them);
+	// Secret, when Secrets is nil, is the one secret.
+	Secrets *PeerSecrets
+	Secret  []byte
 	// Observe, if set, is told of every request's outcome (from
 	// ForwardServerOutcomes) and, when it failed, why.
 	Observe func(outcome string, reason error)
@@ -403,8 +409,9 @@ type ForwardServerOptions struct {
 
 // ForwardServer accepts other replicas' forwarded dials.
 type ForwardServer struct {
-	o   ForwardServerOptions
-	tls *tls.Config
+	o       ForwardServerOptions
+	secrets *PeerSecrets
+	tls     *tls.Config
 
 	mu    sync.Mutex
 	conns map[net.Conn]struct{}
@@ -413,8 +420,9 @@ type ForwardServer struct {
 
 // NewForwardServer returns a server with a fresh self-signed certificate.
 func NewForwardServer(o ForwardServerOptions) (*ForwardServer, error) {
-	if len(o.Secret) < MinForwardSecret {
-		return nil, fmt.Errorf("guest: the forwarding secret has %d bytes; it needs at least %d", len(o.Secret), MinForwardSecret)
+	secrets, err := secretsOf(o.Secrets, o.Secret)
+	if err != nil {
+		return nil, err
 	}
 	if o.Local == nil || o.Member == "" {
 		return nil, errors.New("guest: a forwarding server needs its member and its local dialer")
@@ -429,8 +437,8 @@ func NewForwardServer(o ForwardServerOptions) (*ForwardServer, error) {
 	if o.Opened == nil {
 		o.Opened = func(int) {}
 	}
-	o.Secret = append([]byte(nil), o.Secret...)
-	return &ForwardServer{o: o, conns: map[net.Conn]struct{}{},
+	o.Secret = nil
+	return &ForwardServer{o: o, secrets: secrets, conns: map[net.Conn]struct{}{},
 		tls: &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert}}}, nil
 }
 
@@ -493,6 +501,7 @@ func (s *ForwardServer) untrack(c net.Conn) {
 type forwardRequest struct {
 	target Target
 	budget time.Duration
+	secret []byte // the secret its proof was made with
 }
 
 func (s *ForwardServer) serveConn(ctx context.Context, raw net.Conn) {
@@ -514,6 +523,10 @@ func (s *ForwardServer) serveConn(ctx context.Context, raw net.Conn) {
 		s.o.Observe(ForwardRefused, fmt.Errorf("keying material: %w", err))
 		return
 	}
+	// The answer is proved with the secret the request was proved with,
+	// which the client holds; a refusal of a request proved with none of
+	// ours is proved with the one this replica proves itself with.
+	secret := s.secrets.proving()
 	answer := func(st forwardStatus, msg string) error {
 		if len(msg) > forwardMaxMessage {
 			msg = msg[:forwardMaxMessage]
@@ -522,12 +535,15 @@ func (s *ForwardServer) serveConn(ctx context.Context, raw net.Conn) {
 		signed = binary.BigEndian.AppendUint16(signed, uint16(len(msg)))
 		signed = append(signed, msg...)
 		out := []byte{byte(st)}
-		out = append(out, forwardMAC(s.o.Secret, "answer", ekm, signed)...)
+		out = append(out, forwardMAC(secret, "answer", ekm, signed)...)
 		out = append(out, signed[1:]...)
 		_, err := tc.Write(out)
 		return err
 	}
 	req, err := s.readRequest(tc, ekm)
+	if req.secret != nil {
+		secret = req.secret
+	}
 	if err != nil {
 		s.o.Observe(ForwardRefused, fmt.Errorf("request from %s: %w", raw.RemoteAddr(), err))
 		_ = answer(fwdRefused, err.Error())
@@ -585,15 +601,22 @@ func (s *ForwardServer) readRequest(tc *tls.Conn, ekm []byte) (forwardRequest, e
 		return forwardRequest{}, fmt.Errorf("read: %w", err)
 	}
 	body := append(append([]byte(nil), fixed...), name...)
-	if !hmac.Equal(mac, forwardMAC(s.o.Secret, "dial", ekm, body)) {
+	var proved []byte
+	for _, secret := range s.secrets.accepted() {
+		if hmac.Equal(mac, forwardMAC(secret, "dial", ekm, body)) {
+			proved = secret
+			break
+		}
+	}
+	if proved == nil {
 		return forwardRequest{}, errors.New("the request carries no valid proof of the shared secret")
 	}
 	t := Target{Instance: string(name), Port: int(binary.BigEndian.Uint16(fixed[0:2])), Location: s.o.Member}
 	if err := t.validate(); err != nil {
-		return forwardRequest{}, err
+		return forwardRequest{secret: proved}, err
 	}
 	budget := time.Duration(binary.BigEndian.Uint32(fixed[2:6])) * time.Millisecond
-	return forwardRequest{target: t, budget: max(time.Millisecond, min(budget, forwardMaxBudget))}, nil
+	return forwardRequest{target: t, budget: max(time.Millisecond, min(budget, forwardMaxBudget)), secret: proved}, nil
 }
 
 // join copies both ways. When one direction ends, its end is passed on as

@@ -121,9 +121,16 @@ var secretA = bytes.Repeat([]byte("a"), MinForwardSecret)
 // address, its local dialer and what it observed.
 func startForwardServer(t *testing.T, secret []byte) (string, *fakeGuests, *observed) {
 	t.Helper()
+	return startForwardServerHolding(t, nil, secret)
+}
+
+// startForwardServerHolding is startForwardServer with replaceable secrets
+// (held), when not nil.
+func startForwardServerHolding(t *testing.T, held *PeerSecrets, secret []byte) (string, *fakeGuests, *observed) {
+	t.Helper()
 	local := &fakeGuests{addr: echoDaemon(t), dials: map[string]int{}}
 	obs := &observed{}
-	srv, err := NewForwardServer(ForwardServerOptions{Member: "m2", Local: local, Secret: secret, Observe: obs.server})
+	srv, err := NewForwardServer(ForwardServerOptions{Member: "m2", Local: local, Secrets: held, Secret: secret, Observe: obs.server})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -413,5 +420,94 @@ func TestOnMemberRefusesOtherMembersPIDs(t *testing.T) {
 	}
 	if _, err := lookup(context.Background(), "there"); !errors.Is(err, ErrNotOnMember) {
 		t.Fatalf("there: %v, want ErrNotOnMember", err)
+	}
+}
+
+// TestForwardSecretsRotateWithoutARefusal: two replicas rotate their shared
+// secret one step at a time (the new one accepted beside the old, then
+// proving, then alone), each step reaching one replica before the other,
+// and every forwarded dial either way is accepted throughout; replicas
+// holding only different secrets refuse each other.
+func TestForwardSecretsRotateWithoutARefusal(t *testing.T) {
+	oldS, newS := bytes.Repeat([]byte("o"), MinForwardSecret), bytes.Repeat([]byte("n"), MinForwardSecret+8)
+	hold := func(ss ...[]byte) *PeerSecrets {
+		p, err := NewPeerSecrets(ss)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	a, b := hold(oldS), hold(oldS)
+	addrA, localA, _ := startForwardServerHolding(t, a, nil)
+	addrB, localB, _ := startForwardServerHolding(t, b, nil)
+	fbA := &recordingFallback{fakeGuests{addr: echoDaemon(t), dials: map[string]int{}}}
+	fbB := &recordingFallback{fakeGuests{addr: echoDaemon(t), dials: map[string]int{}}}
+	// PeerDown 0 takes the default: a refused peer is set aside, which
+	// the steps below must never cause.
+	dialA, err := NewForward(ForwardOptions{Peers: map[string]string{"m2": addrB}, Secrets: a, Fallback: fbA})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dialB, err := NewForward(ForwardOptions{Peers: map[string]string{"m2": addrA}, Secrets: b, Fallback: fbB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	both := func(step string) {
+		t.Helper()
+		for _, d := range []Dialer{dialA, dialB} {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			c, err := d.DialContext(ctx, Target{Instance: "ls-r", Port: 19091, Location: "m2"})
+			cancel()
+			if err != nil {
+				t.Fatalf("%s: %v", step, err)
+			}
+			if got := roundTrip(t, c, "ping"); got != "echo:ping" {
+				t.Fatalf("%s: echoed %q", step, got)
+			}
+		}
+		if fbA.count("ls-r")+fbB.count("ls-r") != 0 {
+			t.Fatalf("%s: a dial fell back: the peer refused it", step)
+		}
+	}
+	both("before")
+	steps := []struct {
+		name string
+		p    *PeerSecrets
+		to   [][]byte
+	}{
+		{"A accepts the new one", a, [][]byte{oldS, newS}},
+		{"B accepts the new one", b, [][]byte{oldS, newS}},
+		{"A proves with the new one", a, [][]byte{newS, oldS}},
+		{"B proves with the new one", b, [][]byte{newS, oldS}},
+		{"A drops the old one", a, [][]byte{newS}},
+		{"B drops the old one", b, [][]byte{newS}},
+	}
+	for _, st := range steps {
+		if err := st.p.Set(st.to); err != nil {
+			t.Fatal(err)
+		}
+		both(st.name)
+	}
+	if localA.count("ls-r") != 7 || localB.count("ls-r") != 7 {
+		t.Fatalf("forwarded %d and %d dials, want 7 each", localA.count("ls-r"), localB.count("ls-r"))
+	}
+	// A refused set leaves the one in force.
+	if err := a.Set([][]byte{[]byte("short")}); err == nil {
+		t.Fatal("a short secret was taken")
+	}
+	both("after a refused set")
+	// Only different secrets: refused, and the client falls back.
+	if err := a.Set([][]byte{oldS}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := dialA.DialContext(ctx, Target{Instance: "ls-x", Port: 19091, Location: "m2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = c.Close()
+	if fbA.count("ls-x") != 1 {
+		t.Fatal("a replica proving a secret its peer no longer holds was not refused")
 	}
 }

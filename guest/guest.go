@@ -156,6 +156,7 @@ type Options struct {
 	// and ObserveForward is told of each forwarded dial.
 	Peers          map[string]string
 	PeerSecret     []byte
+	PeerSecrets    *PeerSecrets // when set, in PeerSecret's place: replaceable
 	ObserveForward func(member, outcome string, reason error)
 }
 
@@ -209,7 +210,7 @@ func New(kind string, o Options) (Dialer, error) {
 					others[m] = a
 				}
 			}
-			remote, err = NewForward(ForwardOptions{Peers: others, Secret: o.PeerSecret, Fallback: remote, Observe: o.ObserveForward})
+			remote, err = NewForward(ForwardOptions{Peers: others, Secrets: o.PeerSecrets, Secret: o.PeerSecret, Fallback: remote, Observe: o.ObserveForward})
 			if err != nil {
 				return nil, err
 			}

@@ -165,15 +165,18 @@ func (r *lbRig) stop(i int, sig syscall.Signal) {
 }
 
 // awaitLog waits until the replica's log says what.
-func (r *lbRig) awaitLog(i int, what string) {
+func (r *lbRig) awaitLog(i int, what string) { r.awaitLogged(i, what, 1) }
+
+// awaitLogged waits until the replica's log says what n times.
+func (r *lbRig) awaitLogged(i int, what string, n int) {
 	r.t.Helper()
 	path := filepath.Join(r.dir, r.replicas[i].id+".log")
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		if out, err := os.ReadFile(path); err == nil && strings.Contains(string(out), what) {
+		if out, err := os.ReadFile(path); err == nil && strings.Count(string(out), what) >= n {
 			return
 		}
 	}
-	r.t.Fatalf("replica %s never logged %q", r.replicas[i].id, what)
+	r.t.Fatalf("replica %s did not log %q %d times", r.replicas[i].id, what, n)
 }
 
 // awaitUp waits until the replica's /readyz answers 200.

@@ -374,3 +374,69 @@ func TestClusterReloadWithConnectionsOpen(t *testing.T) {
 		t.Fatalf("a data route with the old credential: HTTP %d, %v; want 401", d.Status, err)
 	}
 }
+
+// TestClusterPeerSecretsRotate rotates the replicas' forwarding secret with
+// SIGHUP, one replica at a time at each step (the new secret accepted
+// beside the old, then proving, then alone): every dial of a guest on the
+// other replica's member is forwarded throughout, none falls back to exec.
+func TestClusterPeerSecretsRotate(t *testing.T) {
+	r := newLBRig(t)
+	type leg struct {
+		via    int // the replica dialled
+		member string
+		route  routes.Route
+	}
+	var legs []leg
+	for i, m := range []string{"lsm2", "lsm1"} {
+		o := controller.Owner{UniverseID: "u-peer", EnvironmentID: m}
+		if _, err := r.call("target/create", controller.CreateParams{Owner: o, TemplateID: "on-" + m}, 60*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		r.until(o, "active", 120*time.Second, func(o controller.Observation) bool {
+			return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
+		})
+		got, err := r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: o}}, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Replica i runs on the other member: its dials of this guest are
+		// forwarded to the replica on m.
+		legs = append(legs, leg{via: i, member: m, route: routeOf(o, got.TargetID)})
+	}
+	forwarded := func(l leg, outcome string) float64 {
+		return r.scrape(l.via, "incus_provider_peer_dials_total", map[string]string{"member": l.member, "outcome": outcome})
+	}
+	check := func(step string) {
+		t.Helper()
+		for _, l := range legs {
+			ok0, fb0 := forwarded(l, "forwarded"), forwarded(l, "fallback")
+			if err := r.dialVia(l.via, l.route); err != nil {
+				t.Fatalf("%s: dial of the guest on %s through %s: %v", step, l.member, r.replicas[l.via].id, err)
+			}
+			if ok, fb := forwarded(l, "forwarded"), forwarded(l, "fallback"); ok != ok0+1 || fb != fb0 {
+				t.Fatalf("%s: through %s to %s, forwarded %v -> %v, fallback %v -> %v", step, r.replicas[l.via].id, l.member, ok0, ok, fb0, fb)
+			}
+		}
+	}
+	check("before")
+	file := filepath.Join(r.dir, "peer.secret")
+	raw, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldS, newS := strings.TrimSpace(string(raw)), peerSecret(t)
+	hups := 0
+	for _, content := range []string{oldS + "\n" + newS, newS + "\n" + oldS, newS} {
+		if err := os.WriteFile(file, []byte(content+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		hups++
+		for i, rep := range r.replicas {
+			if err := rep.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+				t.Fatal(err)
+			}
+			r.awaitLogged(i, "SIGHUP: peer secrets reloaded", hups)
+			check(fmt.Sprintf("file %d of 3, after %s's reload", hups, rep.id))
+		}
+	}
+}

@@ -55,7 +55,7 @@ type config struct {
 	Replica           string        `env:"PROVIDER_REPLICA_ID" allowed:"1 to 32 lowercase letters, digits and dashes, starting with a letter or digit, different for every replica" help:"this process's name among replicas; default: host name and listen port"`
 	PeerListen        string        `env:"PROVIDER_PEER_LISTEN" envDefault:"off" allowed:"host:port on an address the other replicas reach (such as the member's own address), or off" help:"where this replica serves its member's guests to the other replicas (TLS, PROVIDER_PEER_SECRET_FILE)"`
 	Peers             string        `env:"PROVIDER_PEERS" allowed:"member=host:port for each replica's PROVIDER_PEER_LISTEN, separated by commas, such as node1=10.0.0.1:8483,node2=10.0.0.2:8483" help:"where the replicas serve their members' guests; one list for every replica"`
-	PeerSecretFile    string        `env:"PROVIDER_PEER_SECRET_FILE" allowed:"a file of mode 0600 or stricter holding at least 32 bytes; needed by PROVIDER_PEER_LISTEN and PROVIDER_PEERS" help:"the replicas' shared forwarding secret"`
+	PeerSecretFile    string        `env:"PROVIDER_PEER_SECRET_FILE" allowed:"a file of mode 0600 or stricter holding a secret of at least 32 bytes on a line, or two such lines while rotating; needed by PROVIDER_PEER_LISTEN and PROVIDER_PEERS" help:"the replicas' shared forwarding secret (reloaded on SIGHUP; while rotating, the first line proves this replica and either is accepted)"`
 	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests" allowed:"an absolute directory path" help:"host directory for the proxy dialer's sockets"`
 	AuditLog          string        `env:"PROVIDER_AUDIT_LOG" envDefault:"on" allowed:"on or off" help:"a log line (logger audit) for every controller call answered: method, owner, target, outcome kind, time taken, caller; never a credential or a payload"`
 	AccessLog         string        `env:"PROVIDER_ACCESS_LOG" envDefault:"off" allowed:"on or off" help:"a log line (logger access) for every request the public ingress edge answers: method, host label, status, bytes, time taken, caller"`
@@ -82,7 +82,7 @@ type config struct {
 	decodeBudgetBytes int64
 	memoryLimitBytes  int64 // 0: off
 	peers             map[string]string
-	peerSecret        []byte
+	peerSecrets       [][]byte         // PROVIDER_PEER_SECRET_FILE's lines
 	ingressBase       *ingressurl.Base // nil: PROVIDER_INGRESS_LISTEN=off
 	cacheOn           bool             // PROVIDER_OBSERVATION_CACHE=on
 	credential        bearer.Credential
@@ -406,22 +406,45 @@ func (c *config) checkPeers(r *refusals) {
 		bad("PROVIDER_PEER_SECRET_FILE", "", "PROVIDER_PEER_LISTEN and PROVIDER_PEERS need the replicas' shared secret in a file")
 		return
 	}
-	fi, err := os.Stat(c.PeerSecretFile)
-	if err != nil {
-		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it must name a readable file ("+err.Error()+")")
+	secrets, why := readPeerSecrets(c.PeerSecretFile)
+	if why != "" {
+		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, why)
 		return
+	}
+	c.peerSecrets = secrets
+}
+
+// readPeerSecrets reads the replicas' forwarding secrets: one line, or two
+// while they are rotated (the first proves this replica, either is
+// accepted from a peer; see guest.PeerSecrets). why says what is wrong,
+// if anything. Start-up and SIGHUP read it alike.
+func readPeerSecrets(path string) (secrets [][]byte, why string) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return nil, "it must name a readable file (" + err.Error() + ")"
 	}
 	if fi.Mode().Perm()&0o077 != 0 {
-		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, fmt.Sprintf("its mode is %04o: a secret that opens every guest must be readable by its owner only (chmod 600)", fi.Mode().Perm()))
-		return
+		return nil, fmt.Sprintf("its mode is %04o: a secret that opens every guest must be readable by its owner only (chmod 600)", fi.Mode().Perm())
 	}
-	raw, err := os.ReadFile(c.PeerSecretFile)
+	raw, err := os.ReadFile(path)
 	if err != nil {
-		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, "it must name a readable file ("+err.Error()+")")
-		return
+		return nil, "it must name a readable file (" + err.Error() + ")"
 	}
-	c.peerSecret = []byte(strings.TrimSpace(string(raw)))
-	if len(c.peerSecret) < guest.MinForwardSecret {
-		bad("PROVIDER_PEER_SECRET_FILE", c.PeerSecretFile, fmt.Sprintf("it holds %d bytes; use at least %d, such as the output of `openssl rand -hex 32`", len(c.peerSecret), guest.MinForwardSecret))
+	for line := range strings.SplitSeq(string(raw), "\n") {
+		if line = strings.TrimSpace(line); line != "" {
+			secrets = append(secrets, []byte(line))
+		}
 	}
+	switch {
+	case len(secrets) == 0:
+		return nil, fmt.Sprintf("it holds no secret; use at least %d bytes, such as the output of `openssl rand -hex 32`", guest.MinForwardSecret)
+	case len(secrets) > 2:
+		return nil, fmt.Sprintf("it holds %d lines; hold one secret, or two while rotating (the one this replica proves itself with first)", len(secrets))
+	}
+	for i, s := range secrets {
+		if len(s) < guest.MinForwardSecret {
+			return nil, fmt.Sprintf("its line %d holds %d bytes; use at least %d, such as the output of `openssl rand -hex 32`", i+1, len(s), guest.MinForwardSecret)
+		}
+	}
+	return secrets, ""
 }

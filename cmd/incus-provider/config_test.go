@@ -195,8 +195,22 @@ func TestConfigPeers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(c.peerSecret) != 40 || c.peers["node1"] != "127.0.0.2:8483" || c.peers["node2"] != "127.0.0.3:8483" || len(c.peers) != 2 {
-		t.Fatalf("read %d secret bytes and peers %v", len(c.peerSecret), c.peers)
+	if len(c.peerSecrets) != 1 || len(c.peerSecrets[0]) != 40 || c.peers["node1"] != "127.0.0.2:8483" || c.peers["node2"] != "127.0.0.3:8483" || len(c.peers) != 2 {
+		t.Fatalf("read secrets %q and peers %v", c.peerSecrets, c.peers)
+	}
+	// Two lines while rotating, the proving one first; more, or a short
+	// one, are refused.
+	write(strings.Repeat("n", 40)+"\n\n"+strings.Repeat("o", 33)+"\n", 0o600)
+	if c, err = loadConfig(testEnviron()); err != nil || len(c.peerSecrets) != 2 || c.peerSecrets[0][0] != 'n' || len(c.peerSecrets[1]) != 33 {
+		t.Fatalf("two secrets: %q, %v", c.peerSecrets, err)
+	}
+	write(strings.Repeat("a", 40)+"\n"+strings.Repeat("b", 40)+"\n"+strings.Repeat("c", 40)+"\n", 0o600)
+	if _, err := loadConfig(testEnviron()); err == nil || !strings.Contains(err.Error(), "3 lines") {
+		t.Fatalf("three secrets: %v", err)
+	}
+	write(strings.Repeat("a", 40)+"\nshort\n", 0o600)
+	if _, err := loadConfig(testEnviron()); err == nil || !strings.Contains(err.Error(), "line 2 holds 5 bytes") {
+		t.Fatalf("a short second secret: %v", err)
 	}
 }
 

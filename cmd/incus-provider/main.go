@@ -161,6 +161,15 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	if len(cfg.peers) > 0 && kind != guest.KindMember {
 		return fmt.Errorf("PROVIDER_PEERS=%q: forwarding to other members' replicas needs the member dialer (a cluster, with PROVIDER_INCUS_MEMBER set), and this replica uses %s", cfg.Peers, kind)
 	}
+	// One set of forwarding secrets for the dialer and the peer server,
+	// which SIGHUP replaces; nil when the replicas do not forward.
+	var peerSecrets *guest.PeerSecrets
+	if cfg.peerSecrets != nil {
+		if peerSecrets, err = guest.NewPeerSecrets(cfg.peerSecrets); err != nil {
+			return badSetting(fmt.Errorf("PROVIDER_PEER_SECRET_FILE=%q: %w", cfg.PeerSecretFile, err))
+		}
+		rl.peerSecrets = peerSecrets
+	}
 	peerMx := newPeerMetrics(reg, cfg.peers)
 	peerLog := &peerLog{log: log.Named("peers")}
 	dialer, err := guest.New(kind, guest.Options{
@@ -169,7 +178,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 		Exec: func(ctx context.Context, instance string, argv []string) (net.Conn, error) {
 			return client.ExecStream(ctx, instance, argv)
 		},
-		Peers: cfg.peers, PeerSecret: cfg.peerSecret, ObserveForward: peerLog.client(peerMx),
+		Peers: cfg.peers, PeerSecrets: peerSecrets, ObserveForward: peerLog.client(peerMx),
 	})
 	if err != nil {
 		return badSetting(fmt.Errorf("PROVIDER_GUEST_DIALER=%q: %w", cfg.GuestDialer, err))
@@ -237,7 +246,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger) error {
 	var draining atomic.Bool // set on SIGTERM: /readyz answers 503 from then on
 	errc := make(chan error, 5)
 	if cfg.PeerListen != "off" {
-		servePeer, err := servePeers(srvCtx, cfg, member, client, peerMx, peerLog)
+		servePeer, err := servePeers(srvCtx, cfg, member, client, peerSecrets, peerMx, peerLog)
 		if err != nil {
 			return err
 		}

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"os"
 	"sync/atomic"
@@ -10,6 +11,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/lightspeed-dev/incus-provider/guest"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/internal/bearer"
 	"github.com/lightspeed-dev/incus-provider/targets"
@@ -49,9 +51,11 @@ type reloader struct {
 	targets    *targets.Service
 	log        *zap.Logger
 	credential bearer.Credential
-	catalog    atomic.Pointer[templates.Catalog]
-	cert       atomic.Pointer[tls.Certificate]
-	edgeCert   atomic.Pointer[tls.Certificate]
+	// peerSecrets are the forwarding secrets; nil without forwarding.
+	peerSecrets *guest.PeerSecrets
+	catalog     atomic.Pointer[templates.Catalog]
+	cert        atomic.Pointer[tls.Certificate]
+	edgeCert    atomic.Pointer[tls.Certificate]
 }
 
 func loadCert(cfg config) (*tls.Certificate, error) {
@@ -109,6 +113,20 @@ func (r *reloader) reload(ctx context.Context) {
 		} else {
 			r.edgeCert.Store(&cert)
 			r.log.Info("SIGHUP: ingress TLS certificate reloaded", zap.String("file", r.cfg.IngressTLSCert))
+		}
+	}
+	if r.peerSecrets != nil {
+		secrets, why := readPeerSecrets(r.cfg.PeerSecretFile)
+		var err error
+		if why == "" {
+			err = r.peerSecrets.Set(secrets)
+		} else {
+			err = errors.New(why)
+		}
+		if err != nil {
+			r.log.Error("SIGHUP: the peer secret file is refused; the secrets loaded before stay in force", zap.String("file", r.cfg.PeerSecretFile), zap.Error(err))
+		} else {
+			r.log.Info("SIGHUP: peer secrets reloaded", zap.String("file", r.cfg.PeerSecretFile), zap.Int("secrets", len(secrets)))
 		}
 	}
 	if r.cfg.CredentialFile != "" {
