@@ -563,6 +563,7 @@ func TestSystemdUnit(t *testing.T) {
 		"Type=simple",
 		"ExecStart=/usr/local/bin/incus-provider",
 		"EnvironmentFile=/etc/incus-provider/provider.env",
+		"Environment=PROVIDER_SETTINGS_FILE=/etc/incus-provider/provider.env",
 		"Restart=on-failure",
 		"User=root",
 	} {

@@ -59,6 +59,7 @@ type config struct {
 	GuestSocketDir    string        `env:"PROVIDER_GUEST_SOCKET_DIR" envDefault:"/run/incus-provider/guests" allowed:"an absolute directory path" help:"host directory for the proxy dialer's sockets"`
 	AuditLog          string        `env:"PROVIDER_AUDIT_LOG" envDefault:"on" allowed:"on or off" help:"a log line (logger audit) for every controller call answered: method, owner, target, outcome kind, time taken, caller; never a credential or a payload"`
 	AccessLog         string        `env:"PROVIDER_ACCESS_LOG" envDefault:"off" allowed:"on or off" help:"a log line (logger access) for every request the public ingress edge answers: method, host label, status, bytes, time taken, caller"`
+	SettingsFile      string        `env:"PROVIDER_SETTINGS_FILE" allowed:"the absolute path of a readable file of VAR=value lines (systemd's EnvironmentFile syntax), or empty" help:"the file these settings were read from (the unit's EnvironmentFile): SIGHUP reads it again, applies PROVIDER_LOG_LEVEL in place and names every other setting that differs as taking a restart"`
 	LogLevel          string        `env:"PROVIDER_LOG_LEVEL" envDefault:"info" allowed:"debug, info, warn or error" help:"JSON logs on stderr"`
 	RelayIdleTimeout  time.Duration `env:"PROVIDER_RELAY_IDLE_TIMEOUT" envDefault:"60s" allowed:"a duration from 60s (the protocol's floor for idle closes) to 24h" help:"a data relay with no frame either way for this long is closed"`
 	RouteMaxHeld      int           `env:"PROVIDER_ROUTE_MAX_HELD" envDefault:"256" allowed:"a whole number from 1 to 65536" help:"data-route dials held at once while targets wake; past it, 503 at once"`
@@ -277,6 +278,13 @@ func (c *config) checkFiles(r *refusals) {
 	if c.Templates != "" {
 		if _, err := os.Stat(c.Templates); err != nil {
 			r.add("PROVIDER_TEMPLATES", c.Templates, "it must name a readable file ("+err.Error()+")")
+		}
+	}
+	if c.SettingsFile != "" {
+		if !strings.HasPrefix(c.SettingsFile, "/") {
+			r.add("PROVIDER_SETTINGS_FILE", c.SettingsFile, allowed("PROVIDER_SETTINGS_FILE"))
+		} else if _, err := readSettingsFile(c.SettingsFile); err != nil {
+			r.add("PROVIDER_SETTINGS_FILE", c.SettingsFile, "it must name a readable file of VAR=value lines ("+err.Error()+")")
 		}
 	}
 	if c.CredentialFile != "" {

@@ -47,7 +47,7 @@ func main() {
 		}
 		os.Exit(exitBadSetting)
 	}
-	log, err := newLogger(cfg.LogLevel)
+	log, level, err := newLogger(cfg.LogLevel)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
 		os.Exit(exitBadSetting)
@@ -59,7 +59,7 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cfg, log); err != nil {
+	if err := run(ctx, cfg, log, level); err != nil {
 		_ = log.Sync()
 		// One sentence, once: the JSON log would repeat it with a stack.
 		fmt.Fprintln(os.Stderr, "incus-provider: "+err.Error())
@@ -79,10 +79,12 @@ func switchedLog(setting string, log *zap.Logger, name string) *zap.Logger {
 	return log.Named(name)
 }
 
-func newLogger(level string) (*zap.Logger, error) {
+// newLogger builds the JSON logger at level; the level it answers is the
+// one a SIGHUP changes in place.
+func newLogger(level string) (*zap.Logger, zap.AtomicLevel, error) {
 	lvl, err := zapcore.ParseLevel(level)
 	if err != nil {
-		return nil, fmt.Errorf("PROVIDER_LOG_LEVEL=%q is not valid: %w", level, err)
+		return nil, zap.AtomicLevel{}, fmt.Errorf("PROVIDER_LOG_LEVEL=%q is not valid: %w", level, err)
 	}
 	zc := zap.NewProductionConfig()
 	zc.Level = zap.NewAtomicLevelAt(lvl)
@@ -93,16 +95,16 @@ func newLogger(level string) (*zap.Logger, error) {
 	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
 	l, err := zc.Build()
 	if err != nil {
-		return nil, fmt.Errorf("build logger: %w", err)
+		return nil, zap.AtomicLevel{}, fmt.Errorf("build logger: %w", err)
 	}
-	return l, nil
+	return l, zc.Level, nil
 }
 
-func run(ctx context.Context, cfg config, log *zap.Logger) error {
+func run(ctx context.Context, cfg config, log *zap.Logger, level zap.AtomicLevel) error {
 	// The files the settings name were read by loadConfig, before
 	// anything here touches Incus.
 	credential := cfg.credential
-	rl := &reloader{cfg: cfg, log: log, credential: credential}
+	rl := &reloader{cfg: cfg, log: log, credential: credential, level: level}
 	if cfg.tlsCert != nil {
 		rl.cert.Store(cfg.tlsCert)
 	}

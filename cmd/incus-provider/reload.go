@@ -51,6 +51,9 @@ type reloader struct {
 	targets    *targets.Service
 	log        *zap.Logger
 	credential bearer.Credential
+	// level is the logger's, which PROVIDER_SETTINGS_FILE's
+	// PROVIDER_LOG_LEVEL changes in place.
+	level zap.AtomicLevel
 	// peerSecrets are the forwarding secrets; nil without forwarding.
 	peerSecrets *guest.PeerSecrets
 	catalog     atomic.Pointer[templates.Catalog]
@@ -114,6 +117,9 @@ func (r *reloader) reload(ctx context.Context) {
 			r.edgeCert.Store(&cert)
 			r.log.Info("SIGHUP: ingress TLS certificate reloaded", zap.String("file", r.cfg.IngressTLSCert))
 		}
+	}
+	if r.cfg.SettingsFile != "" {
+		r.reloadSettings()
 	}
 	if r.peerSecrets != nil {
 		secrets, why := readPeerSecrets(r.cfg.PeerSecretFile)

@@ -368,3 +368,43 @@ func TestSighupReloadsTheCertificate(t *testing.T) {
 		t.Fatal("a refused certificate replaced the one in force")
 	}
 }
+
+// TestSighupReadsTheSettingsFileAgain: with PROVIDER_SETTINGS_FILE, SIGHUP
+// applies the file's PROVIDER_LOG_LEVEL in place (debug lines appear), names
+// another changed setting as taking a restart, and refuses a file with a
+// bad value as a whole, keeping the level in force.
+func TestSighupReadsTheSettingsFileAgain(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "provider.env")
+	write := func(body string) {
+		t.Helper()
+		if err := os.WriteFile(file, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("# as the unit's EnvironmentFile\nPROVIDER_LOG_LEVEL=info\nPROVIDER_GRACEFUL_STOP=5s\n")
+	c := startProvider(t, "PROVIDER_SETTINGS_FILE="+file)
+
+	write("PROVIDER_LOG_LEVEL=\"debug\"\nPROVIDER_GRACEFUL_STOP=7s\n")
+	if err := c.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	c.waitLog(t, "SIGHUP: the log level is now debug")
+	c.waitLog(t, "SIGHUP: PROVIDER_GRACEFUL_STOP differs in the settings file; it takes a restart")
+	// A connection's end is logged at debug: now it is.
+	r := c.dial(t)
+	r.initialize(t)
+	_ = r.ws.Close()
+	c.waitLog(t, `"level":"debug"`)
+
+	write("PROVIDER_LOG_LEVEL=loud\n")
+	if err := c.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	c.waitLog(t, "SIGHUP: the settings file is refused; the settings in force stay")
+	c.logMu.Lock()
+	logged := c.log.String()
+	c.logMu.Unlock()
+	if strings.Contains(logged, "the log level is now loud") || !c.alive() {
+		t.Fatal("a refused settings file changed the level or ended the process")
+	}
+}

@@ -91,6 +91,17 @@ in_box systemctl reload incus-provider ||
 in_box journalctl -u incus-provider --no-pager -o cat | grep -q 'SIGHUP: templates reloaded' || fail "the reload did not reload the templates"
 [ "$(in_box systemctl show -p MainPID --value incus-provider)" = "$pid" ] || fail "the reload replaced the process"
 
+echo "reload a changed log level from provider.env"
+echo 'PROVIDER_LOG_LEVEL=debug' | incus --project "$host_project" exec box -- sh -c 'cat >> /etc/incus-provider/provider.env'
+in_box systemctl reload incus-provider || fail "systemctl reload failed"
+for _ in $(seq 1 50); do
+  in_box journalctl -u incus-provider --no-pager -o cat | grep -q 'SIGHUP: the log level is now debug' && break
+  sleep 0.1
+done
+in_box journalctl -u incus-provider --no-pager -o cat | grep -q 'SIGHUP: the log level is now debug' ||
+  { in_box journalctl -u incus-provider --no-pager -n 20 >&2; fail "the reload did not apply provider.env's log level"; }
+[ "$(in_box systemctl show -p MainPID --value incus-provider)" = "$pid" ] || fail "the reload replaced the process"
+
 echo "security score (online, systemd's own)"
 in_box systemd-analyze security incus-provider --no-pager | tail -n1
 
