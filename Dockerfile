@@ -13,8 +13,9 @@
 # The build stage has no shell: go is static and RUN uses the exec form.
 FROM scratch AS build
 # RUN's exec form expands nothing, so the version reaches the linker
-# through GOFLAGS, which ENV does expand.
-ARG VERSION=0.0.0-dev
+# through GOFLAGS, which ENV does expand. Unset, the binary says the
+# release's version with -dev (internal/buildinfo/VERSION).
+ARG VERSION=
 ENV PATH=/usr/local/go/bin HOME=/tmp GOCACHE=/tmp/gocache GOMODCACHE=/gomod \
     GOPROXY=off GOTOOLCHAIN=local CGO_ENABLED=0 \
     GOFLAGS="-mod=mod -trimpath -buildvcs=false -ldflags=-X=github.com/lightspeed-dev/incus-provider/internal/buildinfo.Version=${VERSION}"

@@ -9,9 +9,10 @@ export GOFLAGS ?= -mod=mod
 
 .PHONY: run run-cluster test test-image build lint unit bench fuzz clean-test-projects
 
-# The version a build prints (--version, build_info, serverInfo): VERSION's
-# at the tag vVERSION, and VERSION-dev anywhere else (docs/operations.md).
-VERSION_STAMP := $(shell v=$$(cat VERSION); if git describe --exact-match --tags HEAD 2>/dev/null | grep -qx "v$$v"; then echo "$$v"; else echo "$$v-dev"; fi)
+# The version a build prints (--version, build_info, serverInfo):
+# internal/buildinfo/VERSION's at the tag vVERSION, and VERSION-dev anywhere
+# else (docs/operations.md).
+VERSION_STAMP := $(shell v=$$(cat internal/buildinfo/VERSION); if git describe --exact-match --tags HEAD 2>/dev/null | grep -qx "v$$v"; then echo "$$v"; else echo "$$v-dev"; fi)
 
 build:
 	@mkdir -p $(BIN)

@@ -787,7 +787,7 @@ func TestOperationsDocCoversOperations(t *testing.T) {
 
 // CHANGELOG.md's newest entry is the version VERSION holds.
 func TestChangelogNamesTheVersion(t *testing.T) {
-	version := strings.TrimSpace(string(read(t, "../VERSION")))
+	version := strings.TrimSpace(string(read(t, "../internal/buildinfo/VERSION")))
 	if !regexp.MustCompile(`^[0-9]+\.[0-9]+\.[0-9]+$`).MatchString(version) {
 		t.Fatalf("VERSION holds %q, not MAJOR.MINOR.PATCH", version)
 	}

@@ -71,3 +71,40 @@ func equalViews(a, b View) bool {
 		a.ClosingFrom.Equal(b.ClosingFrom) && a.IdleSince.Equal(b.IdleSince) && a.IngressLabel == b.IngressLabel &&
 		a.IngressOn == b.IngressOn && a.FromPool == b.FromPool
 }
+
+// TestInspectShowsEveryPhase: the view's observation is the phase a get
+// would answer, for a target in each: provisioning (never booted), active,
+// closing (a close recorded), failed (a failure recorded) and unknown (a
+// cluster member Incus cannot reach).
+func TestInspectShowsEveryPhase(t *testing.T) {
+	owner := controller.Owner{UniverseID: "u-phases", EnvironmentID: "env"}
+	at := time.UnixMilli(1_790_000_000_000).UTC()
+	base := change{keys: fIntent | fOwned | fTemplate, to: record{
+		Intent: Intent{Power: controller.PowerRunning, At: at, By: ByCreate}, Schema: schemaVersion, Owner: owner, Template: "t"}}
+	with := func(keys fields, set func(*record)) map[string]string {
+		c := base
+		c.keys |= keys
+		set(&c.to)
+		return c.config()
+	}
+	booted := func(r *record) { r.Booted = at }
+	for _, c := range []struct {
+		status incus.InstanceStatus
+		config map[string]string
+		want   controller.Phase
+	}{
+		{incus.InstanceStopped, base.config(), controller.PhaseProvisioning},
+		{incus.InstanceRunning, with(fBooted, booted), controller.PhaseActive},
+		{incus.InstanceRunning, with(fBooted|fClosing, func(r *record) { booted(r); r.Closing = at }), controller.PhaseClosing},
+		{incus.InstanceStopped, with(fBooted|fFailure, func(r *record) { booted(r); r.Failure = "Incus refused every start." }), controller.PhaseFailed},
+		{incus.InstanceError, with(fBooted, booted), controller.PhaseUnknown},
+	} {
+		v, ok := Inspect(&incus.Instance{Name: Name(owner), Status: c.status, Location: "lsm3", Config: c.config})
+		if !ok || v.Observation.Phase != c.want {
+			t.Errorf("%s with %v: phase %q (target %v), want %q", c.status, c.config, v.Observation.Phase, ok, c.want)
+		}
+		if c.want == controller.PhaseClosing && v.ClosingFrom.IsZero() {
+			t.Error("a closing target's view says not since when")
+		}
+	}
+}

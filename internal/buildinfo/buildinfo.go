@@ -3,12 +3,25 @@
 package buildinfo
 
 import (
+	_ "embed" // the release this tree is on
 	"runtime"
 	"runtime/debug"
+	"strings"
 )
 
-// Version is set by the build (-ldflags "-X …buildinfo.Version=…"); it
-// falls back to the module version Go recorded.
+// release is the version of the release this tree leads to, VERSION's
+// (docs/operations.md, "Versions"); CHANGELOG.md says what it holds.
+//
+//go:embed VERSION
+var release string
+
+// Release is the version this tree's releases carry, MAJOR.MINOR.PATCH.
+func Release() string { return strings.TrimSpace(release) }
+
+// Version is set by the build (-ldflags "-X …buildinfo.Version=…"): make
+// build sets the release's at its tag, and the release's with -dev
+// elsewhere; any other build falls back to the module version Go
+// recorded, else the release's with -dev.
 var Version = ""
 
 // Info is a build's description.
@@ -33,7 +46,7 @@ func Read() Info {
 		}
 	}
 	if info.Version == "" {
-		info.Version = "0.0.0-dev"
+		info.Version = Release() + "-dev"
 	}
 	return info
 }
