@@ -54,14 +54,7 @@ func TestClusterRollingRestart(t *testing.T) {
 	}
 	routeList := make([]routes.Route, len(owners))
 	for i, o := range owners {
-		r.until(o, "active", 120*time.Second, func(o controller.Observation) bool {
-			return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
-		})
-		got, err := r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: o}}, 30*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
-		routeList[i] = routeOf(o, got.TargetID)
+		routeList[i] = r.routeWhenRunning(o)
 	}
 
 	ctx, stop := context.WithCancel(context.Background())
@@ -303,17 +296,7 @@ func TestClusterReloadWithConnectionsOpen(t *testing.T) {
 	owners := []controller.Owner{{UniverseID: "u-hup", EnvironmentID: "a"}, {UniverseID: "u-hup", EnvironmentID: "b"}}
 	var rts []routes.Route
 	for i, o := range owners {
-		if _, err := r.call("target/create", controller.CreateParams{Owner: o, TemplateID: []string{"on-lsm1", "on-lsm2"}[i]}, 60*time.Second); err != nil {
-			t.Fatal(err)
-		}
-		r.until(o, "active", 120*time.Second, func(o controller.Observation) bool {
-			return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
-		})
-		got, err := r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: o}}, 30*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
-		rts = append(rts, routeOf(o, got.TargetID))
+		rts = append(rts, r.runningRoute(o, []string{"on-lsm1", "on-lsm2"}[i]))
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -389,19 +372,9 @@ func TestClusterPeerSecretsRotate(t *testing.T) {
 	var legs []leg
 	for i, m := range []string{"lsm2", "lsm1"} {
 		o := controller.Owner{UniverseID: "u-peer", EnvironmentID: m}
-		if _, err := r.call("target/create", controller.CreateParams{Owner: o, TemplateID: "on-" + m}, 60*time.Second); err != nil {
-			t.Fatal(err)
-		}
-		r.until(o, "active", 120*time.Second, func(o controller.Observation) bool {
-			return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
-		})
-		got, err := r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: o}}, 30*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
 		// Replica i runs on the other member: its dials of this guest are
 		// forwarded to the replica on m.
-		legs = append(legs, leg{via: i, member: m, route: routeOf(o, got.TargetID)})
+		legs = append(legs, leg{via: i, member: m, route: r.runningRoute(o, "on-"+m)})
 	}
 	forwarded := func(l leg, outcome string) float64 {
 		return r.scrape(l.via, "incus_provider_peer_dials_total", map[string]string{"member": l.member, "outcome": outcome})
@@ -439,4 +412,28 @@ func TestClusterPeerSecretsRotate(t *testing.T) {
 			check(fmt.Sprintf("file %d of 3, after %s's reload", hups, rep.id))
 		}
 	}
+}
+
+// runningRoute creates the owner's target from template through the
+// balancer and answers its data route once it is active and running.
+func (r *lbRig) runningRoute(o controller.Owner, template string) routes.Route {
+	r.t.Helper()
+	if _, err := r.call("target/create", controller.CreateParams{Owner: o, TemplateID: template}, 60*time.Second); err != nil {
+		r.t.Fatal(err)
+	}
+	return r.routeWhenRunning(o)
+}
+
+// routeWhenRunning waits until the owner's target is active and running
+// and answers its data route.
+func (r *lbRig) routeWhenRunning(o controller.Owner) routes.Route {
+	r.t.Helper()
+	r.until(o, "active", 120*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
+	})
+	got, err := r.call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: o}}, 30*time.Second)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return routeOf(o, got.TargetID)
 }
