@@ -386,7 +386,9 @@ func TestClusterPeerSecretsRotate(t *testing.T) {
 			if err := r.dialVia(l.via, l.route); err != nil {
 				t.Fatalf("%s: dial of the guest on %s through %s: %v", step, l.member, r.replicas[l.via].id, err)
 			}
-			if ok, fb := forwarded(l, "forwarded"), forwarded(l, "fallback"); ok != ok0+1 || fb != fb0 {
+			// The relay's dial and the readiness probe's, when the
+			// replica has not seen the daemon answer yet: one or two.
+			if ok, fb := forwarded(l, "forwarded"), forwarded(l, "fallback"); ok <= ok0 || fb != fb0 {
 				t.Fatalf("%s: through %s to %s, forwarded %v -> %v, fallback %v -> %v", step, r.replicas[l.via].id, l.member, ok0, ok, fb0, fb)
 			}
 		}
