@@ -60,14 +60,7 @@ func runCheck(ctx context.Context, environ []string, out io.Writer) int {
 	k := &checker{out: out}
 	cfg, err := loadConfig(environ)
 	if err != nil {
-		var ce *configError
-		if errors.As(err, &ce) {
-			for _, line := range ce.Lines() {
-				_, _ = fmt.Fprintf(out, "FAILED  %s\n", line)
-			}
-		} else {
-			_, _ = fmt.Fprintf(out, "FAILED  %s\n", err)
-		}
+		printRefusals(out, "FAILED  ", err)
 		k.code = exitBadSetting
 		k.skip("Incus, the templates and the listeners: the settings come first")
 		return k.code
@@ -115,10 +108,7 @@ func settingsSummary(cfg config) string {
 // rights in it, the templates' images and placement, and whether the
 // guest dialer can work from here.
 func (k *checker) checkIncus(ctx context.Context, cfg config) {
-	client, err := incus.New(incus.Config{
-		Socket: cfg.IncusSocket, URLs: cfg.incusURLs, ClientCert: cfg.IncusClientCert, ClientKey: cfg.IncusClientKey,
-		ServerCert: cfg.IncusServerCert, Project: cfg.IncusProject,
-	})
+	client, err := incus.New(cfg.incusConfig())
 	if err != nil {
 		k.fail(badSetting(fmt.Errorf("incus client (%s): %w", incusWhere(cfg), err)))
 		return

@@ -321,6 +321,13 @@ func (c *config) checkFiles(r *refusals) {
 	}
 }
 
+// incusConfig is how the service and its commands (check, targets) reach
+// Incus: one client configuration from the settings.
+func (c *config) incusConfig() incus.Config {
+	return incus.Config{Socket: c.IncusSocket, URLs: c.incusURLs, ClientCert: c.IncusClientCert, ClientKey: c.IncusClientKey,
+		ServerCert: c.IncusServerCert, Project: c.IncusProject}
+}
+
 // splitIncusURLs reads INCUS_URL: https://host:port URLs separated by
 // commas, each naming another member. why says what is wrong, if anything.
 func splitIncusURLs(v string) (urls []string, why string) {

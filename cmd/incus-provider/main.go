@@ -41,10 +41,7 @@ func main() {
 	}
 	cfg, err := loadConfig(os.Environ())
 	if err != nil {
-		// Every refusal, each on a line of its own, so that one edit fixes them all.
-		for line := range strings.SplitSeq(err.Error(), "\n") {
-			fmt.Fprintln(os.Stderr, "incus-provider: "+line)
-		}
+		printRefusals(os.Stderr, "incus-provider: ", err)
 		os.Exit(exitBadSetting)
 	}
 	log, level, err := newLogger(cfg.LogLevel)
@@ -120,11 +117,9 @@ func run(ctx context.Context, cfg config, log *zap.Logger, level zap.AtomicLevel
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	incusMetrics := newIncusMetrics(reg)
 
-	client, err := incus.New(incus.Config{
-		Socket: cfg.IncusSocket, URLs: cfg.incusURLs, ClientCert: cfg.IncusClientCert, ClientKey: cfg.IncusClientKey,
-		ServerCert: cfg.IncusServerCert, Project: cfg.IncusProject, Observe: incusMetrics.observe,
-		ObserveEndpoint: incusMetrics.observeEndpoint,
-	})
+	ic := cfg.incusConfig()
+	ic.Observe, ic.ObserveEndpoint = incusMetrics.observe, incusMetrics.observeEndpoint
+	client, err := incus.New(ic)
 	if err != nil {
 		return badSetting(fmt.Errorf("incus client: %w", err))
 	}

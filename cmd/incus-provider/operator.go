@@ -71,15 +71,10 @@ func runTargets(ctx context.Context, args, environ []string, stdout, stderr io.W
 	}
 	cfg, err := loadConfig(environ)
 	if err != nil {
-		for line := range strings.SplitSeq(err.Error(), "\n") {
-			_, _ = fmt.Fprintln(stderr, "incus-provider: "+line)
-		}
+		printRefusals(stderr, "incus-provider: ", err)
 		return exitBadSetting
 	}
-	client, err := incus.New(incus.Config{
-		Socket: cfg.IncusSocket, URLs: cfg.incusURLs, ClientCert: cfg.IncusClientCert, ClientKey: cfg.IncusClientKey,
-		ServerCert: cfg.IncusServerCert, Project: cfg.IncusProject,
-	})
+	client, err := incus.New(cfg.incusConfig())
 	if err != nil {
 		return fail(exitBadSetting, "incus client (%s): %v", incusWhere(cfg), err)
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"net"
 	"slices"
 	"strings"
@@ -48,8 +49,13 @@ type configError struct{ lines []string }
 
 func (e *configError) Error() string { return strings.Join(e.lines, "\n") }
 
-// Lines are the sentences, for printing each on its own line.
-func (e *configError) Lines() []string { return e.lines }
+// printRefusals writes each refusal of a configuration on a line of its
+// own after prefix, so that one edit fixes them all.
+func printRefusals(w io.Writer, prefix string, err error) {
+	for line := range strings.SplitSeq(err.Error(), "\n") {
+		_, _ = fmt.Fprintln(w, prefix+line)
+	}
+}
 
 // incusOwnVariables are the variables Incus's own programs read (the
 // daemon, the incus client). The provider reads none of them, but an
