@@ -69,22 +69,19 @@ func loadCert(cfg config) (*tls.Certificate, error) {
 	return &cert, nil
 }
 
-// tlsConfig serves whichever certificate was loaded last.
-func (r *reloader) tlsConfig() *tls.Config {
-	return &tls.Config{
-		MinVersion: tls.VersionTLS12,
-		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-			return r.cert.Load(), nil
-		},
-	}
-}
+// tlsConfig serves whichever controller certificate was loaded last.
+func (r *reloader) tlsConfig() *tls.Config { return servingLatest(&r.cert) }
 
 // edgeTLSConfig serves whichever edge certificate was loaded last.
-func (r *reloader) edgeTLSConfig() *tls.Config {
+func (r *reloader) edgeTLSConfig() *tls.Config { return servingLatest(&r.edgeCert) }
+
+// servingLatest is a TLS configuration whose every handshake gets the
+// certificate cert holds at that moment.
+func servingLatest(cert *atomic.Pointer[tls.Certificate]) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS12,
 		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-			return r.edgeCert.Load(), nil
+			return cert.Load(), nil
 		},
 	}
 }
