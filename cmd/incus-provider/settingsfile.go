@@ -54,9 +54,9 @@ func (r *reloader) reloadSettings() {
 		r.log.Error("SIGHUP: the settings file is refused; the settings in force stay", zap.String("file", path), zap.Error(err))
 		return
 	}
-	// The file's lines over the environment, as the unit would give them.
-	merged := append(os.Environ(), lines...)
-	next, err := loadConfig(dedupEnv(merged))
+	// The file's lines over the environment, as the unit would give them
+	// (loadConfig takes the last of a variable's assignments).
+	next, err := loadConfig(append(os.Environ(), lines...))
 	if err != nil {
 		r.log.Error("SIGHUP: the settings file is refused; the settings in force stay", zap.String("file", path), zap.Error(err))
 		return
@@ -75,22 +75,4 @@ func (r *reloader) reloadSettings() {
 		}
 		r.log.Warn("SIGHUP: "+s.Name+" differs in the settings file; it takes a restart, and the value in force stays", zap.String("file", path))
 	}
-}
-
-// dedupEnv keeps the last value of each variable, as a process would see
-// a later assignment override an earlier one.
-func dedupEnv(environ []string) []string {
-	last := map[string]int{}
-	for i, kv := range environ {
-		name, _, _ := strings.Cut(kv, "=")
-		last[name] = i
-	}
-	var out []string
-	for i, kv := range environ {
-		name, _, _ := strings.Cut(kv, "=")
-		if last[name] == i {
-			out = append(out, kv)
-		}
-	}
-	return out
 }
