@@ -37,17 +37,21 @@ func audited(audit *zap.Logger, method string, m jsonrpc.Method) jsonrpc.Method 
 	return func(ctx context.Context, raw json.RawMessage) (any, error) {
 		start := time.Now()
 		res, err := m(ctx, raw)
-		var p auditedParams
-		_ = json.Unmarshal(raw, &p) // lenient: a malformed request is audited with what could be read
 		owner, targetID := Owner{}, ""
-		switch {
-		case p.Target != nil:
-			owner, targetID = p.Target.Owner, p.Target.TargetID
-		case p.Owner != nil:
-			owner = *p.Owner
-		}
-		if r, ok := res.(TargetResult); ok && r.Target.TargetID != "" {
-			targetID = r.Target.TargetID
+		if r, ok := res.(TargetResult); ok {
+			// An answer names its owner and target: the params, which the
+			// method has decoded already, are read again only for a call
+			// that has no such answer (an error, a template list).
+			owner, targetID = r.Target.Owner, r.Target.TargetID
+		} else {
+			var p auditedParams
+			_ = json.Unmarshal(raw, &p) // lenient: a malformed request is audited with what could be read
+			switch {
+			case p.Target != nil:
+				owner, targetID = p.Target.Owner, p.Target.TargetID
+			case p.Owner != nil:
+				owner = *p.Owner
+			}
 		}
 		outcome := "ok"
 		if err != nil {
