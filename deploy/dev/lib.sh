@@ -25,7 +25,8 @@ provider_env_unset() {
 
 # await_provider PID OUT LOG waits up to 10 s for the provider process PID
 # to print its controller URL on OUT; if it exits or never does, its LOG is
-# shown and the wait fails.
+# shown and the wait fails. OUT must not hold an earlier process's output:
+# the child truncates it only once it runs.
 await_provider() {
   for _ in $(seq 1 100); do
     grep -q '^controller URL' "$2" 2>/dev/null && return 0

@@ -128,6 +128,12 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/credential"
 # NAME=VALUE words) and waits for it to serve; its pid is in $served.
 serve() {
   local name=$1; shift
+  # A name served before (LXD's two dialers) left its files: the shell
+  # truncates them in the child, after the fork, so await_provider could
+  # read the last process's "controller URL" and the suite would dial a
+  # port nothing listens on yet. Measured: CI at 210e55b, conformance on
+  # LXD's proxy dialer, 24 checks refused.
+  rm -f "$work/$name.out" "$work/$name.log"
   # shellcheck disable=SC2046 # one word per option
   env $(provider_env_unset) "$@" PROVIDER_TEMPLATES=deploy/templates.dev.yaml PROVIDER_CREDENTIAL_FILE="$work/credential" \
     PROVIDER_GRACEFUL_STOP=5s bin/incus-provider >"$work/$name.out" 2>"$work/$name.log" &
