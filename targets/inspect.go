@@ -52,9 +52,16 @@ type RelayLease struct {
 // Inspect reads an instance as an operator's view of a target. ok is false
 // for an instance that is not a target: another program's, a warm spare
 // not yet handed out, a copy under a name its metadata does not derive.
+// An instance under a target's name on a cluster member that does not
+// answer is listed by Incus without its record: it is shown, unknown and
+// with its member, and with no owner, which only its record could tell.
 func Inspect(inst *incus.Instance) (v View, ok bool) {
 	r := recordOf(inst.Config, fAll)
 	owner, ok := r.owner(inst.Name)
+	if !ok && unreadable(inst) && looksLikeTargetID(inst.Name) {
+		return View{TargetID: inst.Name, Observation: observation(inst, controller.Owner{}, stateOf(inst, &r), nil, time.Time{}),
+			Status: string(inst.Status), Location: inst.Location}, true
+	}
 	if !ok {
 		return View{}, false
 	}

@@ -1,6 +1,7 @@
 package targets
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -106,5 +107,21 @@ func TestInspectShowsEveryPhase(t *testing.T) {
 		if c.want == controller.PhaseClosing && v.ClosingFrom.IsZero() {
 			t.Error("a closing target's view says not since when")
 		}
+	}
+}
+
+// TestInspectShowsAnUnreadableTarget: an instance under a target's name on
+// a member that does not answer is listed by Incus with no record; the
+// operator is shown it, unknown, with its member, and never a foreign
+// instance the same way.
+func TestInspectShowsAnUnreadableTarget(t *testing.T) {
+	name := Name(controller.Owner{UniverseID: "u", EnvironmentID: "e"})
+	v, ok := Inspect(&incus.Instance{Name: name, Status: incus.InstanceError, Location: "lsm3"})
+	if !ok || v.TargetID != name || v.Observation.Phase != controller.PhaseUnknown || v.Location != "lsm3" ||
+		!strings.Contains(v.Observation.Message, "lsm3") || v.Owner != (controller.Owner{}) {
+		t.Errorf("an unreadable target: %+v, %v", v, ok)
+	}
+	if v, ok := Inspect(&incus.Instance{Name: "someone-elses", Status: incus.InstanceError, Location: "lsm3"}); ok {
+		t.Errorf("an unreadable instance of another program is shown: %+v", v)
 	}
 }

@@ -110,8 +110,8 @@ func listTargets(ctx context.Context, cfg config, client *incus.Client, asJSON b
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	_, _ = fmt.Fprintln(tw, "TARGET\tOWNER\tTEMPLATE\tPHASE\tPOWER\tINTENT\tIDLE\tRELAYS\tINGRESS\tAGE\tLOCATION")
 	for _, v := range views {
-		_, _ = fmt.Fprintf(tw, "%s\t%s/%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", v.TargetID, v.Owner.UniverseID, v.Owner.EnvironmentID,
-			v.Template, v.Observation.Phase, dash(string(v.Observation.Power)), dash(v.Intent), since(v.IdleSince, now),
+		_, _ = fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", v.TargetID, ownerWord(v.Owner),
+			dash(v.Template), v.Observation.Phase, dash(string(v.Observation.Power)), dash(v.Intent), since(v.IdleSince, now),
 			len(v.Relays), dash(ingressWord(v)), since(v.CreatedAt, now), dash(v.Location))
 	}
 	_ = tw.Flush()
@@ -133,8 +133,8 @@ func showTarget(ctx context.Context, cfg config, client *incus.Client, which str
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	line := func(k, val string) { _, _ = fmt.Fprintf(tw, "%s\t%s\n", k, val) }
 	line("target", v.TargetID)
-	line("owner", v.Owner.UniverseID+"/"+v.Owner.EnvironmentID)
-	line("template", v.Template)
+	line("owner", ownerWord(v.Owner))
+	line("template", dash(v.Template))
 	line("image", dash(v.Image))
 	line("display name", dash(v.DisplayName))
 	line("phase", string(v.Observation.Phase))
@@ -170,6 +170,10 @@ func closeTarget(ctx context.Context, cfg config, client *incus.Client, which st
 	cancel()
 	if code != 0 {
 		return code
+	}
+	if v.Owner == (controller.Owner{}) {
+		_, _ = fmt.Fprintf(stderr, "incus-provider: the record of %s, which names its owner, is out of reach (member %s does not answer): close it by UNIVERSE/ENVIRONMENT, or once the member is back\n", v.TargetID, dash(v.Location))
+		return exitFailed
 	}
 	ctx, cancel = context.WithTimeout(ctx, closeWait)
 	defer cancel()
@@ -210,17 +214,40 @@ func closeTarget(ctx context.Context, cfg config, client *incus.Client, which st
 	}
 }
 
+// ownerWord is an owner as the operator names it; "?" where only the
+// instance's record, out of reach, could tell it.
+func ownerWord(o controller.Owner) string {
+	if o == (controller.Owner{}) {
+		return "?"
+	}
+	return o.UniverseID + "/" + o.EnvironmentID
+}
+
 // findTarget reads one target by id or by owner (UNIVERSE/ENVIRONMENT).
 func findTarget(ctx context.Context, cfg config, client *incus.Client, which string, stderr io.Writer) (targets.View, int) {
 	name := which
+	var asked controller.Owner
 	if u, e, ok := strings.Cut(which, "/"); ok {
 		if u == "" || e == "" || strings.Contains(e, "/") {
 			_, _ = fmt.Fprintf(stderr, "incus-provider: %q is neither a target id nor UNIVERSE/ENVIRONMENT\n", which)
 			return targets.View{}, exitBadSetting
 		}
-		name = targets.Name(controller.Owner{UniverseID: u, EnvironmentID: e})
+		asked = controller.Owner{UniverseID: u, EnvironmentID: e}
+		name = targets.Name(asked)
 	}
 	inst, _, err := client.GetInstance(ctx, name)
+	if err != nil && !errors.Is(err, incus.ErrNotFound) {
+		// The member holding the instance may not answer: Incus's list
+		// still has it, without its record.
+		if list, lerr := client.ListInstances(ctx); lerr == nil {
+			for i := range list {
+				if list[i].Name == name {
+					inst, err = &list[i], nil
+					break
+				}
+			}
+		}
+	}
 	switch {
 	case errors.Is(err, incus.ErrNotFound):
 		_, _ = fmt.Fprintf(stderr, "incus-provider: project %s holds no target %s\n", cfg.IncusProject, which)
@@ -233,6 +260,10 @@ func findTarget(ctx context.Context, cfg config, client *incus.Client, which str
 	if !ok {
 		_, _ = fmt.Fprintf(stderr, "incus-provider: instance %s of project %s is not a target (no owner's record, or a warm spare)\n", name, cfg.IncusProject)
 		return targets.View{}, exitFailed
+	}
+	if v.Owner == (controller.Owner{}) && asked != (controller.Owner{}) {
+		// Unreadable, but under the name only this owner's target has.
+		v.Owner, v.Observation.Owner = asked, asked
 	}
 	return v, 0
 }
