@@ -2,11 +2,18 @@ package provider_test
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/hex"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
+	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -42,6 +49,9 @@ type lbRig struct {
 	replicas [2]*lbReplica
 	haproxy  *exec.Cmd
 	env      []string // added to every replica's settings
+	// scheme is the replicas' and so the balancer's: ws, or wss when they
+	// serve TLS.
+	scheme string
 }
 
 type lbReplica struct {
@@ -57,6 +67,23 @@ func newLBRig(t *testing.T) *lbRig { return newLBRigWith(t) }
 // replica's.
 func newLBRigWith(t *testing.T, env ...string) *lbRig {
 	t.Helper()
+	return newLBRigOpts(t, lbOptions{env: env})
+}
+
+// lbOptions are what a test changes of the rig.
+type lbOptions struct {
+	// env is added to every replica's settings.
+	env []string
+	// templates (YAML list items) are added to the replicas' file.
+	templates string
+	// tls: the replicas serve TLS (the rig's own certificate, in dir's
+	// tls.crt and tls.key) and HAProxy passes it through
+	// (deploy/haproxy/incus-provider-tls.cfg).
+	tls bool
+}
+
+func newLBRigOpts(t *testing.T, o lbOptions) *lbRig {
+	t.Helper()
 	cl := incustest.Cluster(t)
 	haproxy, err := exec.LookPath("haproxy")
 	if err != nil {
@@ -65,11 +92,17 @@ func newLBRigWith(t *testing.T, env ...string) *lbRig {
 		}
 		t.Skipf("haproxy is not installed: %v", err)
 	}
-	r := &lbRig{t: t, bin: buildProvider(t), dir: t.TempDir(), client: cl.Client(t), cl: cl, lb: loopback.FreeAddr(t), env: env}
+	r := &lbRig{t: t, bin: buildProvider(t), dir: t.TempDir(), client: cl.Client(t), cl: cl, lb: loopback.FreeAddr(t), env: o.env, scheme: "ws"}
+	lbConfig := "../deploy/haproxy/incus-provider.cfg"
+	if o.tls {
+		r.scheme, lbConfig = "wss", "../deploy/haproxy/incus-provider-tls.cfg"
+		r.writeCert("tls")
+		r.env = append(r.env, "PROVIDER_TLS_CERT="+filepath.Join(r.dir, "tls.crt"), "PROVIDER_TLS_KEY="+filepath.Join(r.dir, "tls.key"))
+	}
 	if err := os.WriteFile(filepath.Join(r.dir, "credential"), []byte(credential), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	tmpl := strings.ReplaceAll(clusterTemplates, "{{image}}", incustest.DefaultImage)
+	tmpl := strings.ReplaceAll(clusterTemplates+o.templates, "{{image}}", incustest.DefaultImage)
 	if err := os.WriteFile(filepath.Join(r.dir, "templates.yaml"), []byte(tmpl), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -101,7 +134,7 @@ func newLBRigWith(t *testing.T, env ...string) *lbRig {
 	}
 	_, p1, _ := net.SplitHostPort(r.replicas[0].metrics)
 	_, p2, _ := net.SplitHostPort(r.replicas[1].metrics)
-	cmd := exec.Command(haproxy, "-db", "-f", "../deploy/haproxy/incus-provider.cfg")
+	cmd := exec.Command(haproxy, "-db", "-f", lbConfig)
 	cmd.Env = append(os.Environ(), "LB_LISTEN="+r.lb, "REPLICA1="+r.replicas[0].addr, "REPLICA2="+r.replicas[1].addr,
 		"REPLICA1_CHECK_PORT="+p1, "REPLICA2_CHECK_PORT="+p2)
 	logf, err := os.Create(filepath.Join(r.dir, "haproxy.log"))
@@ -134,7 +167,20 @@ func (r *lbRig) start(i int) {
 		r.t.Fatal(err)
 	}
 	cmd := exec.Command(r.bin)
-	cmd.Env = append(childEnv(),
+	cmd.Env = r.replicaEnv(i)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		r.t.Fatal(err)
+	}
+	_ = logf.Close()
+	rep.cmd = cmd
+}
+
+// replicaEnv is replica i's environment: its settings, as a unit's
+// environment file would give them, and nothing else of the test's.
+func (r *lbRig) replicaEnv(i int) []string {
+	rep := r.replicas[i]
+	env := append(childEnv(),
 		"PROVIDER_LISTEN="+rep.addr, "PROVIDER_METRICS_LISTEN="+rep.metrics, "PROVIDER_REPLICA_ID="+rep.id,
 		"PROVIDER_INGRESS_LISTEN=off",
 		"PROVIDER_TEMPLATES="+filepath.Join(r.dir, "templates.yaml"), "PROVIDER_CREDENTIAL_FILE="+filepath.Join(r.dir, "credential"),
@@ -145,13 +191,7 @@ func (r *lbRig) start(i int) {
 		// One peer list for both, as one environment file would give it.
 		"PROVIDER_PEER_LISTEN="+rep.peer, "PROVIDER_PEER_SECRET_FILE="+filepath.Join(r.dir, "peer.secret"),
 		"PROVIDER_PEERS="+r.replicas[0].member+"="+r.replicas[0].peer+","+r.replicas[1].member+"="+r.replicas[1].peer)
-	cmd.Env = append(cmd.Env, r.env...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		r.t.Fatal(err)
-	}
-	_ = logf.Close()
-	rep.cmd = cmd
+	return append(env, r.env...)
 }
 
 func (r *lbRig) stop(i int, sig syscall.Signal) {
@@ -206,8 +246,8 @@ func (r *lbRig) connect(ctx context.Context) (*jsonrpc.Client, error) {
 
 // connectWith is connect presenting secret as the credential.
 func (r *lbRig) connectWith(ctx context.Context, secret string) (*jsonrpc.Client, error) {
-	d := websocket.Dialer{HandshakeTimeout: 5 * time.Second}
-	ws, resp, err := d.DialContext(ctx, "ws://"+r.lb+"/control", http.Header{"Authorization": {"Bearer " + secret}})
+	d := websocket.Dialer{HandshakeTimeout: 5 * time.Second, TLSClientConfig: rigTLS}
+	ws, resp, err := d.DialContext(ctx, r.scheme+"://"+r.lb+"/control", http.Header{"Authorization": {"Bearer " + secret}})
 	if resp != nil && resp.Body != nil {
 		_ = resp.Body.Close()
 	}
@@ -267,7 +307,7 @@ func (r *lbRig) until(owner controller.Owner, what string, most time.Duration, c
 }
 
 func (r *lbRig) routeURL(route routes.Route) string {
-	return "ws://" + r.lb + routes.Path("/routes", route)
+	return r.scheme + "://" + r.lb + routes.Path("/routes", route)
 }
 
 // relayHolder says which replica's lease is on the instance (-1: none).
@@ -472,6 +512,48 @@ func TestClusterIdleActionOnceAcrossReplicas(t *testing.T) {
 }
 
 func targetsName(o controller.Owner) string { return targets.Name(o) }
+
+// rigTLS is how the tests reach replicas that serve TLS: the rig's own
+// self-signed certificates, on loopback, with nothing to verify them by.
+var rigTLS = &tls.Config{InsecureSkipVerify: true} //nolint:gosec
+
+// writeCert writes a new self-signed certificate for loopback, and its
+// key, to dir's name.crt and name.key (over what was there).
+func (r *lbRig) writeCert(name string) {
+	r.t.Helper()
+	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 62))
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: serial, Subject: pkix.Name{CommonName: "lb-rig"},
+		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour)}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &k.PublicKey, k)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	kder, err := x509.MarshalECPrivateKey(k)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	// The key first: a replica reloading between the two writes is
+	// refused the mismatched pair and keeps the one in force.
+	for _, f := range []struct {
+		ext, kind string
+		der       []byte
+	}{{"key", "EC PRIVATE KEY", kder}, {"crt", "CERTIFICATE", der}} {
+		path := filepath.Join(r.dir, name+"."+f.ext)
+		if err := os.WriteFile(path+".new", pem.EncodeToMemory(&pem.Block{Type: f.kind, Bytes: f.der}), 0o600); err != nil {
+			r.t.Fatal(err)
+		}
+		if err := os.Rename(path+".new", path); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+}
 
 func peerSecret(t *testing.T) string {
 	t.Helper()

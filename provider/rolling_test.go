@@ -1,9 +1,12 @@
 package provider_test
 
 import (
+	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -287,12 +290,14 @@ func dialAsTheRuntime(ctx context.Context, r *lbRig, rt routes.Route) error {
 	return last
 }
 
-// TestClusterReloadWithConnectionsOpen rotates the credential both
-// replicas read, with SIGHUP, while relays and a controller connection are
-// open through the balancer: they stay open and working, a new connection
-// needs the new credential, and the old one is refused.
+// TestClusterReloadWithConnectionsOpen rotates the credential and the TLS
+// certificate both replicas read, with SIGHUP, while relays and a
+// controller connection are open through the balancer (which passes TLS
+// through to the replicas): they stay open and working, a new connection
+// is given the new certificate by either replica and needs the new
+// credential, and the old credential is refused.
 func TestClusterReloadWithConnectionsOpen(t *testing.T) {
-	r := newLBRig(t)
+	r := newLBRigOpts(t, lbOptions{tls: true})
 	owners := []controller.Owner{{UniverseID: "u-hup", EnvironmentID: "a"}, {UniverseID: "u-hup", EnvironmentID: "b"}}
 	var rts []routes.Route
 	for i, o := range owners {
@@ -300,9 +305,34 @@ func TestClusterReloadWithConnectionsOpen(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
+	// served is the certificate a new handshake with addr is given.
+	served := func(addr string) []byte {
+		t.Helper()
+		d := tls.Dialer{Config: rigTLS, NetDialer: &net.Dialer{Timeout: 10 * time.Second}}
+		conn, err := d.DialContext(ctx, "tcp", addr)
+		if err != nil {
+			t.Fatalf("TLS dial %s: %v", addr, err)
+		}
+		defer conn.Close()
+		return conn.(*tls.Conn).ConnectionState().PeerCertificates[0].Raw
+	}
+	installed := func() []byte {
+		t.Helper()
+		cert, err := tls.LoadX509KeyPair(filepath.Join(r.dir, "tls.crt"), filepath.Join(r.dir, "tls.key"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cert.Certificate[0]
+	}
+	first := installed()
+	for _, addr := range []string{r.replicas[0].addr, r.replicas[1].addr, r.lb} {
+		if !bytes.Equal(served(addr), first) {
+			t.Fatalf("%s does not serve the rig's certificate", addr)
+		}
+	}
 	var relays []*websocket.Conn
 	for _, rt := range rts {
-		d, err := conformance.RouteDialer{AsARuntime: true}.Dial(ctx, r.routeURL(rt), credential)
+		d, err := conformance.RouteDialer{AsARuntime: true, TLSConfig: rigTLS}.Dial(ctx, r.routeURL(rt), credential)
 		if err != nil || d.Conn == nil {
 			t.Fatalf("relay %s: %+v, %v", rt.TargetID, d.Refusal, err)
 		}
@@ -320,11 +350,20 @@ func TestClusterReloadWithConnectionsOpen(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(r.dir, "credential"), []byte(rotated+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	r.writeCert("tls")
+	second := installed()
 	for i, rep := range r.replicas {
 		if err := rep.cmd.Process.Signal(syscall.SIGHUP); err != nil {
 			t.Fatal(err)
 		}
 		r.awaitLog(i, "SIGHUP: credential reloaded")
+		r.awaitLog(i, "SIGHUP: TLS certificate reloaded")
+	}
+	// Each replica, and the balancer whichever it picks, give the new one.
+	for _, addr := range []string{r.replicas[0].addr, r.replicas[1].addr, r.lb, r.lb} {
+		if !bytes.Equal(served(addr), second) {
+			t.Errorf("%s serves another certificate than the one reloaded", addr)
+		}
 	}
 
 	// What was open stays open and answers.
@@ -350,7 +389,7 @@ func TestClusterReloadWithConnectionsOpen(t *testing.T) {
 			t.Fatal("the old credential still opens a connection")
 		}
 	}
-	if d, err := conformance.DialRoute(ctx, r.routeURL(rts[0]), credential); err == nil && d.Conn != nil {
+	if d, err := (conformance.RouteDialer{TLSConfig: rigTLS}).Dial(ctx, r.routeURL(rts[0]), credential); err == nil && d.Conn != nil {
 		_ = d.Conn.Close()
 		t.Fatal("the old credential still opens a data route")
 	} else if d.Status != http.StatusUnauthorized {
