@@ -73,6 +73,9 @@ type Config struct {
 	// CacheCorrection is the period of the cache's correcting full list
 	// (targets.Config.CacheCorrection).
 	CacheCorrection time.Duration
+	// WarmBurstWindow and WarmShrinkAfter size the warm pools by demand
+	// (targets.Config).
+	WarmBurstWindow, WarmShrinkAfter time.Duration
 	// IngressBase is the public ingress edge's base URL; nil serves no
 	// public ingress (the capability is not advertised).
 	IngressBase *ingressurl.Base
@@ -132,7 +135,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
 		IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics, CacheMetrics: cacheMetrics, NoCache: cfg.NoCache,
-		CacheCorrection: cfg.CacheCorrection,
+		CacheCorrection: cfg.CacheCorrection, WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter,
 	})
 	if err != nil {
 		return nil, err

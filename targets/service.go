@@ -58,6 +58,11 @@ type Config struct {
 	// goes to Incus. CacheMetrics, when set, records the cache's work.
 	NoCache      bool
 	CacheMetrics *CacheMetrics
+	// WarmBurstWindow and WarmShrinkAfter size the pools by demand (see
+	// warmsize.go): the span a burst of creates is counted over, and how
+	// long a burst keeps a pool large and a spare above the size waits
+	// before it is deleted (defaults 30 s and 10 min).
+	WarmBurstWindow, WarmShrinkAfter time.Duration
 	// CacheCorrection is the period of the cache's correcting full list
 	// (default 1 min). Events keep the cache true; the list is for an event
 	// lost with no gap the stream shows (a cluster member's link to the
@@ -85,6 +90,12 @@ func (c *Config) defaults() {
 	}
 	if c.WarmStale <= 0 {
 		c.WarmStale = time.Minute
+	}
+	if c.WarmBurstWindow <= 0 {
+		c.WarmBurstWindow = DefaultWarmBurstWindow
+	}
+	if c.WarmShrinkAfter <= 0 {
+		c.WarmShrinkAfter = DefaultWarmShrinkAfter
 	}
 	if c.CacheCorrection <= 0 {
 		c.CacheCorrection = DefaultCacheCorrection
@@ -496,6 +507,13 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	case r == warmHit, r == warmLost, r == warmBusy:
 		return s.answerHandout(ctx, name, p)
 	}
+	if tmpl.Pooled() {
+		// Counted before the hand-out: a create that drains the pool
+		// makes it grow at once, not at the next one.
+		s.warm.demand.note(tmpl.Wire.TemplateID, s.now(), s.cfg.WarmShrinkAfter)
+		s.warmGauge()
+		s.warm.kick()
+	}
 	switch s.handout(ctx, name, p, tmpl) {
 	case warmHit:
 		s.warmMetrics().handout(tmpl.Wire.TemplateID, true)
@@ -505,7 +523,7 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	case warmCrashed:
 		return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "The provider stopped while handing out a warm instance; retry shortly.")
 	}
-	if tmpl.Warm > 0 {
+	if tmpl.Pooled() {
 		s.warmMetrics().handout(tmpl.Wire.TemplateID, false)
 	}
 	if s.stagesCreates() {

@@ -182,6 +182,8 @@ type warmPool struct {
 	delay   map[string]time.Duration
 	kickc   chan struct{}
 	sem     chan struct{}
+	// demand sizes each pool (see warmsize.go).
+	demand demand
 	// surveyed: a survey has listed the project once; seen: the last one
 	// found warm instances. Without a pool in the catalog and none seen,
 	// a survey has nothing to do and does not list.
@@ -244,7 +246,7 @@ func (p *warmPool) take(t *templates.Template, tried map[string]bool) (name stri
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var names []string
-	for slot := range t.Warm {
+	for slot := range t.WarmMax { // a spare above the size wanted too, before it is deleted
 		n := warmName(t.Wire.TemplateID, slot)
 		if p.known[n] && !p.taken[n] && !p.filling[n] && !tried[n] {
 			names = append(names, n)
@@ -305,7 +307,7 @@ const (
 // handout gives the owner's name one ready warm instance of the template.
 // The caller holds the owner's lock and has seen no instance at name.
 func (s *Service) handout(ctx context.Context, name string, p controller.CreateParams, t *templates.Template) handoutResult {
-	if t.Warm == 0 {
+	if !t.Pooled() {
 		return warmMiss
 	}
 	owner, err := s.ownerChange(p, t)
@@ -320,8 +322,12 @@ func (s *Service) handout(ctx context.Context, name string, p controller.CreateP
 			break
 		}
 		tried[wn] = true
+		began := s.now()
 		r := s.handoutOne(ctx, name, wn, owner, recipe, t)
 		release()
+		if r == warmHit {
+			s.warmMetrics().handedOut(t.Wire.TemplateID, s.now().Sub(began))
+		}
 		if r != warmMiss {
 			return r
 		}
@@ -548,7 +554,7 @@ func (p *warmPool) renamingTo(name string) bool {
 // then can a claim or a hand-out's rename exist.
 func (s *Service) poolsOffered() bool {
 	for _, t := range s.catalog.Load().All() {
-		if t.Warm > 0 {
+		if t.Pooled() {
 			return true
 		}
 	}
@@ -639,18 +645,40 @@ func (s *Service) runWarm(ctx context.Context) {
 	}
 }
 
-// warmWanted maps every slot the catalog wants to its template.
+// warmWanted maps every slot the pools' sizes want filled to its template.
 func (s *Service) warmWanted() map[string]*templates.Template {
 	want := map[string]*templates.Template{}
+	now := s.now()
 	for _, t := range s.catalog.Load().All() {
 		if t.Wire.Deprecated {
 			continue
 		}
-		for slot := range t.Warm {
+		for slot := range s.warmSize(t, now) {
 			want[warmName(t.Wire.TemplateID, slot)] = t
 		}
 	}
 	return want
+}
+
+// warmSlots maps every slot a pool may hold, up to its maximum, to its
+// template: a spare in one and not wanted is kept until it has been idle
+// for a shrink period.
+func (s *Service) warmSlots() map[string]*templates.Template {
+	slots := map[string]*templates.Template{}
+	for _, t := range s.catalog.Load().All() {
+		if t.Wire.Deprecated {
+			continue
+		}
+		for slot := range t.WarmMax {
+			slots[warmName(t.Wire.TemplateID, slot)] = t
+		}
+	}
+	return slots
+}
+
+// warmSize is how many spares of t this process wants at now.
+func (s *Service) warmSize(t *templates.Template, now time.Time) int {
+	return s.warm.demand.size(t, now, s.cfg.WarmBurstWindow, s.cfg.WarmShrinkAfter)
 }
 
 // warmSurvey reads the project's listing: what exists, what is ready, and
@@ -660,9 +688,9 @@ func (s *Service) warmWanted() map[string]*templates.Template {
 func (s *Service) warmSurvey(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	want := s.warmWanted()
+	want, slots := s.warmWanted(), s.warmSlots()
 	s.warm.mu.Lock()
-	idle := len(want) == 0 && s.warm.surveyed && !s.warm.seen
+	idle := len(slots) == 0 && s.warm.surveyed && !s.warm.seen
 	s.warm.mu.Unlock()
 	if idle {
 		return
@@ -688,11 +716,14 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			known[w.Name] = s.warm.known[w.Name]
 			continue
 		}
-		t := want[w.Name]
+		t := slots[w.Name]
 		if t != nil && recipes[t.Wire.TemplateID] == "" {
 			recipes[t.Wire.TemplateID] = recipeOf(templateRequest("", t))
 		}
 		r := recordOf(w.Config, fPool|fWarmClaim|fWarmClaimAt)
+		// Above the size wanted, and idle, ready and unclaimed, for a whole
+		// shrink period: demand has gone, the pool shrinks.
+		surplus := want[w.Name] == nil && r.has(fWarmReady) && s.now().Sub(r.WarmReady) >= s.cfg.WarmShrinkAfter
 		switch {
 		case r.WarmClaim != "":
 			// Never deleted here, however old: a claimant that is alive
@@ -719,7 +750,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			// while the resume waits for its operation to end).
 			known[w.Name] = false
 			continue
-		case t == nil || r.Warm != t.Wire.TemplateID || r.WarmRecipe != recipes[t.Wire.TemplateID]:
+		case t == nil || r.Warm != t.Wire.TemplateID || r.WarmRecipe != recipes[t.Wire.TemplateID] || surplus:
 			drop = append(drop, w)
 		case !r.has(fWarmReady):
 			ready = append(ready, w)
@@ -815,7 +846,7 @@ func (s *Service) warmFill() {
 
 // warmCreate creates one slot and marks it ready.
 func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Template) {
-	id := t.Wire.TemplateID
+	id, began := t.Wire.TemplateID, s.now()
 	ok, exists := false, false
 	defer func() {
 		s.warm.mu.Lock()
@@ -830,7 +861,7 @@ func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Temp
 		}
 		s.warm.mu.Unlock()
 		<-s.warm.sem
-		s.warmMetrics().refill(id, ok)
+		s.warmMetrics().refill(id, ok, s.now().Sub(began))
 		s.warmGauge()
 		s.warm.kick()
 	}()
@@ -871,21 +902,23 @@ func (s *Service) warmGauge() {
 	if m == nil {
 		return
 	}
-	sizes := map[string]int{}
+	sizes, wanted := map[string]int{}, map[string]int{}
+	now := s.now()
 	for _, t := range s.catalog.Load().All() {
-		if t.Warm > 0 {
+		if t.Pooled() {
 			sizes[t.Wire.TemplateID] = 0
+			wanted[t.Wire.TemplateID] = s.warmSize(t, now)
 		}
 	}
-	want := s.warmWanted()
+	slots := s.warmSlots()
 	s.warm.mu.Lock()
 	for n, ready := range s.warm.known {
-		if t := want[n]; t != nil && ready {
+		if t := slots[n]; t != nil && ready {
 			sizes[t.Wire.TemplateID]++
 		}
 	}
 	s.warm.mu.Unlock()
-	m.sizes(sizes)
+	m.sizes(sizes, wanted)
 }
 
 func (s *Service) warmMetrics() *WarmMetrics { return s.cfg.WarmMetrics }

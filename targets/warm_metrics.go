@@ -2,6 +2,7 @@ package targets
 
 import (
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -15,6 +16,9 @@ type WarmMetrics struct {
 	handouts *prometheus.CounterVec
 	refills  *prometheus.CounterVec
 	size     *prometheus.GaugeVec
+	wanted   *prometheus.GaugeVec
+	handoutT *prometheus.HistogramVec
+	refillT  *prometheus.HistogramVec
 
 	mu   sync.Mutex
 	last map[string]bool // the templates the size gauge has a series for
@@ -44,8 +48,22 @@ func NewWarmMetrics(reg prometheus.Registerer) *WarmMetrics {
 			Name: "incus_provider_warm_instances",
 			Help: "Warm instances ready to be handed out, per template, as this process last saw them.",
 		}, []string{"template"}),
+		wanted: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "incus_provider_warm_wanted",
+			Help: "The size this process wants each pool at: the largest burst of creates within the burst window during the shrink period, and a quarter more, between the template's warm and warmMax.",
+		}, []string{"template"}),
+		handoutT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "incus_provider_warm_handout_seconds",
+			Help:    "Time of a hand-out that gave the owner a warm instance: from its claim to the instance at the owner's name.",
+			Buckets: []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5},
+		}, []string{"template"}),
+		refillT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "incus_provider_warm_refill_seconds",
+			Help:    "Time of a refill that succeeded: from its create to the warm instance marked ready.",
+			Buckets: []float64{0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
+		}, []string{"template"}),
 	}
-	reg.MustRegister(m.handouts, m.refills, m.size)
+	reg.MustRegister(m.handouts, m.refills, m.size, m.wanted, m.handoutT, m.refillT)
 	return m
 }
 
@@ -56,7 +74,7 @@ func (m *WarmMetrics) Start(c *templates.Catalog) {
 		return
 	}
 	for _, t := range c.All() {
-		if t.Warm == 0 {
+		if !t.Pooled() {
 			continue
 		}
 		id := t.Wire.TemplateID
@@ -65,6 +83,9 @@ func (m *WarmMetrics) Start(c *templates.Catalog) {
 		m.refills.WithLabelValues(id, warmOutcomeOK)
 		m.refills.WithLabelValues(id, warmOutcomeFailed)
 		m.size.WithLabelValues(id)
+		m.wanted.WithLabelValues(id).Set(float64(t.Warm))
+		m.handoutT.WithLabelValues(id)
+		m.refillT.WithLabelValues(id)
 	}
 }
 
@@ -79,20 +100,31 @@ func (m *WarmMetrics) handout(template string, hit bool) {
 	m.handouts.WithLabelValues(template, outcome).Inc()
 }
 
-func (m *WarmMetrics) refill(template string, ok bool) {
+// refill counts a refill; took is its time when it succeeded.
+func (m *WarmMetrics) refill(template string, ok bool, took time.Duration) {
 	if m == nil {
 		return
 	}
 	outcome := warmOutcomeFailed
 	if ok {
 		outcome = warmOutcomeOK
+		m.refillT.WithLabelValues(template).Observe(took.Seconds())
 	}
 	m.refills.WithLabelValues(template, outcome).Inc()
 }
 
-// sizes sets the gauge for the templates given and removes the series of
-// templates that no longer keep a pool.
-func (m *WarmMetrics) sizes(by map[string]int) {
+// handedOut records the time of a hand-out that gave a warm instance.
+func (m *WarmMetrics) handedOut(template string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.handoutT.WithLabelValues(template).Observe(took.Seconds())
+}
+
+// sizes sets the pools' gauges (ready spares, and the size wanted) for the
+// templates given and removes the series of templates that no longer keep
+// a pool.
+func (m *WarmMetrics) sizes(by, wanted map[string]int) {
 	if m == nil {
 		return
 	}
@@ -101,11 +133,15 @@ func (m *WarmMetrics) sizes(by map[string]int) {
 	for id := range m.last {
 		if _, ok := by[id]; !ok {
 			m.size.DeleteLabelValues(id)
+			m.wanted.DeleteLabelValues(id)
+			m.handoutT.DeleteLabelValues(id)
+			m.refillT.DeleteLabelValues(id)
 		}
 	}
 	m.last = make(map[string]bool, len(by))
 	for id, n := range by {
 		m.size.WithLabelValues(id).Set(float64(n))
+		m.wanted.WithLabelValues(id).Set(float64(wanted[id]))
 		m.last[id] = true
 	}
 }

@@ -43,8 +43,12 @@ type Entry struct {
 	// lets Incus's scheduler place each one.
 	Placement string `json:"placement,omitempty" wire:"opaque"`
 	// Warm is how many instances of the template are kept created ahead,
-	// stopped and without an owner, for target/create to hand out.
+	// stopped and without an owner, for target/create to hand out: the
+	// pool's minimum.
 	Warm uint32 `json:"warm,omitempty"`
+	// WarmMax is the most the pool grows to when creates come faster than
+	// Warm covers (see targets/warmsize.go); omitted, the pool stays at Warm.
+	WarmMax uint32 `json:"warmMax,omitempty"`
 }
 
 // MaxWarm bounds a template's warm pool: each warm instance holds a root
@@ -81,7 +85,13 @@ func (e *Entry) CheckWire() *wire.FieldError {
 	if e.Warm > MaxWarm {
 		return &wire.FieldError{Path: "warm", Problem: fmt.Sprintf("must be from 0 to %d: a warm pool holds idle instances, and a larger one is capacity planning", MaxWarm)}
 	}
-	if e.Warm > 0 && e.Deprecated {
+	if e.WarmMax > MaxWarm {
+		return &wire.FieldError{Path: "warmMax", Problem: fmt.Sprintf("must be from 0 to %d: a warm pool holds idle instances, and a larger one is capacity planning", MaxWarm)}
+	}
+	if e.WarmMax != 0 && e.WarmMax < e.Warm {
+		return &wire.FieldError{Path: "warmMax", Problem: "must be at least warm, the pool's minimum"}
+	}
+	if (e.Warm > 0 || e.WarmMax > 0) && e.Deprecated {
 		return &wire.FieldError{Path: "warm", Problem: "must be 0 for a deprecated template, which creates no new targets to hand a warm instance to"}
 	}
 	if e.Placement != "" && !placement.MatchString(e.Placement) {
@@ -140,8 +150,12 @@ type Template struct {
 	IngressPort  int
 	StoragePool  string
 	Placement    string // Incus's target: a member, @group, or empty
-	Warm         int    // instances kept created ahead (see Entry.Warm)
+	Warm         int    // instances kept created ahead, at least (see Entry.Warm)
+	WarmMax      int    // and at most, as demand asks: Warm or more
 }
+
+// Pooled says the template keeps a warm pool, of any size.
+func (t *Template) Pooled() bool { return t.WarmMax > 0 }
 
 // Catalog is the loaded, validated set of templates.
 type Catalog struct {
@@ -201,6 +215,7 @@ func build(path string, f file) (*Catalog, error) {
 			StoragePool:  e.StoragePool,
 			Placement:    e.Placement,
 			Warm:         int(e.Warm),
+			WarmMax:      int(max(e.Warm, e.WarmMax)),
 		}
 		c.byID[e.TemplateID] = t
 		c.list = append(c.list, t)

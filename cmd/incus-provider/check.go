@@ -146,7 +146,7 @@ func (k *checker) checkIncus(ctx context.Context, cfg config) {
 			if t.ImageAlias != "" {
 				image = t.ImageAlias + " = " + image
 			}
-			ts = append(ts, fmt.Sprintf("%s (image %s, warm %d)", t.Wire.TemplateID, image, t.Warm))
+			ts = append(ts, warmWords(t.Wire.TemplateID, image, t.Warm, t.WarmMax))
 		}
 		k.ok("templates: %d from %s, every image present: %s", len(ts), cfg.Templates, strings.Join(ts, ", "))
 	}
@@ -233,4 +233,12 @@ func tryListen(ctx context.Context, addr string) error {
 		return err
 	}
 	return ln.Close()
+}
+
+// warmWords is a template as check prints it: its image and its pool.
+func warmWords(id, image string, warm, warmMax int) string {
+	if warmMax > warm {
+		return fmt.Sprintf("%s (image %s, warm %d to %d)", id, image, warm, warmMax)
+	}
+	return fmt.Sprintf("%s (image %s, warm %d)", id, image, warm)
 }

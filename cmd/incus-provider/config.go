@@ -49,6 +49,8 @@ type config struct {
 	DrainTimeout      time.Duration `env:"PROVIDER_DRAIN_TIMEOUT" envDefault:"20s" allowed:"a duration from 1s to 10m" help:"on SIGTERM, after the delay, how long controller calls in flight may take to be answered (new ones are refused as unavailable) before every connection and relay is closed with 1001 and the process exits"`
 	ReconcileInterval time.Duration `env:"PROVIDER_RECONCILE_INTERVAL" envDefault:"10s" allowed:"a duration from 1s to 1h" help:"period of the full reconcile pass"`
 	ObservationCache  string        `env:"PROVIDER_OBSERVATION_CACHE" envDefault:"on" allowed:"on or off" help:"answer reads from a cache kept by Incus's event stream and corrected by a full list every PROVIDER_CACHE_CORRECTION_INTERVAL; off: every read asks Incus"`
+	WarmBurstWindow   time.Duration `env:"PROVIDER_WARM_BURST_WINDOW" envDefault:"30s" allowed:"a duration from 1s to 1h" help:"a pool with warmMax grows to the largest burst of creates within this span, and a quarter more"`
+	WarmShrinkAfter   time.Duration `env:"PROVIDER_WARM_SHRINK_AFTER" envDefault:"10m" allowed:"a duration from 10s to 24h" help:"how long a burst keeps a pool large, and how long a spare above the size wanted waits, ready and unclaimed, before it is deleted"`
 	CacheCorrection   time.Duration `env:"PROVIDER_CACHE_CORRECTION_INTERVAL" envDefault:"1m" allowed:"a duration from 10s to 1h" help:"period of the observation cache's correcting full list of the project; shorter catches an event lost without a gap sooner, and each list decodes every instance"`
 	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"auto" allowed:"auto, netns, proxy, exec or member" help:"how the provider reaches each guest's daemon"`
 	IncusMember       string        `env:"PROVIDER_INCUS_MEMBER" allowed:"the name of the Incus cluster member this provider runs on, as incus cluster list shows it" help:"whose guests are reached through netns on a cluster"`
@@ -189,6 +191,12 @@ func (c *config) check(r *refusals) {
 		bad("PROVIDER_OBSERVATION_CACHE", c.ObservationCache, allowed("PROVIDER_OBSERVATION_CACHE"))
 	}
 	c.cacheOn = c.ObservationCache == "on"
+	if !r.refused("PROVIDER_WARM_BURST_WINDOW") && (c.WarmBurstWindow < time.Second || c.WarmBurstWindow > time.Hour) {
+		bad("PROVIDER_WARM_BURST_WINDOW", c.WarmBurstWindow.String(), allowed("PROVIDER_WARM_BURST_WINDOW"))
+	}
+	if !r.refused("PROVIDER_WARM_SHRINK_AFTER") && (c.WarmShrinkAfter < 10*time.Second || c.WarmShrinkAfter > 24*time.Hour) {
+		bad("PROVIDER_WARM_SHRINK_AFTER", c.WarmShrinkAfter.String(), allowed("PROVIDER_WARM_SHRINK_AFTER"))
+	}
 	if !r.refused("PROVIDER_CACHE_CORRECTION_INTERVAL") && (c.CacheCorrection < 10*time.Second || c.CacheCorrection > time.Hour) {
 		bad("PROVIDER_CACHE_CORRECTION_INTERVAL", c.CacheCorrection.String(), allowed("PROVIDER_CACHE_CORRECTION_INTERVAL"))
 	}

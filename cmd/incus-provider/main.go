@@ -196,6 +196,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger, level zap.AtomicLevel
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld, RoutePath: cfg.RoutePath,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
 		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn, CacheCorrection: cfg.CacheCorrection,
+		WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter,
 		Audit: switchedLog(cfg.AuditLog, log, "audit"), AccessLog: switchedLog(cfg.AccessLog, log, "access"),
 	})
 	if err != nil {
