@@ -76,6 +76,8 @@ type Config struct {
 	// WarmBurstWindow and WarmShrinkAfter size the warm pools by demand
 	// (targets.Config).
 	WarmBurstWindow, WarmShrinkAfter time.Duration
+	// WarmMemoryMax is targets.Config.WarmMemoryMax.
+	WarmMemoryMax int64
 	// IngressBase is the public ingress edge's base URL; nil serves no
 	// public ingress (the capability is not advertised).
 	IngressBase *ingressurl.Base
@@ -135,7 +137,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
 		IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics, CacheMetrics: cacheMetrics, NoCache: cfg.NoCache,
-		CacheCorrection: cfg.CacheCorrection, WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter,
+		CacheCorrection: cfg.CacheCorrection, WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter, WarmMemoryMax: cfg.WarmMemoryMax,
 	})
 	if err != nil {
 		return nil, err

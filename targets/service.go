@@ -63,6 +63,10 @@ type Config struct {
 	// long a burst keeps a pool large and a spare above the size waits
 	// before it is deleted (defaults 30 s and 10 min).
 	WarmBurstWindow, WarmShrinkAfter time.Duration
+	// WarmMemoryMax bounds the memory the warm instances may hold on one
+	// member, each counted at its template's memoryBytes (see warm.go);
+	// 0 sets no bound.
+	WarmMemoryMax int64
 	// CacheCorrection is the period of the cache's correcting full list
 	// (default 1 min). Events keep the cache true; the list is for an event
 	// lost with no gap the stream shows (a cluster member's link to the

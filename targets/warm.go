@@ -184,6 +184,9 @@ type warmPool struct {
 	sem     chan struct{}
 	// demand sizes each pool (see warmsize.go).
 	demand demand
+	// where is the cluster member each warm instance is on, as last
+	// listed ("" on a standalone Incus), for the memory ceiling.
+	where map[string]string
 	// surveyed: a survey has listed the project once; seen: the last one
 	// found warm instances. Without a pool in the catalog and none seen,
 	// a survey has nothing to do and does not list.
@@ -193,6 +196,7 @@ type warmPool struct {
 func (p *warmPool) init() {
 	p.known, p.filling, p.taken, p.resuming = map[string]bool{}, map[string]bool{}, map[string]bool{}, map[string]bool{}
 	p.renaming = map[string]int{}
+	p.where = map[string]string{}
 	p.resumeAfter = map[string]resumeRetry{}
 	p.retryAt, p.delay = map[string]time.Time{}, map[string]time.Duration{}
 	p.kickc = make(chan struct{}, 1)
@@ -758,6 +762,16 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		known[w.Name] = r.has(fWarmReady) && r.WarmClaim == ""
 	}
 	s.warm.known = known
+	where := map[string]string{}
+	for n := range s.warm.filling { // not listed yet, maybe: where its create went
+		where[n] = s.warm.where[n]
+	}
+	for i := range list {
+		if isWarmName(list[i].Name) {
+			where[list[i].Name] = memberOf(list[i].Location)
+		}
+	}
+	s.warm.where = where
 	s.warm.surveyed, s.warm.seen = true, len(known) > 0
 	for wn := range s.warm.resumeAfter {
 		if _, listed := known[wn]; !listed { // known holds every warm instance listed
@@ -809,7 +823,8 @@ func (s *Service) warmSurvey(ctx context.Context) {
 }
 
 // warmFill starts a create for every slot not known to exist, within the
-// bound on creates in flight and each template's backoff.
+// bound on creates in flight, each template's backoff and the memory
+// ceiling.
 func (s *Service) warmFill() {
 	want := s.warmWanted()
 	names := make([]string, 0, len(want))
@@ -817,6 +832,9 @@ func (s *Service) warmFill() {
 		names = append(names, n)
 	}
 	sort.Strings(names)
+	held := s.warmMemoryHeld()
+	heldBack := map[string]int{}
+	defer func() { s.warmMetrics().heldBack(s.catalog.Load(), heldBack) }()
 	for _, n := range names {
 		t := want[n]
 		s.warm.mu.Lock()
@@ -826,6 +844,10 @@ func (s *Service) warmFill() {
 		if skip || exists {
 			continue
 		}
+		if !s.warmFits(t, held) {
+			heldBack[t.Wire.TemplateID]++
+			continue
+		}
 		select {
 		case s.warm.sem <- struct{}{}:
 		default:
@@ -833,7 +855,9 @@ func (s *Service) warmFill() {
 		}
 		s.warm.mu.Lock()
 		s.warm.filling[n] = true
+		s.warm.where[n] = memberOf(t.Placement)
 		s.warm.mu.Unlock()
+		held[memberOf(t.Placement)] += warmMemory(t)
 		if !s.own.spawn(func(wctx context.Context) { s.warmCreate(wctx, n, t) }) {
 			<-s.warm.sem
 			s.warm.mu.Lock()
@@ -922,3 +946,69 @@ func (s *Service) warmGauge() {
 }
 
 func (s *Service) warmMetrics() *WarmMetrics { return s.cfg.WarmMetrics }
+
+// The memory ceiling (Config.WarmMemoryMax): the memory the warm instances
+// may hold on one cluster member, each counted at its template's
+// resources.memoryBytes, which the provider's start refuses to leave
+// unstated while the ceiling is set. A stopped spare holds none yet; the
+// ceiling bounds what the pools commit the host to once spares are handed
+// out and started, and what spares kept running or frozen would hold.
+
+// warmMemory is what one warm instance of t is counted at.
+func warmMemory(t *templates.Template) int64 {
+	if r := t.Wire.Resources; r != nil && r.MemoryBytes != nil {
+		return int64(*r.MemoryBytes)
+	}
+	return 0
+}
+
+// memberOf is a location or placement as the ceiling counts it: a member's
+// name, or "" where Incus chooses (no placement, a cluster group) or there
+// is one host.
+func memberOf(location string) string {
+	if location == "none" || strings.HasPrefix(location, "@") {
+		return ""
+	}
+	return location
+}
+
+// warmMemoryHeld sums the memory of the warm instances known or being
+// created, per member.
+func (s *Service) warmMemoryHeld() map[string]int64 {
+	held := map[string]int64{}
+	if s.cfg.WarmMemoryMax <= 0 {
+		return held
+	}
+	slots := s.warmSlots()
+	s.warm.mu.Lock()
+	defer s.warm.mu.Unlock()
+	count := func(n string) {
+		if t := slots[n]; t != nil {
+			held[s.warm.where[n]] += warmMemory(t)
+		}
+	}
+	for n := range s.warm.known {
+		count(n)
+	}
+	for n := range s.warm.filling {
+		if _, listed := s.warm.known[n]; !listed {
+			count(n)
+		}
+	}
+	return held
+}
+
+// warmFits says one more warm instance of t stays within the ceiling on
+// its member; where Incus chooses the member, on the fullest one.
+func (s *Service) warmFits(t *templates.Template, held map[string]int64) bool {
+	if s.cfg.WarmMemoryMax <= 0 {
+		return true
+	}
+	on := held[memberOf(t.Placement)]
+	if memberOf(t.Placement) == "" {
+		for _, n := range held {
+			on = max(on, n)
+		}
+	}
+	return on+warmMemory(t) <= s.cfg.WarmMemoryMax
+}

@@ -19,6 +19,7 @@ type WarmMetrics struct {
 	wanted   *prometheus.GaugeVec
 	handoutT *prometheus.HistogramVec
 	refillT  *prometheus.HistogramVec
+	held     *prometheus.GaugeVec
 
 	mu   sync.Mutex
 	last map[string]bool // the templates the size gauge has a series for
@@ -62,8 +63,12 @@ func NewWarmMetrics(reg prometheus.Registerer) *WarmMetrics {
 			Help:    "Time of a refill that succeeded: from its create to the warm instance marked ready.",
 			Buckets: []float64{0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
 		}, []string{"template"}),
+		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "incus_provider_warm_held_back",
+			Help: "Warm instances a pool wants and this process did not create at its last refill round because PROVIDER_WARM_MEMORY_MAX would be exceeded.",
+		}, []string{"template"}),
 	}
-	reg.MustRegister(m.handouts, m.refills, m.size, m.wanted, m.handoutT, m.refillT)
+	reg.MustRegister(m.handouts, m.refills, m.size, m.wanted, m.handoutT, m.refillT, m.held)
 	return m
 }
 
@@ -86,6 +91,7 @@ func (m *WarmMetrics) Start(c *templates.Catalog) {
 		m.wanted.WithLabelValues(id).Set(float64(t.Warm))
 		m.handoutT.WithLabelValues(id)
 		m.refillT.WithLabelValues(id)
+		m.held.WithLabelValues(id)
 	}
 }
 
@@ -136,6 +142,7 @@ func (m *WarmMetrics) sizes(by, wanted map[string]int) {
 			m.wanted.DeleteLabelValues(id)
 			m.handoutT.DeleteLabelValues(id)
 			m.refillT.DeleteLabelValues(id)
+			m.held.DeleteLabelValues(id)
 		}
 	}
 	m.last = make(map[string]bool, len(by))
@@ -143,5 +150,18 @@ func (m *WarmMetrics) sizes(by, wanted map[string]int) {
 		m.size.WithLabelValues(id).Set(float64(n))
 		m.wanted.WithLabelValues(id).Set(float64(wanted[id]))
 		m.last[id] = true
+	}
+}
+
+// heldBack sets, for every pooled template of the catalog, how many spares
+// the last refill round held back at the memory ceiling.
+func (m *WarmMetrics) heldBack(c *templates.Catalog, by map[string]int) {
+	if m == nil || c == nil {
+		return
+	}
+	for _, t := range c.All() {
+		if t.Pooled() {
+			m.held.WithLabelValues(t.Wire.TemplateID).Set(float64(by[t.Wire.TemplateID]))
+		}
 	}
 }

@@ -177,3 +177,64 @@ func TestWarmPoolFollowsDemand(t *testing.T) {
 	}
 	h.checkOnePerOwner(t, owners)
 }
+
+// TestWarmPoolStopsAtTheMemoryCeiling, on the real Incus: a pool of 1 to 6
+// of 64 MiB spares under a 192 MiB ceiling meets a burst of 4 creates and
+// wants 5, but holds 3; the gauge says 2 are held back.
+func TestWarmPoolStopsAtTheMemoryCeiling(t *testing.T) {
+	client := incustest.Client(t)
+	image := incustest.Image(t)
+	h := &harness{t: t, client: client, dialer: testrig.GuestDialer(t, client), catalog: testrig.Catalog(t, client, image, `templates:
+  - templateId: w
+    displayName: a pool under a memory ceiling
+    powerStates: [running, paused, stopped]
+    resources: {memoryBytes: 67108864}
+    imageAlias: {{image}}
+    warm: 1
+    warmMax: 6
+`)}
+	reg := prometheus.NewRegistry()
+	cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, WarmStale: 3 * time.Second, WarmMetrics: NewWarmMetrics(reg),
+		WarmBurstWindow: DefaultWarmShrinkAfter, WarmMemoryMax: 3 * 64 << 20}
+	svc := mustNew(t, client, h.catalog, h.dialer, zaptest.NewLogger(t), cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = svc.Run(ctx)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	h.awaitPool(t, 1)
+	var owners []controller.Owner
+	var wg sync.WaitGroup
+	for i := range 4 {
+		o := owner(fmt.Sprintf("ceiling-%d", i))
+		owners = append(owners, o)
+		wg.Go(func() { createUntilID(t, svc, controller.CreateParams{Owner: o, TemplateID: "w"}) })
+	}
+	wg.Wait()
+	h.awaitPool(t, 3)
+	for deadline := time.Now().Add(30 * time.Second); testutil.ToFloat64(svc.cfg.WarmMetrics.held.WithLabelValues("w")) != 2; {
+		if time.Now().After(deadline) {
+			t.Fatalf("held back: %v, want 2 (wanted %v)", testutil.ToFloat64(svc.cfg.WarmMetrics.held.WithLabelValues("w")),
+				testutil.ToFloat64(svc.cfg.WarmMetrics.wanted.WithLabelValues("w")))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	// Rounds of refill go by (one a second, and on every kick): never more.
+	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
+		n := 0
+		for _, inst := range h.instances() {
+			if isWarmName(inst.Name) {
+				n++
+			}
+		}
+		if n > 3 {
+			t.Fatalf("%d warm instances under a ceiling of 3", n)
+		}
+	}
+	if w := testutil.ToFloat64(svc.cfg.WarmMetrics.wanted.WithLabelValues("w")); w != 5 {
+		t.Errorf("wanted %v, want 5", w)
+	}
+	h.checkOnePerOwner(t, owners)
+}

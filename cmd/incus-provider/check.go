@@ -134,7 +134,7 @@ func (k *checker) checkIncus(ctx context.Context, cfg config) {
 		return
 	}
 	k.checkRights(ctx, client, cfg)
-	if catalog, err := loadCatalog(ctx, cfg.Templates, client, server); err != nil {
+	if catalog, err := loadCatalog(ctx, cfg, client, server); err != nil {
 		k.fail(fmt.Errorf("PROVIDER_TEMPLATES=%q: %w", cfg.Templates, err))
 	} else {
 		var ts []string

@@ -5,6 +5,7 @@ import (
 	"context"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -99,6 +100,26 @@ func TestCheckWithoutServing(t *testing.T) {
 	r = runBinary(t, append(base, "PROVIDER_LISTEN=0.0.0.0:1", "PROVIDER_GRACEFUL_STOP=0s"), "check")
 	if r.code != exitBadSetting || strings.Count(r.stdout, "FAILED  ") != 2 || !strings.Contains(r.stdout, "skipped Incus") {
 		t.Errorf("refused settings: exit %d:\n%s", r.code, r.stdout)
+	}
+
+	// The warm memory ceiling: dev-small's pool of 2 at 256 MiB fits 1 GiB,
+	// not 256 MiB; a pool without memoryBytes cannot be counted.
+	r = runBinary(t, append(base, "PROVIDER_LISTEN="+free, "PROVIDER_WARM_MEMORY_MAX=1GiB"), "check")
+	if r.code != 0 {
+		t.Errorf("a ceiling the pools fit: exit %d:\n%s", r.code, r.stdout)
+	}
+	r = runBinary(t, append(base, "PROVIDER_LISTEN="+free, "PROVIDER_WARM_MEMORY_MAX=256MiB"), "check")
+	if r.code != exitBadSetting || !strings.Contains(r.stdout, `template "dev-small"'s minimum pool (warm 2 of 268435456 bytes) holds more than PROVIDER_WARM_MEMORY_MAX (256MiB)`) {
+		t.Errorf("a ceiling below a minimum pool: exit %d:\n%s", r.code, r.stdout)
+	}
+	uncounted := filepath.Join(t.TempDir(), "templates.yaml")
+	if err := os.WriteFile(uncounted, []byte("templates:\n  - templateId: nomem\n    displayName: no memory stated\n    powerStates: [running]\n    imageAlias: "+
+		incustest.DefaultImage+"\n    warm: 1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r = runBinary(t, append(base, "PROVIDER_LISTEN="+free, "PROVIDER_WARM_MEMORY_MAX=1GiB", "PROVIDER_TEMPLATES="+uncounted), "check")
+	if r.code != exitBadSetting || !strings.Contains(r.stdout, `template "nomem" keeps a warm pool and states no resources.memoryBytes`) {
+		t.Errorf("a pool the ceiling cannot count: exit %d:\n%s", r.code, r.stdout)
 	}
 
 	r = runBinary(t, append(base, "PROVIDER_LISTEN="+free, "INCUS_PROJECT=ops-no-such-project"), "check")

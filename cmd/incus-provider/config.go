@@ -51,6 +51,7 @@ type config struct {
 	ObservationCache  string        `env:"PROVIDER_OBSERVATION_CACHE" envDefault:"on" allowed:"on or off" help:"answer reads from a cache kept by Incus's event stream and corrected by a full list every PROVIDER_CACHE_CORRECTION_INTERVAL; off: every read asks Incus"`
 	WarmBurstWindow   time.Duration `env:"PROVIDER_WARM_BURST_WINDOW" envDefault:"30s" allowed:"a duration from 1s to 1h" help:"a pool with warmMax grows to the largest burst of creates within this span, and a quarter more"`
 	WarmShrinkAfter   time.Duration `env:"PROVIDER_WARM_SHRINK_AFTER" envDefault:"10m" allowed:"a duration from 10s to 24h" help:"how long a burst keeps a pool large, and how long a spare above the size wanted waits, ready and unclaimed, before it is deleted"`
+	WarmMemoryMax     string        `env:"PROVIDER_WARM_MEMORY_MAX" envDefault:"off" allowed:"a size such as 8GiB, or off" help:"the memory the warm instances may hold on one member, each counted at its template's resources.memoryBytes; a refill that would pass it waits"`
 	CacheCorrection   time.Duration `env:"PROVIDER_CACHE_CORRECTION_INTERVAL" envDefault:"1m" allowed:"a duration from 10s to 1h" help:"period of the observation cache's correcting full list of the project; shorter catches an event lost without a gap sooner, and each list decodes every instance"`
 	GuestDialer       string        `env:"PROVIDER_GUEST_DIALER" envDefault:"auto" allowed:"auto, netns, proxy, exec or member" help:"how the provider reaches each guest's daemon"`
 	IncusMember       string        `env:"PROVIDER_INCUS_MEMBER" allowed:"the name of the Incus cluster member this provider runs on, as incus cluster list shows it" help:"whose guests are reached through netns on a cluster"`
@@ -83,14 +84,16 @@ type config struct {
 	// Set by check from the strings above.
 	incusURLs         []string
 	decodeBudgetBytes int64
-	memoryLimitBytes  int64 // 0: off
-	peers             map[string]string
-	peerSecrets       [][]byte         // PROVIDER_PEER_SECRET_FILE's lines
-	ingressBase       *ingressurl.Base // nil: PROVIDER_INGRESS_LISTEN=off
-	cacheOn           bool             // PROVIDER_OBSERVATION_CACHE=on
-	credential        bearer.Credential
-	tlsCert           *tls.Certificate // nil: PROVIDER_TLS_CERT unset
-	edgeCert          *tls.Certificate // nil: PROVIDER_INGRESS_TLS_CERT unset or the edge off
+	// warmMemoryMaxBytes is PROVIDER_WARM_MEMORY_MAX; 0 when off.
+	warmMemoryMaxBytes int64
+	memoryLimitBytes   int64 // 0: off
+	peers              map[string]string
+	peerSecrets        [][]byte         // PROVIDER_PEER_SECRET_FILE's lines
+	ingressBase        *ingressurl.Base // nil: PROVIDER_INGRESS_LISTEN=off
+	cacheOn            bool             // PROVIDER_OBSERVATION_CACHE=on
+	credential         bearer.Credential
+	tlsCert            *tls.Certificate // nil: PROVIDER_TLS_CERT unset
+	edgeCert           *tls.Certificate // nil: PROVIDER_INGRESS_TLS_CERT unset or the edge off
 }
 
 // loadConfig reads and checks the environment (as os.Environ gives it). Every refusal is one
@@ -211,6 +214,13 @@ func (c *config) check(r *refusals) {
 	}
 	if !r.refused("PROVIDER_MAX_CONTROL_CONNECTIONS") && (c.MaxControl < 1 || c.MaxControl > 65536) {
 		bad("PROVIDER_MAX_CONTROL_CONNECTIONS", fmt.Sprint(c.MaxControl), allowed("PROVIDER_MAX_CONTROL_CONNECTIONS"))
+	}
+	if c.WarmMemoryMax != "off" {
+		if n, ok := parseBytes(c.WarmMemoryMax); ok && n > 0 {
+			c.warmMemoryMaxBytes = n
+		} else {
+			bad("PROVIDER_WARM_MEMORY_MAX", c.WarmMemoryMax, allowed("PROVIDER_WARM_MEMORY_MAX"))
+		}
 	}
 	if budget, ok := parseBytes(c.DecodeBudget); !ok || budget < jsonrpc.MaxMessageBytes || budget > 64<<30 {
 		bad("PROVIDER_DECODE_BUDGET", c.DecodeBudget, allowed("PROVIDER_DECODE_BUDGET"))

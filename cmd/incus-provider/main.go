@@ -136,7 +136,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger, level zap.AtomicLevel
 	if err := checkProject(startCtx, client, cfg); err != nil {
 		return err
 	}
-	catalog, err := loadCatalog(startCtx, cfg.Templates, client, server)
+	catalog, err := loadCatalog(startCtx, cfg, client, server)
 	if err != nil {
 		return err
 	}
@@ -196,7 +196,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger, level zap.AtomicLevel
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld, RoutePath: cfg.RoutePath,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
 		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn, CacheCorrection: cfg.CacheCorrection,
-		WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter,
+		WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter, WarmMemoryMax: cfg.warmMemoryMaxBytes,
 		Audit: switchedLog(cfg.AuditLog, log, "audit"), AccessLog: switchedLog(cfg.AccessLog, log, "access"),
 	})
 	if err != nil {

@@ -21,9 +21,13 @@ import (
 // loadCatalog reads a templates file and checks it against this Incus: the
 // power states the host can reach, each image, each placement. Start-up and
 // every SIGHUP go through it, so a reload accepts exactly what a start would.
-func loadCatalog(ctx context.Context, path string, client *incus.Client, server *incus.Server) (*templates.Catalog, error) {
+func loadCatalog(ctx context.Context, cfg config, client *incus.Client, server *incus.Server) (*templates.Catalog, error) {
+	path := cfg.Templates
 	catalog, err := templates.Load(path)
 	if err != nil {
+		return nil, badSetting(err)
+	}
+	if err := checkWarmMemory(catalog, cfg); err != nil {
 		return nil, badSetting(err)
 	}
 	if err := catalog.CheckHost(templates.HostOf(server)); err != nil {
@@ -91,7 +95,7 @@ func servingLatest(cert *atomic.Pointer[tls.Certificate]) *tls.Config {
 func (r *reloader) reload(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	catalog, err := loadCatalog(ctx, r.cfg.Templates, r.client, r.server)
+	catalog, err := loadCatalog(ctx, r.cfg, r.client, r.server)
 	if err != nil {
 		r.log.Error("SIGHUP: the templates file is refused; the templates loaded before stay in force", zap.String("file", r.cfg.Templates), zap.Error(err))
 	} else {
@@ -160,4 +164,27 @@ func templateIDs(c *templates.Catalog) []string {
 		ids = append(ids, t.Wire.TemplateID)
 	}
 	return ids
+}
+
+// checkWarmMemory refuses, with PROVIDER_WARM_MEMORY_MAX set, a pool the
+// ceiling cannot count (a template with no resources.memoryBytes) or whose
+// minimum alone exceeds it.
+func checkWarmMemory(catalog *templates.Catalog, cfg config) error {
+	ceiling := cfg.warmMemoryMaxBytes
+	if ceiling <= 0 {
+		return nil
+	}
+	for _, t := range catalog.All() {
+		if !t.Pooled() {
+			continue
+		}
+		r := t.Wire.Resources
+		if r == nil || r.MemoryBytes == nil {
+			return fmt.Errorf("templates file %s: template %q keeps a warm pool and states no resources.memoryBytes, which PROVIDER_WARM_MEMORY_MAX counts each warm instance at; state it, or set PROVIDER_WARM_MEMORY_MAX=off", cfg.Templates, t.Wire.TemplateID)
+		}
+		if need := int64(t.Warm) * int64(*r.MemoryBytes); need > ceiling {
+			return fmt.Errorf("templates file %s: template %q's minimum pool (warm %d of %d bytes) holds more than PROVIDER_WARM_MEMORY_MAX (%s)", cfg.Templates, t.Wire.TemplateID, t.Warm, *r.MemoryBytes, cfg.WarmMemoryMax)
+		}
+	}
+	return nil
 }
