@@ -55,7 +55,7 @@ type Entry struct {
 // filesystem and an Incus record while nobody uses it, and refilling a
 // larger pool would contend with the creates it is meant to speed up. A
 // bigger pool is capacity planning, not a head start.
-const MaxWarm = 32
+const MaxWarm = 64
 
 // CheckWire states the rules that span members.
 func (e *Entry) CheckWire() *wire.FieldError {

@@ -67,7 +67,7 @@ func TestLoadRefusesWithOneSentenceNamingFileTemplateAndMember(t *testing.T) {
 		"duplicate id":      {good + strings.TrimPrefix(good, "templates:\n"), `template "a" (templates[1]) repeats a templateId`},
 		"null":              {strings.Replace(good, "displayName: A", "displayName: null", 1), `templates[0].displayName must not be null`},
 		"empty":             {"templates: []\n", "lists no templates"},
-		"warm too big":      {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    warm: 33", 1), `template "a": member templates[0].warm must be from 0 to 32`},
+		"warm too big":      {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    warm: 65", 1), `template "a": member templates[0].warm must be from 0 to 64`},
 		"warm negative":     {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    warm: -1", 1), `template "a": member templates[0].warm`},
 		"warm deprecated":   {strings.Replace(good, "imageAlias: img", "imageAlias: img\n    deprecated: true\n    warm: 2", 1), `template "a": member templates[0].warm must be 0 for a deprecated template`},
 	}

@@ -10,6 +10,8 @@ deploy/guest/build-image.sh >/dev/null
 command -v socat >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q socat >/dev/null
 printf '\n== target lifecycle: create → active, close → closed (20 owners)\n'
 INCUS_PROVIDER_REQUIRE_INCUS=1 go test -count=1 -run '^$' -bench Lifecycle -benchtime 20x ./targets/ | grep -E 'Benchmark|ok'
+printf '\n== instant environments: create → active and → opened, the runtime'"'"'s way, against build 568fd0f and Incus alone (issue 27)\n'
+deploy/dev/createbench.sh
 printf '\n== warm pools: create → active with and without a warm instance, one at a time and 20 at once, dev image\n'
 INCUS_PROVIDER_REQUIRE_INCUS=1 go test -count=1 -timeout 30m -run '^$' -bench WarmCreate -benchtime 20x ./targets/ | grep -E 'Benchmark|ok'
 printf '\n== warm pools: a hand-out through the Incus API, kept stopped (rename, start) vs started (stop, rename, start)\n'
