@@ -519,6 +519,15 @@ func TestWarmInstancesNeverCarryAnOwnersData(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(root, "root/owner-file")); !errors.Is(err, os.ErrNotExist) {
 			t.Fatalf("warm instance %s holds the owner's file (%v)", w.Name, err)
 		}
+		// Never started: no daemon has run in it, so none can have made
+		// an identity there (README, "What a guest image must not carry").
+		// Incus drops the first start's template mark at that start.
+		if w.Config["volatile.apply_template"] != "create" || w.Status != incus.InstanceStopped {
+			t.Fatalf("warm instance %s has been started: %s, volatile.apply_template %q", w.Name, w.Status, w.Config["volatile.apply_template"])
+		}
+	}
+	if target.Config["volatile.apply_template"] != "" {
+		t.Fatalf("the handed-out target was never started: volatile.apply_template %q", target.Config["volatile.apply_template"])
 	}
 }
 
