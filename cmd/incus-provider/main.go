@@ -571,46 +571,77 @@ func routeBaseURL(cfg config, scheme string) string {
 // lists what the client knows of each, so an operator sees which members
 // this replica can reach.
 func readyz(client *incus.Client, catalogNow func() *templates.Catalog, reach string, clustered bool, dialer guest.Dialer, cacheState func() string, draining func() bool) http.HandlerFunc {
+	report := &incusReport{client: client, catalogNow: catalogNow, clustered: clustered}
 	return func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
-		defer cancel()
 		status, verdict := http.StatusOK, "ok"
 		if draining() {
 			status, verdict = http.StatusServiceUnavailable, "draining: the process is stopping; new connections belong to other replicas"
 		}
-		incusOK := true
-		incusLine := "incus: ok"
-		if _, err := client.GetServer(ctx); err != nil {
-			incusOK, incusLine = false, "incus: unreachable; calls that need it answer unavailable"
-		} else {
-			for _, t := range catalogNow().All() {
-				if _, err := client.GetImage(ctx, t.Fingerprint); err != nil {
-					incusLine = "incus: ok; template " + t.Wire.TemplateID + ": image missing"
-					break
-				}
-			}
-		}
-		verdict += "\n" + incusLine
-		body := verdict + "\n"
+		incusLine, memberLines := report.lines(r.Context())
+		body := verdict + "\n" + incusLine + "\n"
 		if eps := client.Endpoints(); len(eps) > 1 {
 			body += endpointLines(eps, time.Now())
 		}
 		body += "guests: " + reach + "\n" + peerLines(dialer)
 		body += "observation cache: " + cacheState() + "\n"
-		if clustered && incusOK {
-			// What Incus says of each member: a guest on one that is not
-			// online is observed unknown until it is back.
-			if members, err := client.ListClusterMembers(ctx); err == nil {
-				for _, m := range members {
-					body += "member " + m.ServerName + ": " + m.Status + "\n"
-				}
-			}
-		}
+		body += memberLines
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Header().Set("X-Content-Type-Options", "nosniff")
 		w.WriteHeader(status)
 		_, _ = w.Write([]byte(body))
 	}
+}
+
+// readyzIncusEvery is how old /readyz's report of Incus may be. A load
+// balancer checks every replica every second or so and reads only the
+// status, which Incus does not decide: asked afresh each time, the report
+// cost Incus a server GET, one image GET per template and, on a cluster, a
+// member list, a second, per balancer and replica.
+const readyzIncusEvery = 5 * time.Second
+
+// incusReport is /readyz's lines about Incus, asked at most once per
+// readyzIncusEvery, one asking at a time.
+type incusReport struct {
+	client     *incus.Client
+	catalogNow func() *templates.Catalog
+	clustered  bool
+
+	mu             sync.Mutex
+	at             time.Time
+	incus, members string
+}
+
+func (r *incusReport) lines(ctx context.Context) (incusLine, memberLines string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.at.IsZero() && time.Since(r.at) < readyzIncusEvery {
+		return r.incus, r.members
+	}
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	incusOK := true
+	r.incus, r.members = "incus: ok", ""
+	if _, err := r.client.GetServer(ctx); err != nil {
+		incusOK, r.incus = false, "incus: unreachable; calls that need it answer unavailable"
+	} else {
+		for _, t := range r.catalogNow().All() {
+			if _, err := r.client.GetImage(ctx, t.Fingerprint); err != nil {
+				r.incus = "incus: ok; template " + t.Wire.TemplateID + ": image missing"
+				break
+			}
+		}
+	}
+	if r.clustered && incusOK {
+		// What Incus says of each member: a guest on one that is not
+		// online is observed unknown until it is back.
+		if members, err := r.client.ListClusterMembers(ctx); err == nil {
+			for _, m := range members {
+				r.members += "member " + m.ServerName + ": " + m.Status + "\n"
+			}
+		}
+	}
+	r.at = time.Now()
+	return r.incus, r.members
 }
 
 // cacheStateOf says in words whether reads are answered from the
