@@ -32,10 +32,12 @@ import (
 // they do.
 func TestClusterOperatorSeesEveryPhase(t *testing.T) {
 	cl := incustest.Cluster(t)
-	// A profile whose init does not exist: Incus creates the instance and
-	// fails every start of it (a disk without its source would be refused
-	// at the create). Profiles are the cluster's default project's (the
-	// test project shares them).
+	// A profile with a NIC on a bridge that does not exist: Incus creates
+	// the instance and refuses every start of it, in the device's start,
+	// before anything runs. (A disk without its source is refused at the
+	// create; an init that does not exist sometimes fails the start and
+	// sometimes only stops the container after it, as CI found.) Profiles
+	// are the cluster's default project's (the test project shares them).
 	profile := "lsops-nostart-" + peerSecret(t)[:8]
 	cli := func(args ...string) {
 		t.Helper()
@@ -49,7 +51,7 @@ func TestClusterOperatorSeesEveryPhase(t *testing.T) {
 	cli("profile", "create", profile)
 	// Registered before the rig's project, so removed after it.
 	t.Cleanup(func() { cli("profile", "delete", profile) })
-	cli("profile", "set", profile, "raw.lxc", "lxc.init.cmd = /nonexistent/incus-provider-test/init")
+	cli("profile", "device", "add", profile, "nowhere", "nic", "nictype=bridged", "parent=lsnobridge0", "name=eth9")
 	r := newLBRigOpts(t, lbOptions{templates: `  - templateId: cannot-start
     displayName: guest whose every start Incus refuses
     powerStates: [running, paused, stopped]
