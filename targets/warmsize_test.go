@@ -122,13 +122,7 @@ func TestWarmPoolFollowsDemand(t *testing.T) {
 		WarmBurstWindow: DefaultWarmShrinkAfter}
 	svc := mustNew(t, client, h.catalog, h.dialer, zaptest.NewLogger(t), cfg)
 	svc.now = clk.now
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = svc.Run(ctx)
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	runUntilCleanup(t, svc)
 	began := time.Now()
 	timeline := func(what string) {
 		t.Logf("%6.1fs  %-44s ready %d, wanted %v", time.Since(began).Seconds(), what, len(h.warmReady()),
@@ -197,13 +191,7 @@ func TestWarmPoolStopsAtTheMemoryCeiling(t *testing.T) {
 	cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, WarmStale: 3 * time.Second, WarmMetrics: NewWarmMetrics(reg),
 		WarmBurstWindow: DefaultWarmShrinkAfter, WarmMemoryMax: 3 * 64 << 20}
 	svc := mustNew(t, client, h.catalog, h.dialer, zaptest.NewLogger(t), cfg)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = svc.Run(ctx)
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	runUntilCleanup(t, svc)
 	h.awaitPool(t, 1)
 	var owners []controller.Owner
 	var wg sync.WaitGroup
@@ -237,4 +225,15 @@ func TestWarmPoolStopsAtTheMemoryCeiling(t *testing.T) {
 		t.Errorf("wanted %v, want 5", w)
 	}
 	h.checkOnePerOwner(t, owners)
+}
+
+// runUntilCleanup runs the service until the test's cleanup.
+func runUntilCleanup(t *testing.T, svc *Service) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = svc.Run(ctx)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
 }

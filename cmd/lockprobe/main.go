@@ -149,24 +149,27 @@ func (m *member) wait(ctx context.Context, operation string) (answer, error) {
 	return op, err
 }
 
-// running says an operation of the project is still under way.
-func (m *member) running(ctx context.Context, project string) (bool, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://incus/1.0/operations?project="+url.QueryEscape(project), nil)
+// metadata GETs path and decodes the answer's metadata into v.
+func (m *member) metadata(ctx context.Context, path string, v any) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://incus"+path, nil)
 	if err != nil {
-		return false, err
+		return err
 	}
 	resp, err := m.http.Do(req)
 	if err != nil {
-		return false, err
+		return err
 	}
 	defer resp.Body.Close()
-	var a struct {
-		Metadata map[string][]string `json:"metadata"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&a); err != nil {
-		return false, err
-	}
-	return len(a.Metadata["running"]) > 0, nil
+	return json.NewDecoder(resp.Body).Decode(&struct {
+		Metadata any `json:"metadata"`
+	}{v})
+}
+
+// running says an operation of the project is still under way.
+func (m *member) running(ctx context.Context, project string) (bool, error) {
+	var ops map[string][]string
+	err := m.metadata(ctx, "/1.0/operations?project="+url.QueryEscape(project), &ops)
+	return len(ops["running"]) > 0, err
 }
 
 type incusError struct {
@@ -194,28 +197,24 @@ type object struct {
 
 // copies lists the objects called name, on every member.
 func (k kind) copies(ctx context.Context, m *member, project, name string) ([]object, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://incus"+k.collection+"?recursion=1&project="+url.QueryEscape(project), nil)
+	all, err := k.all(ctx, m, project)
 	if err != nil {
-		return nil, err
-	}
-	resp, err := m.http.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	var a struct {
-		Metadata []object `json:"metadata"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&a); err != nil {
 		return nil, err
 	}
 	var out []object
-	for _, o := range a.Metadata {
+	for _, o := range all {
 		if o.Name == name {
 			out = append(out, o)
 		}
 	}
 	return out, nil
+}
+
+// all lists the kind's objects in the project, on every member.
+func (k kind) all(ctx context.Context, m *member, project string) ([]object, error) {
+	var all []object
+	err := m.metadata(ctx, k.collection+"?recursion=1&project="+url.QueryEscape(project), &all)
+	return all, err
 }
 
 // remove deletes every copy of name.
@@ -225,15 +224,20 @@ func (k kind) remove(ctx context.Context, m *member, project, name string) error
 		return err
 	}
 	for _, o := range objs {
-		target := ""
-		if k.local && o.Location != "" && o.Location != "none" {
-			target = "&target=" + url.QueryEscape(o.Location)
-		}
-		if err := m.call(ctx, http.MethodDelete, k.collection+"/"+name+"?project="+url.QueryEscape(project)+target, nil); err != nil {
+		if err := k.removeOne(ctx, m, project, o); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// removeOne deletes one object where it is.
+func (k kind) removeOne(ctx context.Context, m *member, project string, o object) error {
+	target := ""
+	if k.local && o.Location != "" && o.Location != "none" {
+		target = "&target=" + url.QueryEscape(o.Location)
+	}
+	return m.call(ctx, http.MethodDelete, k.collection+"/"+o.Name+"?project="+url.QueryEscape(project)+target, nil)
 }
 
 func kinds(project, pool string) []kind {
@@ -378,32 +382,12 @@ func run(ctx context.Context, sockets []string, pool string, n, rounds, racers i
 
 // removeAll deletes what a failed run may have left in the project.
 func removeAll(ctx context.Context, m *member, project, pool string) {
-	q := "?project=" + url.QueryEscape(project)
-	list := func(path string) []string {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://incus"+path+q, nil)
-		if err != nil {
-			return nil
-		}
-		resp, err := m.http.Do(req)
-		if err != nil {
-			return nil
-		}
-		defer resp.Body.Close()
-		var a struct {
-			Metadata []string `json:"metadata"`
-		}
-		_ = json.NewDecoder(resp.Body).Decode(&a)
-		return a.Metadata
-	}
-	for _, p := range list("/1.0/instances") {
-		_ = m.call(ctx, http.MethodDelete, p+q, nil)
-	}
-	for _, p := range list("/1.0/storage-pools/" + pool + "/volumes/custom") {
-		_ = m.call(ctx, http.MethodDelete, p+q, nil)
-	}
-	for _, p := range list("/1.0/profiles") {
-		if !strings.HasSuffix(p, "/default") {
-			_ = m.call(ctx, http.MethodDelete, p+q, nil)
+	for _, k := range kinds(project, pool) {
+		objs, _ := k.all(ctx, m, project)
+		for _, o := range objs {
+			if k.collection != "/1.0/profiles" || o.Name != "default" {
+				_ = k.removeOne(ctx, m, project, o)
+			}
 		}
 	}
 }
