@@ -72,8 +72,9 @@ func main() {
 	flag.IntVar(&o.burst, "burst", 40, "owners at once, per template")
 	flag.IntVar(&o.pool, "pool", 40, "the pooled template's warm (a build that refuses it is given its most, 32)")
 	flag.StringVar(&o.timeline, "timeline", "", "the label of a build whose pool sized by demand is followed through a burst")
+	incusOnly := flag.Bool("incus-only", false, "measure Incus alone, no build")
 	flag.Parse()
-	if len(bs) == 0 {
+	if len(bs) == 0 && !*incusOnly {
 		fmt.Fprintln(os.Stderr, "createbench: give at least one -build label=path")
 		os.Exit(2)
 	}
@@ -571,6 +572,141 @@ func measureIncus(ctx context.Context, root *incus.Client, o options, fp string)
 		})
 	}
 	wg.Wait()
+	if firstErr != nil {
+		return []row{seq, burst}, firstErr
+	}
+	rows := []row{seq, burst}
+	for _, design := range []handoutDesign{renameAndStart, standInAndUnfreeze} {
+		rs, err := measureHandouts(ctx, inc, o, fp, design)
+		rows = append(rows, rs...)
+		if err != nil {
+			return rows, err
+		}
+	}
+	return rows, nil
+}
+
+// handoutDesign is one way to hand a spare out, as Incus calls alone.
+type handoutDesign struct {
+	name string
+	// ready readies a spare (untimed): stopped, or started and frozen.
+	ready func(ctx context.Context, inc *incus.Client, spare string) error
+	// handout makes spare owner's (timed).
+	handout func(ctx context.Context, inc *incus.Client, spare, owner string) error
+}
+
+func waitOp(ctx context.Context, inc *incus.Client, op *incus.Operation, err error) error {
+	if err != nil {
+		return err
+	}
+	_, err = inc.Wait(ctx, op)
+	return err
+}
+
+// renameAndStart is today's hand-out: the stopped spare renamed to the
+// owner's name (the lock), then started.
+var renameAndStart = handoutDesign{
+	name:  "rename+start a stopped spare",
+	ready: func(context.Context, *incus.Client, string) error { return nil },
+	handout: func(ctx context.Context, inc *incus.Client, spare, owner string) error {
+		op, err := inc.RenameInstance(ctx, spare, owner)
+		if err := waitOp(ctx, inc, op, err); err != nil {
+			return err
+		}
+		op, err = inc.UpdateInstanceState(ctx, owner, incus.InstanceStatePut{Action: incus.ActionStart})
+		return waitOp(ctx, inc, op, err)
+	},
+}
+
+// standInAndUnfreeze is the hand-out docs/instant-handouts.md chooses: an
+// empty stand-in at the owner's name (the lock) naming the spare, the
+// claim written on the spare, the frozen spare unfrozen.
+var standInAndUnfreeze = handoutDesign{
+	name: "stand-in+claim+unfreeze a frozen spare",
+	ready: func(ctx context.Context, inc *incus.Client, spare string) error {
+		op, err := inc.UpdateInstanceState(ctx, spare, incus.InstanceStatePut{Action: incus.ActionStart})
+		if err := waitOp(ctx, inc, op, err); err != nil {
+			return err
+		}
+		op, err = inc.UpdateInstanceState(ctx, spare, incus.InstanceStatePut{Action: incus.ActionFreeze})
+		return waitOp(ctx, inc, op, err)
+	},
+	handout: func(ctx context.Context, inc *incus.Client, spare, owner string) error {
+		op, err := inc.CreateInstance(ctx, incus.InstancesPost{Name: owner, Source: incus.InstanceSource{Type: "none"},
+			Config: map[string]string{"user.lightspeed.stand_in_for": spare}})
+		if err := waitOp(ctx, inc, op, err); err != nil {
+			return err
+		}
+		if err := inc.PatchInstanceConfig(ctx, spare, map[string]string{"user.lightspeed.claim": owner}); err != nil {
+			return err
+		}
+		op, err = inc.UpdateInstanceState(ctx, spare, incus.InstanceStatePut{Action: incus.ActionUnfreeze})
+		return waitOp(ctx, inc, op, err)
+	},
+}
+
+// measureHandouts times a design's hand-outs, one at a time and -burst at
+// once, each from a spare readied beforehand.
+func measureHandouts(ctx context.Context, inc *incus.Client, o options, fp string, d handoutDesign) ([]row, error) {
+	prepare := func(prefix string, n int) ([]string, error) {
+		var spares []string
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		var firstErr error
+		sem := make(chan struct{}, 4)
+		for i := range n {
+			name := fmt.Sprintf("%s-spare-%d", prefix, i)
+			spares = append(spares, name)
+			wg.Go(func() {
+				sem <- struct{}{}
+				defer func() { <-sem }()
+				op, err := inc.CreateInstance(ctx, incus.InstancesPost{Name: name, Source: incus.InstanceSource{Type: "image", Fingerprint: fp}})
+				err = waitOp(ctx, inc, op, err)
+				if err == nil {
+					err = d.ready(ctx, inc, name)
+				}
+				mu.Lock()
+				firstErr = cmpErr(firstErr, err)
+				mu.Unlock()
+			})
+		}
+		wg.Wait()
+		return spares, firstErr
+	}
+	key := map[string]string{"rename+start a stopped spare": "rs", "stand-in+claim+unfreeze a frozen spare": "su"}[d.name]
+	seq := row{build: "Incus alone", phase: "hand-out, one at a time: " + d.name, incus: true}
+	spares, err := prepare(key+"-seq", o.owners)
+	if err != nil {
+		return nil, err
+	}
+	for i, sp := range spares {
+		began := time.Now()
+		if err := d.handout(ctx, inc, sp, fmt.Sprintf("%s-seq-owner-%d", key, i)); err != nil {
+			return nil, err
+		}
+		seq.active = append(seq.active, time.Since(began))
+	}
+	burst := row{build: "Incus alone", phase: fmt.Sprintf("hand-out, %d at once: %s", o.burst, d.name), incus: true}
+	if spares, err = prepare(key+"-burst", o.burst); err != nil {
+		return []row{seq}, err
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	var firstErr error
+	for i, sp := range spares {
+		wg.Go(func() {
+			began := time.Now()
+			err := d.handout(ctx, inc, sp, fmt.Sprintf("%s-burst-owner-%d", key, i))
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				firstErr = cmpErr(firstErr, err)
+				return
+			}
+			burst.active = append(burst.active, time.Since(began))
+		})
+	}
+	wg.Wait()
 	return []row{seq, burst}, firstErr
 }
 
@@ -589,15 +725,12 @@ func ms(d time.Duration) string {
 
 func report(rows []row, o options) {
 	fmt.Printf("\n== create → active and create → opened, the runtime's way (re-check every %s, Retry-After honoured)\n", runtimeRecheck)
-	fmt.Printf("%-12s %-34s %-8s %-32s %-32s %s\n", "build", "phase", "active", "create → active p50 / p95 / max", "create → opened p50 / p95 / max", "p50 vs the first build (active, opened)")
+	fmt.Printf("%-12s %-62s %-8s %-32s %-32s %s\n", "build", "phase", "active", "create → active p50 / p95 / max", "create → opened p50 / p95 / max", "p50 vs the first build (active, opened)")
 	// The first build's rows, in order, are the baseline of every other's.
 	var base []row
 	index := map[string]int{}
 	for _, r := range rows {
-		if r.incus {
-			continue
-		}
-		if r.build == rows[0].build {
+		if !r.incus && r.build == rows[0].build {
 			base = append(base, r)
 		}
 	}
@@ -617,14 +750,20 @@ func report(rows []row, o options) {
 			}
 			index[r.build]++
 		}
-		fmt.Printf("%-12s %-34s %-8s %-32s %-32s %s\n", r.build, r.phase, answered,
+		fmt.Printf("%-12s %-62s %-8s %-32s %-32s %s\n", r.build, r.phase, answered,
 			fmt.Sprintf("%s / %s / %s", ms(pct(r.active, 50)), ms(pct(r.active, 95)), ms(pct(r.active, 100))), opened, ratio)
 	}
-	fmt.Println("(active: creates answered active at once; Incus alone: create with start, to the operation's end)")
+	fmt.Println("(active: creates answered active at once; Incus alone: its own calls, to the last operation's end; a hand-out's spare readied, untimed, beforehand)")
 	// The goals, for the last build measured.
+	lastBuild := ""
+	for _, r := range rows {
+		if !r.incus {
+			lastBuild = r.build
+		}
+	}
 	var last []row
 	for _, r := range rows {
-		if !r.incus && r.build == rows[len(rows)-3].build {
+		if !r.incus && r.build == lastBuild {
 			last = append(last, r)
 		}
 	}
