@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/gorilla/websocket"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
 )
 
 // On SIGTERM an open controller connection is told 1001 (going away) in a
@@ -148,6 +150,8 @@ func (c *child) waitLog(t *testing.T, what string) {
 
 // SIGHUP reloads the templates file on a connection that stays open, and
 // refuses a bad file with a logged sentence, keeping the templates it had.
+// A target of a template the reload removed stays its owner's: observed,
+// powered down and up, and closed.
 func TestSighupReloadsTemplates(t *testing.T) {
 	src, err := os.ReadFile("../../deploy/templates.dev.yaml")
 	if err != nil {
@@ -164,6 +168,26 @@ func TestSighupReloadsTemplates(t *testing.T) {
 	if !slices.Contains(before, "dev-small") {
 		t.Fatalf("templates at start: %v", before)
 	}
+	call := targetCaller(c.controller(t))
+	kept := controller.TargetRef{Owner: controller.Owner{UniverseID: "u-reload", EnvironmentID: "kept"}}
+	if _, err := call("target/create", controller.CreateParams{Owner: kept.Owner, TemplateID: "dev-small"}); err != nil {
+		t.Fatal(err)
+	}
+	awaitObserved := func(what string, cond func(controller.Observation) bool) {
+		t.Helper()
+		for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			o, err := call("target/get", controller.TargetParams{Target: kept})
+			if err == nil && cond(o) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the target of a removed template never %s: %+v, %v", what, o, err)
+			}
+		}
+	}
+	awaitObserved("active", func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning
+	})
 
 	renamed := bytes.Replace(src, []byte("templateId: dev-small"), []byte("templateId: dev-reloaded"), 1)
 	if bytes.Equal(renamed, src) {
@@ -179,6 +203,34 @@ func TestSighupReloadsTemplates(t *testing.T) {
 	after := r.templateIDs(t, 2)
 	if !slices.Contains(after, "dev-reloaded") || slices.Contains(after, "dev-small") {
 		t.Fatalf("templates after the reload, on the same connection: %v", after)
+	}
+	// dev-small is gone from the catalog; its target is not.
+	if _, err := call("target/create", controller.CreateParams{Owner: controller.Owner{UniverseID: "u-reload", EnvironmentID: "new"}, TemplateID: "dev-small"}); err == nil || !strings.Contains(err.Error(), "notFound") {
+		t.Fatalf("a new owner's create from the removed template: %v, want notFound", err)
+	}
+	if o, err := call("target/create", controller.CreateParams{Owner: kept.Owner, TemplateID: "dev-small"}); err != nil || o.Phase != controller.PhaseActive {
+		t.Fatalf("the kept target's owner creating again: %+v, %v; want its target, active", o, err)
+	}
+	if _, err := call("target/setPower", controller.SetPowerParams{Target: kept, Power: controller.PowerPaused}); err != nil {
+		t.Fatal(err)
+	}
+	awaitObserved("paused", func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
+	})
+	if _, err := call("target/setPower", controller.SetPowerParams{Target: kept, Power: controller.PowerRunning}); err != nil {
+		t.Fatal(err)
+	}
+	awaitObserved("running again", func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
+	})
+	for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		o, err := call("target/close", controller.TargetParams{Target: kept})
+		if err == nil && o.Phase == controller.PhaseClosed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the target of a removed template never closed: %+v, %v", o, err)
+		}
 	}
 
 	if err := os.WriteFile(file, []byte("templates:\n  - nonsense: 1\n"), 0o600); err != nil {
