@@ -2,14 +2,11 @@ package provider_test
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"math/rand/v2"
 	"net"
 	"net/http"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -431,7 +428,7 @@ func TestClusterTwoReplicas(t *testing.T) {
 	}
 	route := routeOf(owner, o.TargetID)
 	a.power(route, controller.PowerPaused)
-	events := watchLifecycle(t, cl, a.client.Project(), route.TargetID)
+	events := watchLifecycle(t, a.client, route.TargetID)
 	wakesBefore := []int{a.wakes(), b.wakes()}
 	const dials = 8
 	results := make([]conformance.RouteDial, dials)
@@ -453,7 +450,9 @@ func TestClusterTwoReplicas(t *testing.T) {
 		initialize(t, d.Conn)
 		_ = d.Conn.Close()
 	}
-	ev := events()
+	// Every dial was upgraded, so the target was resumed: its event is
+	// awaited, not a fixed time.
+	ev := events(30*time.Second, func(by map[string]int) bool { return by["instance-resumed"] > 0 })
 	flights := []int{a.wakes() - wakesBefore[0], b.wakes() - wakesBefore[1]}
 	t.Logf("%d dials of a paused target through two replicas: all upgraded; Incus resumed it %d times; wakes finished: replica A %d, B %d", dials, ev["instance-resumed"], flights[0], flights[1])
 	// Each replica's dials share one wake. Across replicas nothing is
@@ -622,48 +621,4 @@ func countPrefix(m map[string]string, prefix string) int {
 		}
 	}
 	return n
-}
-
-// watchLifecycle records the cluster's lifecycle events of the project
-// (incus monitor through member 0) until the returned function is called,
-// which answers how often each action happened to the instance.
-func watchLifecycle(t *testing.T, cl *incustest.ClusterRig, project, instance string) func() map[string]int {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, "incus", "monitor", "--type=lifecycle", "--project", project, "--format=json")
-	cmd.Env = append(os.Environ(), "INCUS_DIR="+filepath.Dir(cl.Sockets[0]), "INCUS_CONF="+filepath.Join(filepath.Dir(cl.Config.ClientCert), "client"))
-	var out strings.Builder
-	cmd.Stdout = &out
-	if err := cmd.Start(); err != nil {
-		cancel()
-		t.Fatalf("incus monitor: %v", err)
-	}
-	time.Sleep(300 * time.Millisecond) // connected before anything happens
-	var once sync.Once
-	var counts map[string]int
-	stop := func() map[string]int {
-		once.Do(func() {
-			time.Sleep(500 * time.Millisecond) // the last events arrive
-			cancel()
-			_ = cmd.Wait()
-			counts = map[string]int{}
-			for _, line := range strings.Split(out.String(), "\n") {
-				var ev struct {
-					Metadata struct {
-						Action string `json:"action"`
-						Source string `json:"source"`
-					} `json:"metadata"`
-				}
-				if json.Unmarshal([]byte(line), &ev) != nil {
-					continue
-				}
-				if path, _, _ := strings.Cut(ev.Metadata.Source, "?"); path == "/1.0/instances/"+instance {
-					counts[ev.Metadata.Action]++
-				}
-			}
-		})
-		return counts
-	}
-	t.Cleanup(func() { stop() })
-	return stop
 }

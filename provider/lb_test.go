@@ -477,7 +477,7 @@ func TestClusterReplicasBehindHAProxy(t *testing.T) {
 func TestClusterIdleActionOnceAcrossReplicas(t *testing.T) {
 	r := newLBRig(t)
 	owner := controller.Owner{UniverseID: "u-lb", EnvironmentID: "env-idle"}
-	events := watchLifecycle(t, r.cl, r.client.Project(), targetsName(owner))
+	events := watchLifecycle(t, r.client, targetsName(owner))
 	if _, err := r.call("target/create", controller.CreateParams{Owner: owner, TemplateID: "idle-lsm3"}, 30*time.Second); err != nil {
 		t.Fatal(err)
 	}
@@ -502,7 +502,8 @@ func TestClusterIdleActionOnceAcrossReplicas(t *testing.T) {
 		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
 	})
 	time.Sleep(3 * time.Second) // long enough for a second pause, were there one
-	ev := events()
+	// The pause was observed, so its event is on its way: awaited.
+	ev := events(30*time.Second, func(by map[string]int) bool { return by["instance-paused"] > 0 })
 	t.Logf("idle request on the instance (then %s); replica %s SIGKILLed; Incus events %v", by, r.replicas[victim].id, ev)
 	if ev["instance-paused"] != 1 {
 		t.Fatalf("the idle pause happened %d times in Incus, want once", ev["instance-paused"])

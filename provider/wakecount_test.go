@@ -1,12 +1,14 @@
 package provider_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"strings"
 	"sync"
+	"testing"
 	"time"
 
 	"github.com/lightspeed-dev/incus-provider/incus"
@@ -85,19 +87,59 @@ func describeFlights(fs map[string]int) string {
 // way for other instances are not waited for.
 func (r *rig) resumes(want []string, within time.Duration) func() map[string]int {
 	r.t.Helper()
-	stream, err := r.client.ListenEvents(r.ctx(), incus.EventLifecycle)
-	if err != nil {
-		r.t.Fatalf("subscribing to Incus's lifecycle events: %v", err)
+	w := watchEvents(r.t, r.client, func(action, _ string) (string, bool) { return "", action == "instance-resumed" })
+	return func() map[string]int {
+		byInstance := w(within, func(seen map[string]map[string]int) bool {
+			for _, n := range want {
+				if seen[n][""] == 0 {
+					return false
+				}
+			}
+			return true
+		})
+		counts := map[string]int{}
+		for n, by := range byInstance {
+			counts[n] = by[""]
+		}
+		return counts
 	}
-	project := r.client.Project()
+}
+
+// watchLifecycle counts, from now on, the lifecycle events Incus sends for
+// one instance of client's project, by action. The subscription is made
+// before it returns. The returned function waits (at most within) until
+// done says the counts are complete, then stops and answers them.
+func watchLifecycle(t *testing.T, client *incus.Client, instance string) func(within time.Duration, done func(map[string]int) bool) map[string]int {
+	t.Helper()
+	w := watchEvents(t, client, func(action, name string) (string, bool) { return action, name == instance })
+	return func(within time.Duration, done func(map[string]int) bool) map[string]int {
+		return w(within, func(seen map[string]map[string]int) bool { return done(seen[instance]) })[instance]
+	}
+}
+
+// watchEvents counts client's project's lifecycle events from now on, per
+// instance and by the key keep gives each (events keep refuses are not
+// counted). The subscription is made before it returns, so nothing after
+// the call is missed. The returned function waits, at most within, until
+// done says the counts are complete, stops the subscription and answers
+// them; it runs again at the test's end, if no one called it.
+func watchEvents(t *testing.T, client *incus.Client, keep func(action, instance string) (string, bool)) func(within time.Duration, done func(map[string]map[string]int) bool) map[string]map[string]int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	stream, err := client.ListenEvents(ctx, incus.EventLifecycle)
+	cancel()
+	if err != nil {
+		t.Fatalf("subscribing to Incus's lifecycle events: %v", err)
+	}
+	project := client.Project()
 	var (
 		mu     sync.Mutex
-		counts = map[string]int{}
+		counts = map[string]map[string]int{}
 		seen   = make(chan struct{}, 1)
-		done   = make(chan struct{})
+		ended  = make(chan struct{})
 	)
 	go func() {
-		defer close(done)
+		defer close(ended)
 		for {
 			ev, err := stream.Next()
 			if err != nil {
@@ -106,13 +148,18 @@ func (r *rig) resumes(want []string, within time.Duration) func() map[string]int
 				}
 				continue
 			}
-			if ev.Lifecycle == nil || ev.Lifecycle.Action != "instance-resumed" {
+			if ev.Lifecycle == nil {
 				continue
 			}
 			names, _ := ev.Instances(project)
 			mu.Lock()
 			for _, n := range names {
-				counts[n]++
+				if key, ok := keep(ev.Lifecycle.Action, n); ok {
+					if counts[n] == nil {
+						counts[n] = map[string]int{}
+					}
+					counts[n][key]++
+				}
 			}
 			mu.Unlock()
 			select {
@@ -121,39 +168,37 @@ func (r *rig) resumes(want []string, within time.Duration) func() map[string]int
 			}
 		}
 	}()
-	allSeen := func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, w := range want {
-			if counts[w] == 0 {
-				return false
-			}
-		}
-		return true
-	}
 	var once sync.Once
-	var result map[string]int
-	stop := func() map[string]int {
+	var result map[string]map[string]int
+	stop := func(within time.Duration, done func(map[string]map[string]int) bool) map[string]map[string]int {
 		once.Do(func() {
+			complete := func() bool {
+				mu.Lock()
+				defer mu.Unlock()
+				return done(counts)
+			}
 			bound := time.After(within)
 		wait:
-			for !allSeen() {
+			for !complete() {
 				select {
 				case <-seen:
-				case <-done:
+				case <-ended:
 					break wait
 				case <-bound:
 					break wait
 				}
 			}
 			_ = stream.Close()
-			<-done
+			<-ended
 			mu.Lock()
-			result = maps.Clone(counts)
+			result = map[string]map[string]int{}
+			for n, by := range counts {
+				result[n] = maps.Clone(by)
+			}
 			mu.Unlock()
 		})
 		return result
 	}
-	r.t.Cleanup(func() { stop() })
+	t.Cleanup(func() { stop(0, func(map[string]map[string]int) bool { return true }) })
 	return stop
 }
