@@ -204,6 +204,26 @@ func (c *obsCache) get(name string) (inst *incus.Instance, hit bool) {
 	return e.inst, true
 }
 
+// peek answers the instance's record as the cache last read it, an
+// operation on it or not: for what an operation does not change (its
+// config), where get would send a read to Incus. known is false while the
+// cache is unconfirmed or the entry waits for a re-read.
+func (c *obsCache) peek(name string) (inst *incus.Instance, known bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.confirmed {
+		return nil, false
+	}
+	e, ok := c.entries[name]
+	switch {
+	case !ok:
+		return nil, true
+	case e.stale:
+		return nil, false
+	}
+	return e.inst, true
+}
+
 // mark is taken before a read of name from Incus; offer stores what that
 // read found unless the instance was touched (or the cache unconfirmed)
 // meanwhile.

@@ -62,11 +62,16 @@ type ingressIndex struct {
 	byLabel map[string]IngressRoute
 	labelOf map[string]string // instance → its routed label
 	seq     uint64
-	changed map[string]uint64 // instance → seq of this process's last change
+	changed map[string]uint64 // instance → seq of the last change known apart from a list
+	// wrote is when this process last changed each instance's route
+	// itself: the cache's record of it may predate that write for a
+	// moment, and is not taken over it (see followIngress).
+	wrote map[string]time.Time
 }
 
 func (x *ingressIndex) init() {
 	x.byLabel, x.labelOf, x.changed = map[string]IngressRoute{}, map[string]string{}, map[string]uint64{}
+	x.wrote = map[string]time.Time{}
 }
 
 func (x *ingressIndex) lookup(label string) (IngressRoute, bool) {
@@ -95,6 +100,7 @@ func (x *ingressIndex) put(label string, r IngressRoute) {
 	defer x.mu.Unlock()
 	x.seq++
 	x.changed[r.Instance] = x.seq
+	x.wrote[r.Instance] = time.Now()
 	x.dropLocked(r.Instance)
 	x.byLabel[label], x.labelOf[r.Instance] = r, label
 }
@@ -104,7 +110,44 @@ func (x *ingressIndex) drop(name string) {
 	defer x.mu.Unlock()
 	x.seq++
 	x.changed[name] = x.seq
+	x.wrote[name] = time.Now()
 	x.dropLocked(name)
+}
+
+// ownWriteWindow is how long after this process's own change of a route
+// the cache's record of the instance is not taken over it: the record
+// read back after that write lands well within it.
+const ownWriteWindow = 5 * time.Second
+
+// observe takes what the cache last read of an instance (nil: gone) as
+// its route, unless this process changed that route within
+// ownWriteWindow. Like a change of this process's, it outranks a list
+// asked for before it.
+func (x *ingressIndex) observe(name string, inst *incus.Instance, now time.Time) {
+	label, r, routed := "", IngressRoute{}, false
+	if inst != nil {
+		label, r, routed = ingressOf(inst)
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if at, ok := x.wrote[name]; ok {
+		if now.Sub(at) < ownWriteWindow {
+			return
+		}
+		delete(x.wrote, name)
+	}
+	if was, ok := x.labelOf[name]; ok == routed && was == label {
+		return // no news
+	}
+	if other, taken := x.byLabel[label]; routed && taken && other.Instance != name {
+		return // a label copied onto another instance: the first keeps it
+	}
+	x.seq++
+	x.changed[name] = x.seq
+	x.dropLocked(name)
+	if routed {
+		x.byLabel[label], x.labelOf[name] = r, label
+	}
 }
 
 // rebuild replaces what the list shows, for every name this process has
@@ -138,6 +181,11 @@ func (x *ingressIndex) rebuild(list []incus.Instance, since uint64, stale map[st
 			delete(x.changed, name)
 		}
 	}
+	for name, at := range x.wrote {
+		if time.Since(at) >= ownWriteWindow {
+			delete(x.wrote, name)
+		}
+	}
 }
 
 // IngressEnabled says whether this service routes public ingress (an edge
@@ -153,6 +201,26 @@ func (s *Service) IngressLookup(label string) (IngressRoute, bool) { return s.in
 func (s *Service) refreshIngress(list []incus.Instance, since uint64, stale map[string]bool) {
 	if s.IngressEnabled() {
 		s.ingress.rebuild(list, since, stale)
+	}
+}
+
+// followIngress keeps the edge's index true to what the observation cache
+// learns of each instance between reconcile passes, so that another
+// replica's ensure, remove or close reaches this replica's edge as soon as
+// Incus's event does, not at the next pass.
+func (s *Service) followIngress(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case name := <-s.ingressChanges.ch():
+			// Not known: the entry waits for its re-read (which tells
+			// again) or the cache is unconfirmed (its next list and the
+			// passes rebuild the index).
+			if inst, known := s.cache.peek(name); known {
+				s.ingress.observe(name, inst, time.Now())
+			}
+		}
 	}
 }
 

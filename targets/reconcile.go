@@ -29,6 +29,11 @@ func (s *Service) Run(ctx context.Context) error {
 		cacheDone := make(chan struct{})
 		go func() { defer close(cacheDone); s.cache.run(ctx) }()
 		defer func() { <-cacheDone }()
+		if s.IngressEnabled() {
+			ingressDone := make(chan struct{})
+			go func() { defer close(ingressDone); s.followIngress(ctx) }()
+			defer func() { <-ingressDone }()
+		}
 	}
 	t := time.NewTicker(s.cfg.ReconcileInterval)
 	defer t.Stop()

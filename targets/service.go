@@ -156,6 +156,9 @@ type Service struct {
 	leaseKey leaseKey
 	// ingress maps the edge's labels to routed targets (see ingress.go).
 	ingress ingressIndex
+	// ingressChanges are the instances whose cached record changed, for
+	// the ingress index (see followIngress).
+	ingressChanges changeFeed
 	// warm is this process's view of the warm pools (see warm.go).
 	warm warmPool
 	// warmHook, set by tests only, is called at each step of a hand-out
@@ -195,7 +198,10 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s.catalog.Store(catalog)
 	cfg.WarmMetrics.Start(catalog)
 	if !cfg.NoCache {
-		s.cache = newObsCache(client, log.Named("cache"), cfg.CacheMetrics, cfg.CacheCorrection, s.changes.note)
+		s.cache = newObsCache(client, log.Named("cache"), cfg.CacheMetrics, cfg.CacheCorrection, func(name string) {
+			s.changes.note(name)
+			s.ingressChanges.note(name)
+		})
 		s.cache.onConfirm = s.listingChanged
 	}
 	return s, nil
