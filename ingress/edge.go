@@ -384,7 +384,9 @@ func (e *Edge) dial(ctx context.Context, _, addr string) (net.Conn, error) {
 	tk := a.tk.Join() // held by this dial until its connection is a relay
 	dctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	t := guest.Target{Instance: a.route.Instance, Port: a.route.Port}
+	// The member too: a guest on another member is reached as a data
+	// route's is (through its member's replica, or exec).
+	t := guest.Target{Instance: a.route.Instance, Port: a.route.Port, Location: a.route.Location}
 	for delay := 10 * time.Millisecond; ; delay = min(delay*2, 200*time.Millisecond) {
 		conn, err := e.opts.Dialer.DialContext(dctx, t)
 		if err == nil {

@@ -49,6 +49,8 @@ type lbRig struct {
 	replicas [2]*lbReplica
 	haproxy  *exec.Cmd
 	env      []string // added to every replica's settings
+	// edge is the balancer's edge listener ("" without one).
+	edge string
 	// scheme is the replicas' and so the balancer's: ws, or wss when they
 	// serve TLS.
 	scheme string
@@ -56,9 +58,9 @@ type lbRig struct {
 
 type lbReplica struct {
 	// peer is where the replica serves its member's guests to the other
-	// (PROVIDER_PEER_LISTEN).
-	id, member, addr, metrics, peer string
-	cmd                             *exec.Cmd
+	// (PROVIDER_PEER_LISTEN); edge its ingress edge ("" without one).
+	id, member, addr, metrics, peer, edge string
+	cmd                                   *exec.Cmd
 }
 
 func newLBRig(t *testing.T) *lbRig { return newLBRigWith(t) }
@@ -80,6 +82,9 @@ type lbOptions struct {
 	// tls.crt and tls.key) and HAProxy passes it through
 	// (deploy/haproxy/incus-provider-tls.cfg).
 	tls bool
+	// edge: every replica serves the public ingress edge under the one
+	// base URL HAProxy answers (deploy/haproxy/incus-provider-edge.cfg).
+	edge bool
 }
 
 func newLBRigOpts(t *testing.T, o lbOptions) *lbRig {
@@ -128,15 +133,26 @@ func newLBRigOpts(t *testing.T, o lbOptions) *lbRig {
 	})
 	for i, m := range []string{"lsm1", "lsm2"} {
 		r.replicas[i] = &lbReplica{id: fmt.Sprintf("lbr%d", i+1), member: m, addr: loopback.FreeAddr(t), metrics: loopback.FreeAddr(t), peer: loopback.FreeAddr(t)}
+		if o.edge {
+			r.replicas[i].edge = loopback.FreeAddr(t)
+		}
+	}
+	lbArgs := []string{"-db", "-f", lbConfig}
+	var edgeEnv []string
+	if o.edge {
+		r.edge = loopback.FreeAddr(t)
+		lbArgs = append(lbArgs, "-f", "../deploy/haproxy/incus-provider-edge.cfg")
+		edgeEnv = []string{"EDGE_LISTEN=" + r.edge, "REPLICA1_EDGE=" + r.replicas[0].edge, "REPLICA2_EDGE=" + r.replicas[1].edge}
 	}
 	for i := range r.replicas {
 		r.start(i)
 	}
 	_, p1, _ := net.SplitHostPort(r.replicas[0].metrics)
 	_, p2, _ := net.SplitHostPort(r.replicas[1].metrics)
-	cmd := exec.Command(haproxy, "-db", "-f", lbConfig)
+	cmd := exec.Command(haproxy, lbArgs...)
 	cmd.Env = append(os.Environ(), "LB_LISTEN="+r.lb, "REPLICA1="+r.replicas[0].addr, "REPLICA2="+r.replicas[1].addr,
 		"REPLICA1_CHECK_PORT="+p1, "REPLICA2_CHECK_PORT="+p2)
+	cmd.Env = append(cmd.Env, edgeEnv...)
 	logf, err := os.Create(filepath.Join(r.dir, "haproxy.log"))
 	if err != nil {
 		t.Fatal(err)
@@ -180,9 +196,14 @@ func (r *lbRig) start(i int) {
 // environment file would give them, and nothing else of the test's.
 func (r *lbRig) replicaEnv(i int) []string {
 	rep := r.replicas[i]
-	env := append(childEnv(),
+	ingress := []string{"PROVIDER_INGRESS_LISTEN=off"}
+	if rep.edge != "" {
+		_, port, _ := net.SplitHostPort(r.edge)
+		ingress = []string{"PROVIDER_INGRESS_LISTEN=" + rep.edge, "PROVIDER_INGRESS_BASE_URL=http://{label}.localhost:" + port}
+	}
+	env := append(childEnv(), ingress...)
+	env = append(env,
 		"PROVIDER_LISTEN="+rep.addr, "PROVIDER_METRICS_LISTEN="+rep.metrics, "PROVIDER_REPLICA_ID="+rep.id,
-		"PROVIDER_INGRESS_LISTEN=off",
 		"PROVIDER_TEMPLATES="+filepath.Join(r.dir, "templates.yaml"), "PROVIDER_CREDENTIAL_FILE="+filepath.Join(r.dir, "credential"),
 		"INCUS_URL="+strings.Join(r.cl.URLs, ","), "INCUS_CLIENT_CERT="+r.cl.Config.ClientCert,
 		"INCUS_CLIENT_KEY="+r.cl.Config.ClientKey, "INCUS_SERVER_CERT="+r.cl.Config.ServerCert,

@@ -28,6 +28,9 @@ type IngressRoute struct {
 	Instance string
 	Owner    controller.Owner
 	Port     int
+	// Location is the cluster member that holds the instance, for the
+	// GuestDialer ("" or "none" on a standalone Incus).
+	Location string
 }
 
 // ingressOf reads a routed target's route off its instance; ok is false
@@ -45,7 +48,7 @@ func ingressOf(inst *incus.Instance) (label string, r IngressRoute, ok bool) {
 	if !ours || !ingressurl.Valid(rec.IngressLabel) || rec.IngressPort == 0 {
 		return "", IngressRoute{}, false
 	}
-	return rec.IngressLabel, IngressRoute{Instance: inst.Name, Owner: owner, Port: rec.IngressPort}, true
+	return rec.IngressLabel, IngressRoute{Instance: inst.Name, Owner: owner, Port: rec.IngressPort, Location: inst.Location}, true
 }
 
 // ingressIndex is the edge's map of labels to routes, kept in memory so
@@ -136,7 +139,7 @@ func (x *ingressIndex) observe(name string, inst *incus.Instance, now time.Time)
 		}
 		delete(x.wrote, name)
 	}
-	if was, ok := x.labelOf[name]; ok == routed && was == label {
+	if was, ok := x.labelOf[name]; ok == routed && was == label && x.byLabel[was] == r {
 		return // no news
 	}
 	if other, taken := x.byLabel[label]; routed && taken && other.Instance != name {

@@ -1,0 +1,132 @@
+package provider_test
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+)
+
+// TestClusterEdgeThroughTheBalancer: two replicas serve the public edge
+// under one base URL behind HAProxy, with no reconcile pass in the test
+// (every replica's index follows Incus's events). A route ensured for a
+// guest on lsm3, a member no replica runs on, is served by each replica's
+// own edge within a second of the ensure's answer, and through the
+// balancer; a remove and a close stop it on both replicas within a second.
+func TestClusterEdgeThroughTheBalancer(t *testing.T) {
+	r := newLBRigOpts(t, lbOptions{edge: true, env: []string{"PROVIDER_RECONCILE_INTERVAL=1h"}, templates: `  - templateId: web-lsm3
+    displayName: the dev guest's web app on lsm3
+    powerStates: [running, paused, stopped]
+    publicIngress: true
+    ingressPort: 8080
+    imageAlias: {{image}}
+    placement: lsm3
+`})
+	o := controller.Owner{UniverseID: "u-edge", EnvironmentID: "web"}
+	rt := r.runningRoute(o, "web-lsm3")
+	ref := controller.TargetParams{Target: controller.TargetRef{Owner: o, TargetID: rt.TargetID}}
+	obs, err := r.call(controller.MethodIngressEnsure, ref, 30*time.Second)
+	if err != nil || obs.Ingress == nil {
+		t.Fatalf("ensure: %+v, %v", obs, err)
+	}
+	endpoint := obs.Ingress.Endpoint
+	u, err := url.Parse(endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// get asks the edge at addr for the endpoint's page, on a connection
+	// of its own; *.localhost is never looked up.
+	get := func(addr string) (int, string) {
+		t.Helper()
+		client := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DisableKeepAlives: true,
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "tcp", addr)
+			}}}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint+"/", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatalf("GET %s through %s: %v", endpoint, addr, err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	if !strings.HasSuffix(u.Host, ":"+portOf(t, r.edge)) {
+		t.Fatalf("the endpoint %s is not the balancer's edge %s", endpoint, r.edge)
+	}
+	// The replica that answered the ensure routes at once; the other
+	// learns it from Incus's event.
+	served := func(what string) {
+		t.Helper()
+		began := time.Now()
+		for _, rep := range r.replicas {
+			for {
+				code, _ := get(rep.edge)
+				if code == http.StatusOK {
+					break
+				}
+				if time.Since(began) > time.Second {
+					t.Fatalf("%s: replica %s's edge still answered %d a second later", what, rep.id, code)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+		t.Logf("%s: served by both replicas' edges after %s", what, time.Since(began).Round(time.Millisecond))
+	}
+	served("ensure")
+	for range 4 {
+		if code, body := get(r.edge); code != http.StatusOK || body == "" {
+			t.Fatalf("through the balancer: %d %q", code, body)
+		}
+	}
+	gone := func(what string) {
+		t.Helper()
+		began := time.Now()
+		for _, rep := range r.replicas {
+			for {
+				code, _ := get(rep.edge)
+				if code == http.StatusNotFound {
+					break
+				}
+				if time.Since(began) > time.Second {
+					t.Fatalf("%s: replica %s's edge still answered %d a second later", what, rep.id, code)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		}
+		t.Logf("%s: 404 on both replicas' edges after %s", what, time.Since(began).Round(time.Millisecond))
+	}
+	if _, err := r.call(controller.MethodIngressRemove, ref, 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	gone("remove")
+	if _, err := r.call(controller.MethodIngressEnsure, ref, 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	served("ensure again")
+	if _, err := r.call(controller.MethodTargetClose, ref, 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	gone("close")
+}
+
+func portOf(t *testing.T, addr string) string {
+	t.Helper()
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return port
+}
