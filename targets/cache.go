@@ -91,6 +91,9 @@ type cacheEntry struct {
 	inst  *incus.Instance // nil: touched, not yet read (a create under way)
 	gen   uint64
 	stale bool
+	// readAt is when the read that stored inst began: it shows every
+	// write Incus had answered by then.
+	readAt time.Time
 	// ops are the Incus operations on the instance still under way, as its
 	// events and this process's own writes tell, by when they were first
 	// heard of: while one is, the instance is in transition and its reads
@@ -205,23 +208,24 @@ func (c *obsCache) get(name string) (inst *incus.Instance, hit bool) {
 }
 
 // peek answers the instance's record as the cache last read it, an
-// operation on it or not: for what an operation does not change (its
-// config), where get would send a read to Incus. known is false while the
-// cache is unconfirmed or the entry waits for a re-read.
-func (c *obsCache) peek(name string) (inst *incus.Instance, known bool) {
+// operation on it or not, and when that read began: for what an operation
+// does not change (its config), where get would send a read to Incus.
+// known is false while the cache is unconfirmed or the entry waits for a
+// re-read; inst is nil for an instance that is gone.
+func (c *obsCache) peek(name string) (inst *incus.Instance, readAt time.Time, known bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.confirmed {
-		return nil, false
+		return nil, time.Time{}, false
 	}
 	e, ok := c.entries[name]
 	switch {
 	case !ok:
-		return nil, true
+		return nil, time.Time{}, true
 	case e.stale:
-		return nil, false
+		return nil, time.Time{}, false
 	}
-	return e.inst, true
+	return e.inst, e.readAt, true
 }
 
 // mark is taken before a read of name from Incus; offer stores what that
@@ -232,6 +236,7 @@ func (c *obsCache) peek(name string) (inst *incus.Instance, known bool) {
 type readMark struct {
 	gen, epoch uint64
 	connected  bool
+	began      time.Time
 }
 
 func (c *obsCache) mark(name string) readMark {
@@ -240,7 +245,7 @@ func (c *obsCache) mark(name string) readMark {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	m := readMark{epoch: c.epoch, connected: c.connected}
+	m := readMark{epoch: c.epoch, connected: c.connected, began: time.Now()}
 	if e, ok := c.entries[name]; ok {
 		m.gen = e.gen
 	}
@@ -264,11 +269,11 @@ func (c *obsCache) offer(name string, at readMark, inst *incus.Instance) {
 	if gen != at.gen || c.epoch != at.epoch || !at.connected || !c.connected {
 		return
 	}
-	c.store(name, e, slim(inst))
+	c.store(name, e, slim(inst), at.began)
 }
 
 // store sets name's entry from a fresh read; the lock is held.
-func (c *obsCache) store(name string, e *cacheEntry, inst *incus.Instance) {
+func (c *obsCache) store(name string, e *cacheEntry, inst *incus.Instance, readAt time.Time) {
 	if inst == nil {
 		if e != nil && len(e.ops) > 0 {
 			// Absent for now, with an operation under way (a create).
@@ -276,7 +281,7 @@ func (c *obsCache) store(name string, e *cacheEntry, inst *incus.Instance) {
 				c.view = nil
 				c.tellChanged(name)
 			}
-			e.inst, e.stale = nil, false
+			e.inst, e.stale, e.readAt = nil, false, readAt
 			return
 		}
 		if e != nil {
@@ -293,7 +298,7 @@ func (c *obsCache) store(name string, e *cacheEntry, inst *incus.Instance) {
 	if e.inst == nil || !sameInstance(e.inst, inst) {
 		c.tellChanged(name)
 	}
-	e.inst, e.stale = inst, false
+	e.inst, e.stale, e.readAt = inst, false, readAt
 	c.view = nil
 }
 
@@ -439,14 +444,14 @@ func (c *obsCache) list(ctx context.Context, confirm bool) error {
 		if !ok && c.confirmed {
 			suspects[inst.Name] = 0
 		}
-		c.store(inst.Name, e, inst)
+		c.store(inst.Name, e, inst, began)
 	}
 	for name, e := range c.entries {
 		if !seen[name] && e.gen <= seq {
 			if c.confirmed && !e.stale && e.inst != nil {
 				suspects[name] = 0
 			}
-			c.store(name, e, nil)
+			c.store(name, e, nil, began)
 		}
 	}
 	c.suspects = suspects

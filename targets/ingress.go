@@ -66,9 +66,9 @@ type ingressIndex struct {
 	labelOf map[string]string // instance → its routed label
 	seq     uint64
 	changed map[string]uint64 // instance → seq of the last change known apart from a list
-	// wrote is when this process last changed each instance's route
-	// itself: the cache's record of it may predate that write for a
-	// moment, and is not taken over it (see followIngress).
+	// wrote is when this process last began a write of each instance's
+	// route (ensure, remove): a cached record read before then may
+	// predate that write, and is not taken over it (see observe).
 	wrote map[string]time.Time
 }
 
@@ -103,7 +103,6 @@ func (x *ingressIndex) put(label string, r IngressRoute) {
 	defer x.mu.Unlock()
 	x.seq++
 	x.changed[r.Instance] = x.seq
-	x.wrote[r.Instance] = time.Now()
 	x.dropLocked(r.Instance)
 	x.byLabel[label], x.labelOf[r.Instance] = r, label
 }
@@ -113,28 +112,36 @@ func (x *ingressIndex) drop(name string) {
 	defer x.mu.Unlock()
 	x.seq++
 	x.changed[name] = x.seq
-	x.wrote[name] = time.Now()
 	x.dropLocked(name)
 }
 
-// ownWriteWindow is how long after this process's own change of a route
-// the cache's record of the instance is not taken over it: the record
-// read back after that write lands well within it.
-const ownWriteWindow = 5 * time.Second
+// wrote records that a write of name's route began at began: see observe.
+func (x *ingressIndex) writing(name string, began time.Time) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.wrote[name] = began
+}
 
-// observe takes what the cache last read of an instance (nil: gone) as
-// its route, unless this process changed that route within
-// ownWriteWindow. Like a change of this process's, it outranks a list
-// asked for before it.
-func (x *ingressIndex) observe(name string, inst *incus.Instance, now time.Time) {
+// wroteKept bounds how long a write's start is kept: a re-read begun
+// after it comes within milliseconds.
+const wroteKept = time.Minute
+
+// observe takes what the cache read of an instance, in a read begun at
+// readAt (inst nil: gone), as its route. A record read before this process
+// began its own last write of the route may predate that write and is not
+// taken; any read begun after it shows the write (Incus answered it
+// applied) or a later one, another replica's included, and the write's
+// own event brings such a read. Like a change of this process's, it
+// outranks a list asked for before it.
+func (x *ingressIndex) observe(name string, inst *incus.Instance, readAt time.Time) {
 	label, r, routed := "", IngressRoute{}, false
 	if inst != nil {
 		label, r, routed = ingressOf(inst)
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	if at, ok := x.wrote[name]; ok {
-		if now.Sub(at) < ownWriteWindow {
+	if at, ok := x.wrote[name]; ok && inst != nil {
+		if readAt.Before(at) {
 			return
 		}
 		delete(x.wrote, name)
@@ -185,7 +192,7 @@ func (x *ingressIndex) rebuild(list []incus.Instance, since uint64, stale map[st
 		}
 	}
 	for name, at := range x.wrote {
-		if time.Since(at) >= ownWriteWindow {
+		if time.Since(at) >= wroteKept {
 			delete(x.wrote, name)
 		}
 	}
@@ -220,8 +227,8 @@ func (s *Service) followIngress(ctx context.Context) {
 			// Not known: the entry waits for its re-read (which tells
 			// again) or the cache is unconfirmed (its next list and the
 			// passes rebuild the index).
-			if inst, known := s.cache.peek(name); known {
-				s.ingress.observe(name, inst, time.Now())
+			if inst, readAt, known := s.cache.peek(name); known {
+				s.ingress.observe(name, inst, readAt)
 			}
 		}
 	}
@@ -268,6 +275,7 @@ func (s *Service) changeIngress(ctx context.Context, ref controller.TargetRef, r
 		return controller.Observation{}, err
 	}
 	defer unlock()
+	s.ingress.writing(name, time.Now())
 	cur, err := s.patchIf(ctx, name, func(cur *incus.Instance) (change, error) {
 		if unreadable(cur) {
 			return change{}, jsonrpc.Unavailable(retryAfter, "Incus cannot read this target now (its cluster member does not answer); retry shortly.")
