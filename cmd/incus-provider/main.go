@@ -617,7 +617,10 @@ func (r *incusReport) lines(ctx context.Context) (incusLine, memberLines string)
 	if !r.at.IsZero() && time.Since(r.at) < readyzIncusEvery {
 		return r.incus, r.members
 	}
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	// Not the request's own context: the report is kept for the requests
+	// after it, and a checker that hangs up must not leave "unreachable"
+	// there for readyzIncusEvery.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
 	defer cancel()
 	incusOK := true
 	r.incus, r.members = "incus: ok", ""
