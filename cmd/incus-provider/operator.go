@@ -235,21 +235,11 @@ func findTarget(ctx context.Context, cfg config, client *incus.Client, which str
 		asked = controller.Owner{UniverseID: u, EnvironmentID: e}
 		name = targets.Name(asked)
 	}
-	inst, _, err := client.GetInstance(ctx, name)
-	if err != nil && !errors.Is(err, incus.ErrNotFound) {
-		// The member holding the instance may not answer: Incus's list
-		// still has it, without its record.
-		if list, lerr := client.ListInstances(ctx); lerr == nil {
-			for i := range list {
-				if list[i].Name == name {
-					inst, err = &list[i], nil
-					break
-				}
-			}
-		}
-	}
+	// Listed, not fetched: the list still answers, without the record,
+	// while the member holding the instance does not.
+	inst, err := client.FindInstance(ctx, name)
 	switch {
-	case errors.Is(err, incus.ErrNotFound):
+	case err == nil && inst == nil:
 		_, _ = fmt.Fprintf(stderr, "incus-provider: project %s holds no target %s\n", cfg.IncusProject, which)
 		return targets.View{}, exitFailed
 	case err != nil:
