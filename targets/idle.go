@@ -215,7 +215,7 @@ func (s *Service) idleAct(ctx context.Context, t IdleView, to controller.Power, 
 		// Public ingress goes first, as on target/close: the edge answers
 		// the host 404 from now on, not once a reconcile pass (up to its
 		// interval later) finds the target closing.
-		s.ingress.drop(t.Name)
+		s.ingress.closing(t.Name)
 		if !r.has(fClosing) {
 			c := change{keys: fClosing, to: record{Closing: s.now()}}
 			if recordOf(inst.Config, fIngressRouted).has(fIngressRouted) {

@@ -122,6 +122,18 @@ func (x *ingressIndex) writing(name string, began time.Time) {
 	x.wrote[name] = began
 }
 
+// closing takes name's route out as this process is about to record a
+// close: the edge answers 404 from now on, and a cached record read before
+// the write (still routed) does not put the route back.
+func (x *ingressIndex) closing(name string) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.seq++
+	x.changed[name] = x.seq
+	x.wrote[name] = time.Now()
+	x.dropLocked(name)
+}
+
 // wroteKept bounds how long a write's start is kept: a re-read begun
 // after it comes within milliseconds.
 const wroteKept = time.Minute

@@ -200,7 +200,9 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	if !cfg.NoCache {
 		s.cache = newObsCache(client, log.Named("cache"), cfg.CacheMetrics, cfg.CacheCorrection, func(name string) {
 			s.changes.note(name)
-			s.ingressChanges.note(name)
+			if s.IngressEnabled() { // else no one reads the feed
+				s.ingressChanges.note(name)
+			}
 		})
 		s.cache.onConfirm = s.listingChanged
 	}
@@ -978,7 +980,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	}
 	// Public ingress goes first: the edge answers the host 404 from now on,
 	// whatever the stop and delete take.
-	s.ingress.drop(name)
+	s.ingress.closing(name)
 	rec := recordOf(inst.Config, fClosing|fIngressRouted)
 	if !rec.has(fClosing) || unfinishedHandout(inst) {
 		c := change{keys: fClosing, to: record{Closing: s.now()}}
