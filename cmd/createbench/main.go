@@ -172,12 +172,17 @@ func freeAddr() (string, error) {
 	return addr, l.Close()
 }
 
-func serve(ctx context.Context, bin, socket, project, templates string, extra ...string) (*served, error) {
+func serve(ctx context.Context, bin, socket, project, templates string, extra ...string) (s *served, err error) {
 	dir, err := os.MkdirTemp("", "createbench")
 	if err != nil {
 		return nil, err
 	}
-	s := &served{logDir: dir, credential: randomHex(16)}
+	defer func() {
+		if err != nil && (s == nil || s.cmd == nil || s.cmd.Process == nil) {
+			_ = os.RemoveAll(dir) // a started process's stop removes it
+		}
+	}()
+	s = &served{logDir: dir, credential: randomHex(16)}
 	if err := os.WriteFile(filepath.Join(dir, "credential"), []byte(s.credential), 0o600); err != nil {
 		return nil, err
 	}
@@ -227,6 +232,7 @@ func serve(ctx context.Context, bin, socket, project, templates string, extra ..
 	case ok := <-up:
 		if !ok {
 			log, _ := os.ReadFile(filepath.Join(dir, "provider.log"))
+			s.stop() // reaps it, and removes its directory
 			return nil, fmt.Errorf("the provider exited: %s", tail(string(log)))
 		}
 	case <-time.After(30 * time.Second):
@@ -283,22 +289,7 @@ const runtimeRecheck = 2 * time.Second
 func (s *served) open(ctx context.Context, c *jsonrpc.Client, owner controller.Owner, template string) (active, opened time.Duration, answeredActive bool, err error) {
 	began := time.Now()
 	call := func(method string, params any) (controller.Observation, error) {
-		for {
-			cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-			var res controller.TargetResult
-			err := c.Call(cctx, method, params, &res)
-			cancel()
-			var e *jsonrpc.Error
-			if errors.As(err, &e) && (e.Kind == jsonrpc.KindUnavailable || e.Kind == jsonrpc.KindBusy) {
-				wait := uint64(100)
-				if e.RetryAfterMs != nil {
-					wait = max(*e.RetryAfterMs, wait)
-				}
-				time.Sleep(time.Duration(wait) * time.Millisecond)
-				continue
-			}
-			return res.Target, err
-		}
+		return callRetrying(ctx, c, method, params)
 	}
 	obs, err := call("target/create", controller.CreateParams{Owner: owner, TemplateID: template})
 	if err != nil {
@@ -340,6 +331,26 @@ func (s *served) open(ctx context.Context, c *jsonrpc.Client, owner controller.O
 	}
 }
 
+// callRetrying calls method as a runtime does: an unavailable or busy
+// answer is asked again after its retryAfterMs, for a minute at most.
+func callRetrying(ctx context.Context, c *jsonrpc.Client, method string, params any) (controller.Observation, error) {
+	for deadline := time.Now().Add(time.Minute); ; {
+		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		var res controller.TargetResult
+		err := c.Call(cctx, method, params, &res)
+		cancel()
+		var e *jsonrpc.Error
+		if !errors.As(err, &e) || (e.Kind != jsonrpc.KindUnavailable && e.Kind != jsonrpc.KindBusy) || time.Now().After(deadline) {
+			return res.Target, err
+		}
+		wait := uint64(100)
+		if e.RetryAfterMs != nil {
+			wait = max(*e.RetryAfterMs, wait)
+		}
+		time.Sleep(time.Duration(wait) * time.Millisecond)
+	}
+}
+
 // readyWarm counts the warm instances ready to hand out.
 func readyWarm(ctx context.Context, c *incus.Client) (int, error) {
 	list, err := c.ListInstances(ctx)
@@ -374,18 +385,8 @@ func awaitWarm(ctx context.Context, c *incus.Client, n int) error {
 // closeAll closes the owners' targets and waits until Incus holds none.
 func (s *served) closeAll(ctx context.Context, c *jsonrpc.Client, inc *incus.Client, owners []controller.Owner) error {
 	for _, o := range owners {
-		for {
-			var res controller.TargetResult
-			err := c.Call(ctx, "target/close", controller.TargetParams{Target: controller.TargetRef{Owner: o}}, &res)
-			var e *jsonrpc.Error
-			if errors.As(err, &e) && e.Kind == jsonrpc.KindUnavailable {
-				time.Sleep(200 * time.Millisecond)
-				continue
-			}
-			if err != nil {
-				return fmt.Errorf("close: %w", err)
-			}
-			break
+		if _, err := callRetrying(ctx, c, "target/close", controller.TargetParams{Target: controller.TargetRef{Owner: o}}); err != nil {
+			return fmt.Errorf("close: %w", err)
 		}
 	}
 	for deadline := time.Now().Add(5 * time.Minute); ; {
