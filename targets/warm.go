@@ -273,6 +273,17 @@ func (p *warmPool) hold(name string) (release func()) {
 	return p.releaser(name)
 }
 
+// tryHold is hold, unless the name is held already.
+func (p *warmPool) tryHold(name string) (release func(), ok bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.taken[name] {
+		return nil, false
+	}
+	p.taken[name] = true
+	return p.releaser(name), true
+}
+
 func (p *warmPool) releaser(name string) func() {
 	return func() {
 		p.mu.Lock()
@@ -349,6 +360,9 @@ func (s *Service) handoutOne(ctx context.Context, name, wn string, owner change,
 	}
 	if err != nil || !handable(w, t.Wire.TemplateID, recipe) {
 		return warmMiss
+	}
+	if s.warmHook != nil && s.warmHook("read") {
+		return warmCrashed
 	}
 	claim := owner
 	claim.keys |= fPool | fWarmClaim | fWarmClaimAt // the pool's keys to none: removed
@@ -602,6 +616,50 @@ func (s *Service) discardWarm(wn, claimedFor string) {
 	})
 }
 
+// warmRetire is the claim a survey writes on a ready spare it is to
+// delete (a surplus one, or one its template's catalog entry no longer
+// builds), so that no hand-out takes it any more. It is no owner's name.
+const warmRetire = "retire"
+
+// retireWarm claims a ready, unclaimed spare for deletion; the survey
+// deletes it once retireGrace has passed. Deleting it at once could land
+// between a claimant's claim and its rename (another replica's, whose
+// conditional claim Incus may apply after the survey read the spare
+// unclaimed), and a delete under a rename leaves the owner's name with a
+// volume and no instance in Incus 6.0.4 (see warmSurvey). A claimant
+// that read the spare before the retire has sent its rename within its
+// method's budget; one that reads it after sees the retire and passes.
+// Should both writes land, the later one holds: a claim that wins makes
+// it that owner's hand-out, and a retire that wins leaves the claimant's
+// rename to settle before the delete (the survey waits for any operation
+// on the spare, and deletes only while it still carries the retire).
+func (s *Service) retireWarm(ctx context.Context, wn string) {
+	release, ok := s.warm.tryHold(wn)
+	if !ok {
+		return // this process is handing it out, or retiring it already
+	}
+	defer release()
+	w, etag, err := s.incus.GetInstance(ctx, wn)
+	if err != nil || !isWarmName(w.Name) || claimOf(w) != "" || w.Status != incus.InstanceStopped {
+		return
+	}
+	set := change{keys: fWarmClaim | fWarmClaimAt, to: record{WarmClaim: warmRetire, WarmClaimAt: s.now()}}
+	err = s.owned(ctx, wn, func(ctx context.Context) error {
+		return s.incus.PatchInstanceConfigIf(ctx, wn, set.config(), etag)
+	})
+	s.listingChanged()
+	if err != nil && ctx.Err() == nil {
+		// A claimant came first (412), or Incus refused: the next survey
+		// looks again.
+		s.log.Debug("warm pool: retiring a spare failed", zap.String("instance", wn), zap.Error(err))
+	}
+}
+
+// retireGrace is how long a retired spare stands before its delete: past
+// the method budget of any claimant that read it before the retire, with
+// room for clocks a few seconds apart.
+func (s *Service) retireGrace() time.Duration { return s.cfg.MethodBudget + 5*time.Second }
+
 // deleteWarm deletes a stopped warm instance that still passes check.
 func (s *Service) deleteWarm(ctx context.Context, wn string, check func(*incus.Instance) bool) {
 	w, _, err := s.incus.GetInstance(ctx, wn)
@@ -708,7 +766,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	}
 	recipes := map[string]string{}
 	known := map[string]bool{}
-	var drop, ready, resume []incus.Instance
+	var drop, retire, retired, ready, resume []incus.Instance
 	s.warm.mu.Lock()
 	busy := func(n string) bool { return s.warm.filling[n] || s.warm.taken[n] || s.warm.resuming[n] }
 	for i := range list {
@@ -729,6 +787,15 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		// shrink period: demand has gone, the pool shrinks.
 		surplus := want[w.Name] == nil && r.has(fWarmReady) && s.now().Sub(r.WarmReady) >= s.cfg.WarmShrinkAfter
 		switch {
+		case r.WarmClaim == warmRetire:
+			// Retired by a survey (this one's or another replica's): deleted
+			// once no claimant that read it before the retire can still be
+			// renaming it (see retireWarm).
+			if at := r.WarmClaimAt; at.IsZero() || s.now().Sub(at) >= s.retireGrace() {
+				retired = append(retired, w)
+			}
+			known[w.Name] = false
+			continue
 		case r.WarmClaim != "":
 			// Never deleted here, however old: a claimant that is alive
 			// but slow (a staged create on a loaded daemon renames seconds
@@ -755,6 +822,12 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			known[w.Name] = false
 			continue
 		case t == nil || r.Warm != t.Wire.TemplateID || r.WarmRecipe != recipes[t.Wire.TemplateID] || surplus:
+			if r.has(fWarmReady) {
+				// Ready spares are handed out: retired first, deleted later.
+				retire = append(retire, w)
+				known[w.Name] = false
+				continue
+			}
 			drop = append(drop, w)
 		case !r.has(fWarmReady):
 			ready = append(ready, w)
@@ -782,6 +855,15 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	for _, w := range drop {
 		claim := claimOf(&w) // as listed: one written since keeps it
 		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return claimOf(now) == claim })
+	}
+	for _, w := range retire {
+		s.retireWarm(ctx, w.Name)
+	}
+	for _, w := range retired {
+		if op, err := s.operationOn(ctx, w.Name); err != nil || op != nil {
+			continue // a late claimant's rename, maybe: the next survey looks again
+		}
+		s.deleteWarm(ctx, w.Name, func(now *incus.Instance) bool { return claimOf(now) == warmRetire })
 	}
 	for _, w := range ready {
 		// Listed without its ready mark and created by no one here: a

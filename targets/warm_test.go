@@ -631,3 +631,76 @@ func TestWarmCloseDuringAHandout(t *testing.T) {
 		t.Fatalf("the owner's name still holds an instance after closed: %v", err)
 	}
 }
+
+// A spare that a survey deletes (its recipe changed, say, on another
+// replica during a rolling change of the catalog) is first retired, and
+// deleted only after the grace: a claimant that read it before the retire
+// is refused, creates the owner's target another way, and nothing is
+// deleted under a hand-out's rename.
+func TestWarmRetireRacesAClaim(t *testing.T) {
+	h := warmHarness(t, 1)
+	read, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	a, _ := h.startWarm(h.catalog, nil, func(step string) bool {
+		if step == "read" {
+			once.Do(func() {
+				close(read)
+				<-release
+			})
+		}
+		return false
+	})
+	spare := h.awaitPool(t, 1)[0]
+	o := owner("retire-race")
+	answered := make(chan controller.Observation, 1)
+	go func() { answered <- createUntilID(t, a, controller.CreateParams{Owner: o, TemplateID: "w"}) }()
+	select {
+	case <-read:
+	case <-time.After(time.Minute):
+		close(release)
+		t.Fatal("the hand-out never read the spare")
+	}
+	// Another replica whose catalog builds w another way retires a's spare.
+	changed := testrig.Catalog(t, h.client, incustest.Image(t), `templates:
+  - templateId: w
+    displayName: warm guest
+    powerStates: [running, paused, stopped]
+    resources: {vcpus: 1}
+    imageAlias: {{image}}
+    warm: 1
+`)
+	_, stopB := h.startWarm(changed, nil, nil)
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		w, _, err := h.client.GetInstance(ctxT(t), spare.Name)
+		if err == nil && w.Config[keyWarmClaim] == warmRetire {
+			break
+		}
+		if time.Now().After(deadline) {
+			close(release)
+			t.Fatalf("the other replica never retired the spare: %v", err)
+		}
+	}
+	stopB()
+	close(release)
+	got := <-answered
+	if got.TargetID != Name(o) {
+		t.Fatalf("the create answered %+v", got)
+	}
+	ctx := ctxT(t)
+	until(t, "active", func() (controller.Observation, error) { return a.GetTarget(ctx, controller.TargetRef{Owner: o}) }, isActive)
+	target, _, err := h.client.GetInstance(ctx, Name(o))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if target.Config["volatile.uuid"] == spare.Config["volatile.uuid"] {
+		t.Fatal("the retired spare was handed out")
+	}
+	// The retired spare goes after the grace, and a's pool refills.
+	h.awaitPool(t, 1)
+	for _, inst := range h.instances() {
+		if inst.Config["volatile.uuid"] == spare.Config["volatile.uuid"] {
+			t.Fatalf("the retired spare %s is still there", inst.Name)
+		}
+	}
+	h.checkOnePerOwner(t, []controller.Owner{o})
+}
