@@ -15,6 +15,14 @@
 //     the Incus calls the provider made meanwhile (goal: none), and the
 //     small-GET latency of the known host under the flood.
 //
+// With -peers (issue 29), the small GETs (p50 and p99), the 1 MiB bodies
+// and the large download (with the proxy's resident set) are measured on
+// direct, the byte relay, the edge and three peers, nginx, HAProxy and
+// Caddy, each a reverse proxy started by this process in front of the
+// byte relay, and so are -conns clients kept alive sending small GETs for
+// -conns-for; the table sets each row beside the best peer (peers.go,
+// peerbench.go; deploy/dev/ingresspeers.sh installs the peers and runs it).
+//
 // The provider runs in this process (provider.New, the edge on a loopback
 // listener of its own). The small GETs and the 1 MiB bodies are sent from
 // a child process of this binary (-client process, the default), as a real
@@ -31,6 +39,7 @@
 //
 //	go build -o bin/ingressbench ./cmd/ingressbench
 //	sudo bin/ingressbench [-image lightspeed-dev-guest] [-gets 2000] [-mib 64] [-gib 1] [-wakes 10] [-flood 1000] [-flood-for 3s] [-client process|inline] [-procs N]
+//	sudo bin/ingressbench -peers -wakes 0 -flood 0 [-gets 1000] [-mib 64] [-gib 1] [-conns 1000] [-conns-for 5s] [-rounds 2] [-procs N] [-cpuprofile FILE]
 package main
 
 import (
@@ -76,6 +85,9 @@ type config struct {
 	cpuprofile       string
 	client           string
 	procs            int
+	peers            bool
+	conns, rounds    int
+	connsFor         time.Duration
 }
 
 func main() {
@@ -91,12 +103,24 @@ func main() {
 	flag.StringVar(&cfg.cpuprofile, "cpuprofile", "", "write a CPU profile of the small GETs and the 1 MiB bodies to this file (of the edge alone with -client process)")
 	flag.StringVar(&cfg.client, "client", "process", "where the small GETs and 1 MiB bodies are sent from: process (a process of their own) or inline (this one)")
 	flag.IntVar(&cfg.procs, "procs", 0, "GOMAXPROCS of this process, the edge's (0 keeps Go's default; the client process keeps its own)")
+	flag.BoolVar(&cfg.peers, "peers", false, "measure direct, the byte relay, the edge, nginx, HAProxy and Caddy in turns (issue 29) instead of edge / direct / byte relay")
+	flag.IntVar(&cfg.conns, "conns", 1000, "with -peers: concurrent kept-alive clients (0 skips them)")
+	flag.DurationVar(&cfg.connsFor, "conns-for", 5*time.Second, "with -peers: how long the concurrent clients send")
+	flag.IntVar(&cfg.rounds, "rounds", 2, "with -peers: rounds of the large download and of the concurrent clients, each path once a round")
 	clientJobArg := flag.String("client-job", "", "internal: run as the measuring client process of this job")
+	peerJobArg := flag.String("peer-job", "", "internal: run as the measuring client process of this peer-comparison phase")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if *clientJobArg != "" {
 		if err := runClient(ctx, *clientJobArg); err != nil {
+			fmt.Fprintln(os.Stderr, "ingressbench client:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if *peerJobArg != "" {
+		if err := runPeerJob(ctx, *peerJobArg); err != nil {
 			fmt.Fprintln(os.Stderr, "ingressbench client:", err)
 			os.Exit(1)
 		}
@@ -222,10 +246,11 @@ func run(ctx context.Context, cfg config) error {
 	// its own loopback listener, to the app through the same GuestDialer.
 	// io.Copy between the two sockets splices, so it copies nothing in
 	// user space either.
-	relayLn, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
+	ln, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
 	if err != nil {
 		return fmt.Errorf("byte relay listener: %w", err)
 	}
+	relayLn := &trackedListener{Listener: ln, conns: map[net.Conn]struct{}{}}
 	var rwg sync.WaitGroup
 	rctx, rcancel := context.WithCancel(ctx)
 	rwg.Add(1)
@@ -245,90 +270,26 @@ func run(ctx context.Context, cfg config) error {
 	}
 	var rows [][]string
 	row := func(cells ...string) { rows = append(rows, cells) }
-
-	// Edge and direct take turns, request by request, so that a machine
-	// whose load changes during the run weighs on both alike.
-	if cfg.cpuprofile != "" {
-		stop, err := startProfile(cfg.cpuprofile)
-		if err != nil {
-			return err
-		}
-		defer stop()
-	}
-	var res clientResult
-	if cfg.client == "process" {
+	if cfg.peers {
 		pid, err := client.InitPID(ctx, name)
 		if err != nil {
 			return fmt.Errorf("the guest's init PID: %w", err)
 		}
-		job.PID = pid
-		res, err = measureApart(ctx, job)
-		if err != nil {
+		if err := runPeers(ctx, cfg, peerSetup{edge: edgeLn.Addr().String(), relay: relayLn.Addr().String(),
+			instance: name, pid: pid, endpoint: endpoint, work: work, resetRelay: relayLn.closeAll}); err != nil {
 			return err
 		}
-	} else if res, err = measure(ctx, job, edge, direct, floor); err != nil {
+	} else if err := measureEdge(ctx, cfg, client, job, name, endpoint, edge, direct, floor, row); err != nil {
 		return err
-	}
-	row("client; the edge process's GOMAXPROCS", fmt.Sprintf("%s; %d", cfg.client, runtime.GOMAXPROCS(0)), "")
-	lat := res.Get
-	e50, e95 := quantiles(lat[0])
-	d50, d95 := quantiles(lat[1])
-	f50, f95 := quantiles(lat[2])
-	ratio := float64(e50) / float64(d50)
-	row("small GET p50 / p95, edge", fmtDur(e50)+" / "+fmtDur(e95), "")
-	row("small GET p50 / p95, direct", fmtDur(d50)+" / "+fmtDur(d95), "")
-	row("small GET p50 / p95, byte relay", fmtDur(f50)+" / "+fmtDur(f95), "")
-	row("small GET p50 ratio edge/direct", fmt.Sprintf("%.2f×", ratio), goal(ratio <= 1.3, "≤ 1.3×"))
-	row("small GET p50 ratio byte relay/direct, edge/byte relay",
-		fmt.Sprintf("%.2f×, %.2f×", float64(f50)/float64(d50), float64(e50)/float64(f50)), "")
-
-	for i, took := range [][][]time.Duration{res.Download, res.Upload} {
-		dir := []string{"download", "upload"}[i]
-		et, dt, ft := mbps(took[0]), mbps(took[1]), mbps(took[2])
-		row("1 MiB "+dir+", edge / direct / byte relay", fmt.Sprintf("%.0f / %.0f / %.0f MB/s", et, dt, ft), "")
-		row("1 MiB "+dir+" ratio edge/direct", fmt.Sprintf("%.2f×", et/dt), goal(et/dt >= 0.9, "≥ 0.9×"))
-		row("1 MiB "+dir+" ratio byte relay/direct, edge/byte relay", fmt.Sprintf("%.2f×, %.2f×", ft/dt, et/ft), "")
-	}
-
-	if cfg.gib > 0 {
-		progress("%d GiB download", cfg.gib)
-		before := rss()
-		var peak atomic.Int64
-		done := make(chan struct{})
-		go func() {
-			t := time.NewTicker(50 * time.Millisecond)
-			defer t.Stop()
-			for {
-				select {
-				case <-done:
-					return
-				case <-t.C:
-					if r := rss(); r > peak.Load() {
-						peak.Store(r)
-					}
-				}
-			}
-		}()
-		n := int64(cfg.gib) << 30
-		start := time.Now()
-		got, err := download(ctx, edge, fmt.Sprintf("%s/bytes?n=%d", endpoint, n))
-		took := time.Since(start)
-		close(done)
-		if err != nil || got != n {
-			return fmt.Errorf("the %d GiB download: %d bytes, %w", cfg.gib, got, err)
-		}
-		growth := peak.Load() - before
-		row(fmt.Sprintf("%d GiB download through the edge", cfg.gib), fmt.Sprintf("%.0f MB/s", float64(n)/took.Seconds()/1e6), "")
-		row("resident set before / peak", fmt.Sprintf("%d / %d MiB", before>>20, peak.Load()>>20), goal(growth < 32<<20, "flat (< 32 MiB growth)"))
 	}
 
 	for _, from := range []controller.Power{controller.PowerPaused, controller.PowerStopped} {
-		progress("wake on request from %s", from)
-		var ds []time.Duration
-		first := 0
 		if cfg.wakes == 0 {
 			break
 		}
+		progress("wake on request from %s", from)
+		var ds []time.Duration
+		first := 0
 		for range cfg.wakes {
 			if _, err := p.Targets.SetPower(ctx, ref, from); err != nil {
 				return fmt.Errorf("setPower %s: %w", from, err)
@@ -414,12 +375,102 @@ func run(ctx context.Context, cfg config) error {
 	if _, err := p.Targets.CloseTarget(ctx, ref); err != nil {
 		progress("close: %v", err)
 	}
+	if len(rows) == 0 {
+		return nil
+	}
+	if cfg.peers {
+		fmt.Println()
+	}
 	fmt.Printf("ingressbench, %s, load average %s\n\n", time.Now().UTC().Format(time.RFC3339), loadAverage())
 	fmt.Println("| measure | result | goal |")
 	fmt.Println("| --- | --- | --- |")
 	for _, r := range rows {
 		fmt.Printf("| %s |\n", strings.Join(r, " | "))
 	}
+	return nil
+}
+
+// measureEdge is the edge against direct and the byte relay: small GETs,
+// 1 MiB bodies, the large download (the rows before -peers).
+func measureEdge(ctx context.Context, cfg config, client *incus.Client, job clientJob, name, endpoint string,
+	edge, direct, floor *http.Client, row func(...string)) error {
+	var err error
+	// Edge and direct take turns, request by request, so that a machine
+	// whose load changes during the run weighs on both alike.
+	if cfg.cpuprofile != "" {
+		stop, err := startProfile(cfg.cpuprofile)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+	var res clientResult
+	if cfg.client == "process" {
+		pid, err := client.InitPID(ctx, name)
+		if err != nil {
+			return fmt.Errorf("the guest's init PID: %w", err)
+		}
+		job.PID = pid
+		res, err = measureApart(ctx, job)
+		if err != nil {
+			return err
+		}
+	} else if res, err = measure(ctx, job, edge, direct, floor); err != nil {
+		return err
+	}
+	row("client; the edge process's GOMAXPROCS", fmt.Sprintf("%s; %d", cfg.client, runtime.GOMAXPROCS(0)), "")
+	lat := res.Get
+	e50, e95 := quantiles(lat[0])
+	d50, d95 := quantiles(lat[1])
+	f50, f95 := quantiles(lat[2])
+	ratio := float64(e50) / float64(d50)
+	row("small GET p50 / p95, edge", fmtDur(e50)+" / "+fmtDur(e95), "")
+	row("small GET p50 / p95, direct", fmtDur(d50)+" / "+fmtDur(d95), "")
+	row("small GET p50 / p95, byte relay", fmtDur(f50)+" / "+fmtDur(f95), "")
+	row("small GET p50 ratio edge/direct", fmt.Sprintf("%.2f×", ratio), goal(ratio <= 1.3, "≤ 1.3×"))
+	row("small GET p50 ratio byte relay/direct, edge/byte relay",
+		fmt.Sprintf("%.2f×, %.2f×", float64(f50)/float64(d50), float64(e50)/float64(f50)), "")
+
+	for i, took := range [][][]time.Duration{res.Download, res.Upload} {
+		dir := []string{"download", "upload"}[i]
+		et, dt, ft := mbps(took[0]), mbps(took[1]), mbps(took[2])
+		row("1 MiB "+dir+", edge / direct / byte relay", fmt.Sprintf("%.0f / %.0f / %.0f MB/s", et, dt, ft), "")
+		row("1 MiB "+dir+" ratio edge/direct", fmt.Sprintf("%.2f×", et/dt), goal(et/dt >= 0.9, "≥ 0.9×"))
+		row("1 MiB "+dir+" ratio byte relay/direct, edge/byte relay", fmt.Sprintf("%.2f×, %.2f×", ft/dt, et/ft), "")
+	}
+
+	if cfg.gib > 0 {
+		progress("%d GiB download", cfg.gib)
+		before := rss()
+		var peak atomic.Int64
+		done := make(chan struct{})
+		go func() {
+			t := time.NewTicker(50 * time.Millisecond)
+			defer t.Stop()
+			for {
+				select {
+				case <-done:
+					return
+				case <-t.C:
+					if r := rss(); r > peak.Load() {
+						peak.Store(r)
+					}
+				}
+			}
+		}()
+		n := int64(cfg.gib) << 30
+		start := time.Now()
+		got, err := download(ctx, edge, fmt.Sprintf("%s/bytes?n=%d", endpoint, n))
+		took := time.Since(start)
+		close(done)
+		if err != nil || got != n {
+			return fmt.Errorf("the %d GiB download: %d bytes, %w", cfg.gib, got, err)
+		}
+		growth := peak.Load() - before
+		row(fmt.Sprintf("%d GiB download through the edge", cfg.gib), fmt.Sprintf("%.0f MB/s", float64(n)/took.Seconds()/1e6), "")
+		row("resident set before / peak", fmt.Sprintf("%d / %d MiB", before>>20, peak.Load()>>20), goal(growth < 32<<20, "flat (< 32 MiB growth)"))
+	}
+
 	return nil
 }
 
@@ -451,15 +502,21 @@ func byteRelay(ctx context.Context, ln net.Listener, dial func(context.Context) 
 			defer up.Close()
 			stop := context.AfterFunc(ctx, func() { _ = c.Close(); _ = up.Close() })
 			defer stop()
+			// The copies take the bare TCP connection, which splices; a
+			// wrapper (trackedConn) would hide it.
+			raw := c
+			if t, ok := c.(*trackedConn); ok {
+				raw = t.Conn
+			}
 			done := make(chan struct{})
 			go func() {
 				defer close(done)
-				_, _ = io.Copy(up, c)
+				_, _ = io.Copy(up, raw)
 				if tc, ok := up.(interface{ CloseWrite() error }); ok {
 					_ = tc.CloseWrite()
 				}
 			}()
-			_, _ = io.Copy(c, up)
+			_, _ = io.Copy(raw, up)
 			_ = c.Close()
 			<-done
 		}()

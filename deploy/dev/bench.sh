@@ -26,6 +26,8 @@ printf '\n== data routes: wake from paused and from stopped against build 568fd0
 deploy/dev/wakebench.sh
 printf '\n== public ingress: edge vs direct, a 1 GiB download, wake on request, unknown hosts\n'
 go run ./cmd/ingressbench
+printf '\n== public ingress beside nginx, HAProxy and Caddy (Debian packages, installed when missing), direct and a byte relay, in turns (issue 29)\n'
+deploy/dev/ingresspeers.sh
 printf '\n== idle loop: 10,000 fake daemons in a process of their own, the default 10 s ceiling, without the observation cache (the baseline)\n'
 go run ./cmd/idlebench -cache=false
 printf '\n== idle loop: the same with the observation cache, as the provider runs by default\n'
