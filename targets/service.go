@@ -516,6 +516,8 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	switch r, err := s.resumeHandout(ctx, name); {
 	case err != nil:
 		return controller.Observation{}, s.incusError("looking for a hand-out to the owner's name", err)
+	case r == warmRenaming:
+		return handingOut(p.Owner), nil
 	case r == warmHit, r == warmLost, r == warmBusy:
 		return s.answerHandout(ctx, name, p)
 	}
@@ -527,6 +529,10 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		s.warm.kick()
 	}
 	switch s.handout(ctx, name, p, tmpl) {
+	case warmRenaming:
+		// The method's time is spent: no look at Incus to answer it.
+		s.warmMetrics().handout(tmpl.Wire.TemplateID, true)
+		return handingOut(p.Owner), nil
 	case warmHit:
 		s.warmMetrics().handout(tmpl.Wire.TemplateID, true)
 		return s.answerHandout(ctx, name, p)
@@ -581,6 +587,12 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		o.TargetID = name
 	}
 	return o, nil
+}
+
+// handingOut answers a create whose hand-out's rename has not landed: no
+// id yet, and the runtime asks again.
+func handingOut(o controller.Owner) controller.Observation {
+	return controller.Observation{Owner: o, Phase: controller.PhaseProvisioning, Message: "Handing out a warm instance."}
 }
 
 // creating is the answer to a create whose instance Incus has not recorded
@@ -806,7 +818,7 @@ func (s *Service) answerHandout(ctx context.Context, name string, p controller.C
 	}
 	if inst == nil {
 		// The rename is still under way: no id yet, and the runtime asks again.
-		return controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Handing out a warm instance."}, nil
+		return handingOut(p.Owner), nil
 	}
 	if err := checkOwned(inst, p.Owner); err != nil {
 		return controller.Observation{}, err
@@ -834,7 +846,7 @@ func (s *Service) answerHandout(ctx context.Context, name string, p controller.C
 			Message: "Handing out a warm instance."}, nil
 	}
 	if after == nil {
-		return controller.Observation{Owner: p.Owner, Phase: controller.PhaseProvisioning, Message: "Handing out a warm instance."}, nil
+		return handingOut(p.Owner), nil
 	}
 	return s.observe(after, p.Owner), nil
 }

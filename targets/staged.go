@@ -140,6 +140,8 @@ func (s *Service) finishStaged(ctx context.Context, name, wn string, op *incus.O
 		// Another replica's create holds the name: its instance is the
 		// owner's target, and this one was deleted.
 		s.own.kick(name)
+	case warmRenaming:
+		// followRename starts it once the rename lands.
 	default:
 		s.log.Info("a staged create's rename is left to the pool's survey", zap.String("instance", name), zap.String("staging", wn))
 	}

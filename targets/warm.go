@@ -83,6 +83,9 @@ import (
 // the owner's name a hand-out renames it to (WarmClaim, at WarmClaimAt).
 const warmPrefix = "warm-"
 
+// errCrashed is what a test's hook returns where a crash would stop a step.
+var errCrashed = errors.New("stopped by a test's hook")
+
 // warmCreates bounds the pool's creates in flight across all templates:
 // on a dir pool a create is mostly disk writes, which the owners' own
 // creates share.
@@ -313,6 +316,9 @@ const (
 	// warmCrashed: a test's hook stopped the hand-out where a crash
 	// would, and nothing more may be written.
 	warmCrashed
+	// warmRenaming: a warm instance is claimed for the owner and Incus is
+	// renaming it there; the target starts once it lands (followRename).
+	warmRenaming
 	// warmBusy: an earlier claimant's rename to the owner's name is still
 	// under way, or a task on the owner's name holds the rename back; the
 	// create answers without an id, and the claim is resumed after.
@@ -340,7 +346,7 @@ func (s *Service) handout(ctx context.Context, name string, p controller.CreateP
 		began := s.now()
 		r := s.handoutOne(ctx, name, wn, owner, recipe, t)
 		release()
-		if r == warmHit {
+		if r == warmHit || r == warmRenaming {
 			s.warmMetrics().handedOut(t.Wire.TemplateID, s.now().Sub(began))
 		}
 		if r != warmMiss {
@@ -410,15 +416,28 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 		}
 		s.warm.mu.Unlock()
 	}()
+	var sent *incus.Operation
 	err := s.owned(ctx, wn, func(ctx context.Context) error {
 		op, err := s.incus.RenameInstance(ctx, wn, name)
 		if err == nil {
+			sent = op
+			if s.warmHook != nil && s.warmHook("rename-sent") {
+				return errCrashed
+			}
 			_, err = s.wait(ctx, op, answerWait(ctx, 2*time.Second))
 		}
 		return err
 	})
 	s.listingChanged()
 	switch {
+	case errors.Is(err, errCrashed):
+		return warmCrashed
+	case sent != nil && errors.Is(err, context.DeadlineExceeded) && s.followRename(name, wn, sent):
+		// Incus took the rename and is still at it (40 at once take
+		// seconds): the owner's create answers provisioning, and the
+		// target starts the moment the rename lands, not when the runtime
+		// asks again.
+		return warmRenaming
 	case err == nil:
 	case errors.Is(err, incus.ErrConflict):
 		// The owner's name is held by another create: this claimed
@@ -440,6 +459,50 @@ func (s *Service) renameClaimed(ctx context.Context, name, wn string) handoutRes
 	}
 	s.log.Info("handed out a warm instance", zap.String("instance", name), zap.String("warm", wn))
 	return warmHit
+}
+
+// followRename waits, in the background, for a hand-out's rename that
+// outlived its create's answer, and then has the target started. Until it
+// lands a get of the owner answers provisioning (renaming). One that fails
+// is left as any failed rename is: the owner's next create or the pool's
+// survey settles the claim, and a claim whose name another create holds
+// is deleted. false: the process is stopping, and the rename is left to
+// the next one's survey.
+func (s *Service) followRename(name, wn string, op *incus.Operation) bool {
+	s.warm.mu.Lock()
+	s.warm.renaming[name]++
+	s.warm.resuming[wn] = true // the survey leaves it to this follower
+	s.warm.mu.Unlock()
+	done := func() {
+		s.warm.mu.Lock()
+		if s.warm.renaming[name]--; s.warm.renaming[name] <= 0 {
+			delete(s.warm.renaming, name)
+		}
+		delete(s.warm.resuming, wn)
+		s.warm.mu.Unlock()
+	}
+	ok := s.own.spawn(func(ctx context.Context) {
+		defer done()
+		ctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		_, err := s.incus.Wait(ctx, op)
+		s.listingChanged()
+		switch {
+		case err == nil:
+			s.log.Info("handed out a warm instance", zap.String("instance", name), zap.String("warm", wn))
+			s.changes.note(name)
+			s.own.kick(name)
+		case errors.Is(err, incus.ErrConflict):
+			s.discardWarm(wn, name)
+		case ctx.Err() == nil:
+			s.logRetry("renaming a claimed warm instance to the owner's name failed", err, zap.String("instance", name),
+				zap.String("warm", wn))
+		}
+	})
+	if !ok {
+		done()
+	}
+	return ok
 }
 
 // resumeHandout carries on a hand-out to name that an earlier claimant (a
@@ -519,7 +582,7 @@ func (s *Service) resumeClaim(ctx context.Context, wn, name string) (settled boo
 		return true
 	}
 	r, err := s.resumeHandout(ctx, name)
-	if err != nil || r != warmHit {
+	if err != nil || r != warmHit && r != warmRenaming {
 		return false
 	}
 	s.changes.note(name)

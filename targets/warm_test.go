@@ -704,3 +704,50 @@ func TestWarmRetireRacesAClaim(t *testing.T) {
 	}
 	h.checkOnePerOwner(t, []controller.Owner{o})
 }
+
+// A hand-out whose rename Incus is still carrying out when the create's
+// budget runs out (40 at once take seconds) answers provisioning, and the
+// target is started the moment the rename lands: not at the reconciler's
+// next pass, and not only once the runtime asks again.
+func TestWarmRenameOutlivingTheAnswerStartsTheTarget(t *testing.T) {
+	h := warmHarness(t, 1)
+	cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: 2 * time.Minute,
+		AnswerWithin: 200 * time.Millisecond, MethodBudget: time.Second}
+	svc := mustNew(t, h.client, h.catalog, h.dialer, zaptest.NewLogger(t), cfg)
+	svc.warmHook = func(step string) bool {
+		if step == "rename-sent" {
+			time.Sleep(1500 * time.Millisecond) // past the method's budget
+		}
+		return false
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = svc.Run(ctx)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	h.awaitPool(t, 1)
+	o := owner("rename-outlives")
+	got, err := svc.CreateTarget(ctxT(t), controller.CreateParams{Owner: o, TemplateID: "w"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Phase != controller.PhaseProvisioning || got.TargetID != "" {
+		t.Fatalf("a create whose rename outlived it answered %+v, want provisioning without an id", got)
+	}
+	// Well inside the 2-minute reconcile interval, with gets only (a get
+	// never starts anything).
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		o2, err := svc.GetTarget(ctxT(t), controller.TargetRef{Owner: o})
+		if isActive(o2, err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the handed-out target was not started after its rename landed: %+v, %v", o2, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	h.checkOnePerOwner(t, []controller.Owner{o})
+}
