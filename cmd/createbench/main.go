@@ -60,6 +60,9 @@ func (b *builds) Set(v string) error { *b = append(*b, v); return nil }
 type options struct {
 	socket, image, timeline string
 	owners, burst, pool     int
+	// trace prints every create's and get's answer, for finding where a
+	// burst's time goes.
+	trace bool
 }
 
 func main() {
@@ -70,6 +73,7 @@ func main() {
 	flag.StringVar(&o.image, "image", "lightspeed-dev-guest", "the guest image alias")
 	flag.IntVar(&o.owners, "owners", 20, "owners one at a time, per template")
 	flag.IntVar(&o.burst, "burst", 40, "owners at once, per template")
+	flag.BoolVar(&o.trace, "trace", false, "print each create's and get's answer with its time")
 	flag.IntVar(&o.pool, "pool", 40, "the pooled template's warm (a build that refuses it is given its most, 32)")
 	flag.StringVar(&o.timeline, "timeline", "", "the label of a build whose pool sized by demand is followed through a burst")
 	incusOnly := flag.Bool("incus-only", false, "measure Incus alone, no build")
@@ -160,6 +164,7 @@ type served struct {
 	cmd                *exec.Cmd
 	listen, metrics    string
 	credential, logDir string
+	trace              bool
 }
 
 func freeAddr() (string, error) {
@@ -255,6 +260,12 @@ func (s *served) stop() {
 		_ = s.cmd.Process.Kill()
 		<-done
 	}
+	if s.trace {
+		kept := s.logDir + ".log"
+		if err := os.Rename(filepath.Join(s.logDir, "provider.log"), kept); err == nil {
+			fmt.Fprintf(os.Stderr, "createbench: the provider's log is kept in %s\n", kept)
+		}
+	}
 	_ = os.RemoveAll(s.logDir)
 }
 
@@ -296,6 +307,12 @@ func (s *served) open(ctx context.Context, c *jsonrpc.Client, owner controller.O
 		return 0, 0, false, fmt.Errorf("create: %w", err)
 	}
 	answeredActive = obs.Phase == controller.PhaseActive
+	trace := func(what string, o controller.Observation) {
+		if s.trace {
+			fmt.Fprintf(os.Stderr, "trace %s %6d ms %s %s id=%q %s\n", owner.EnvironmentID, time.Since(began).Milliseconds(), what, o.Phase, o.TargetID, o.Message)
+		}
+	}
+	trace("create", obs)
 	for deadline := time.Now().Add(3 * time.Minute); obs.Phase != controller.PhaseActive; {
 		if obs.Phase != controller.PhaseProvisioning || time.Now().After(deadline) {
 			return 0, 0, false, fmt.Errorf("create of %v observed %s: %s", owner, obs.Phase, obs.Message)
@@ -304,6 +321,7 @@ func (s *served) open(ctx context.Context, c *jsonrpc.Client, owner controller.O
 		if obs, err = call("target/get", controller.TargetParams{Target: controller.TargetRef{Owner: owner}}); err != nil {
 			return 0, 0, false, fmt.Errorf("get: %w", err)
 		}
+		trace("get", obs)
 	}
 	active = time.Since(began)
 	url := "ws://" + s.listen + routes.Path("/routes", routes.Route{Owner: owner, TargetID: obs.TargetID})
@@ -441,6 +459,7 @@ func measureBuild(ctx context.Context, root *incus.Client, o options, label, bin
 		return nil, err
 	}
 	defer s.stop()
+	s.trace = o.trace
 	conns := make([]*jsonrpc.Client, 4)
 	for i := range conns {
 		if conns[i], err = s.connect(ctx); err != nil {
