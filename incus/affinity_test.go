@@ -143,3 +143,53 @@ func TestLockRaceIsAskedAgain(t *testing.T) {
 		t.Fatalf("another 500 was asked again: %d PATCHes, want 5", n)
 	}
 }
+
+// TestCreatesGoToTheirMember: a create placed on one member goes to that
+// member's endpoint (a member handed another's create forwards it, and
+// Incus 6.0.4 leaks an event listener on the other member per forward); a
+// create Incus places, or places within a group, keeps the configured
+// order.
+func TestCreatesGoToTheirMember(t *testing.T) {
+	rg := newRig(t)
+	var mu sync.Mutex
+	urls := map[string]string{}
+	handler := func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case r.Method == http.MethodGet && r.URL.Path == "/1.0/cluster/members":
+			mu.Lock()
+			defer mu.Unlock()
+			writeSync(w, []map[string]any{{"server_name": "m1", "url": urls["m1"], "status": "Online"},
+				{"server_name": "m2", "url": urls["m2"], "status": "Online"}})
+		case r.Method == http.MethodPost && r.URL.Path == "/1.0/instances":
+			_, _ = io.Copy(io.Discard, r.Body)
+			writeAsync(w, map[string]any{"id": "op-1", "status": "Running", "status_code": 103})
+		default:
+			writeError(w, 404, 404, "not found")
+		}
+	}
+	m1, m2 := rg.member(t, handler), rg.member(t, handler)
+	mu.Lock()
+	urls["m1"], urls["m2"] = m1.url(), m2.url()
+	mu.Unlock()
+	c := rg.client(t, []string{m1.url(), m2.url()}, nil)
+	ctx := t.Context()
+	if _, err := c.ListClusterMembers(ctx); err != nil {
+		t.Fatal(err)
+	}
+	create := func(target string) {
+		t.Helper()
+		if _, err := c.CreateInstance(ctx, InstancesPost{Name: "x", Target: target}); err != nil {
+			t.Fatalf("create with target %q: %v", target, err)
+		}
+	}
+	create("m2")
+	if m2.count(http.MethodPost) != 1 || m1.count(http.MethodPost) != 0 {
+		t.Fatalf("a create placed on m2: m1 %v, m2 %v", m1.methods, m2.methods)
+	}
+	create("m1")
+	create("")
+	create("@gpu")
+	if m1.count(http.MethodPost) != 3 || m2.count(http.MethodPost) != 1 {
+		t.Fatalf("creates on m1, placed by Incus and in a group: m1 %v, m2 %v", m1.methods, m2.methods)
+	}
+}

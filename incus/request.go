@@ -160,7 +160,7 @@ func (c *Client) call(ctx context.Context, r request) (*response, error) {
 	} else {
 		picks = c.eps.order(!write && !r.patient)
 		if r.scoped {
-			picks = preferAffine(picks, c.eps.affine(c.project, r.path))
+			picks = preferAffine(picks, c.eps.affineTo(c.project, r))
 		}
 	}
 	// Every pick is settled once: by its attempt's result, as a suspect
