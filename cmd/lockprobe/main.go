@@ -136,7 +136,16 @@ func (m *member) call(ctx context.Context, method, path string, body any) error 
 
 func (m *member) wait(ctx context.Context, operation string) (answer, error) {
 	var op answer
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://incus"+operation+"/wait?timeout=30", nil)
+	// The operation's URL carries its project as a query: /wait goes on
+	// its path, else Incus answers the operation at once and this polls.
+	u, err := url.Parse("http://incus" + operation)
+	if err != nil {
+		return op, err
+	}
+	q := u.Query()
+	q.Set("timeout", "30")
+	u.Path, u.RawQuery = u.Path+"/wait", q.Encode()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
 	if err != nil {
 		return op, err
 	}
