@@ -34,6 +34,12 @@ type inline struct {
 
 	mu   sync.Mutex
 	idle map[string][]*inlineConn // by address; the most recent last
+
+	// readers and writers hold the buffers of connections not in use:
+	// a kept connection waits with none, so a pool as deep as a busy
+	// target needs (a thousand clients at once) costs its sockets, not
+	// 68 KiB of buffers each.
+	readers, writers sync.Pool
 }
 
 // inlineConn is one upstream connection of the inline transport.
@@ -114,6 +120,7 @@ func (t *inline) conn(ctx context.Context, addr string) (*inlineConn, bool, erro
 		default:
 		}
 		t.mu.Unlock()
+		t.buffers(c)
 		return c, true, nil
 	}
 	t.mu.Unlock()
@@ -121,8 +128,8 @@ func (t *inline) conn(ctx context.Context, addr string) (*inlineConn, bool, erro
 	if err != nil {
 		return nil, false, err
 	}
-	lim := &headLimit{conn: conn}
-	c := &inlineConn{t: t, addr: addr, conn: conn, lim: lim, br: bufio.NewReaderSize(lim, t.bufferSize), bw: bufio.NewWriterSize(conn, 4<<10)}
+	c := &inlineConn{t: t, addr: addr, conn: conn, lim: &headLimit{conn: conn}}
+	t.buffers(c)
 	c.done = make(chan struct{}) // never closed, unless the connection says otherwise
 	if d, ok := conn.(interface{ Done() <-chan struct{} }); ok {
 		c.done = d.Done()
@@ -130,14 +137,43 @@ func (t *inline) conn(ctx context.Context, addr string) (*inlineConn, bool, erro
 	return c, false, nil
 }
 
-// put keeps c for the next request to its address, or closes it.
+// buffers gives a connection taken for a request its reader and writer.
+func (t *inline) buffers(c *inlineConn) {
+	if br, ok := t.readers.Get().(*bufio.Reader); ok {
+		br.Reset(c.lim)
+		c.br = br
+	} else {
+		c.br = bufio.NewReaderSize(c.lim, t.bufferSize)
+	}
+	if bw, ok := t.writers.Get().(*bufio.Writer); ok {
+		bw.Reset(c.conn)
+		c.bw = bw
+	} else {
+		c.bw = bufio.NewWriterSize(c.conn, 4<<10)
+	}
+}
+
+// put keeps c for the next request to its address, or closes it. Its
+// buffers go back to the pools: the answer was read to its end, so its
+// reader holds nothing of it, and the request was flushed.
 func (t *inline) put(c *inlineConn) {
+	if c.br.Buffered() > 0 || c.bw.Buffered() > 0 {
+		// Bytes past the answer's end: the guest is out of step with the
+		// requests, and the connection is not reused.
+		_ = c.conn.Close()
+		return
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if len(t.idle[c.addr]) >= t.maxIdlePerHost {
 		_ = c.conn.Close()
 		return
 	}
+	c.br.Reset(nil)
+	c.bw.Reset(nil)
+	t.readers.Put(c.br)
+	t.writers.Put(c.bw)
+	c.br, c.bw = nil, nil
 	if t.idle == nil {
 		t.idle = map[string][]*inlineConn{}
 	}

@@ -318,3 +318,101 @@ func TestAnAppThatNeverAnswersIsGivenUpAtTheHeaderBound(t *testing.T) {
 		r.awaitNoUpstream(t)
 	}
 }
+
+// Many clients at once each keep their upstream connection: the next
+// round of as many requests opens none (with a pool of 8, most of a busy
+// target's requests dialled the guest and closed the connection after).
+func TestManyClientsKeepTheirUpstreamConnections(t *testing.T) {
+	const clients = 64
+	var conns atomic.Int32
+	// A barrier per round: every request waits at the app until all of
+	// the round's are there, so each holds an upstream connection of its
+	// own at once.
+	var mu sync.Mutex
+	arrived, all := 0, make(chan struct{})
+	app := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		mu.Lock()
+		if arrived++; arrived == clients {
+			close(all)
+		}
+		wait := all
+		mu.Unlock()
+		select {
+		case <-wait:
+		case <-time.After(5 * time.Second):
+			http.Error(w, "the round's other requests never came", http.StatusGatewayTimeout)
+			return
+		}
+		_, _ = io.WriteString(w, "ok")
+	}))
+	app.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	app.Start()
+	t.Cleanup(app.Close)
+	r := newEdgeRigTo(t, app.Listener.Addr().String(), 0)
+	tr := &http.Transport{MaxIdleConnsPerHost: clients}
+	t.Cleanup(tr.CloseIdleConnections)
+	client := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+	round := func() {
+		t.Helper()
+		mu.Lock()
+		arrived, all = 0, make(chan struct{})
+		mu.Unlock()
+		var wg sync.WaitGroup
+		errs := make(chan error, clients)
+		for range clients {
+			wg.Go(func() {
+				req, _ := http.NewRequest(http.MethodGet, r.srv.URL+"/", nil)
+				req.Host = r.host()
+				resp, err := client.Do(req)
+				if err != nil {
+					errs <- err
+					return
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusOK {
+					errs <- fmt.Errorf("status %s", resp.Status)
+				}
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+	}
+	round()
+	first := conns.Load()
+	for range 3 {
+		round()
+	}
+	if n := conns.Load(); n != first {
+		t.Fatalf("three more rounds of %d requests opened %d upstream connections more (the first opened %d), want none", clients, n-first, first)
+	}
+}
+
+// An answer followed by bytes it did not announce leaves its connection
+// out of step: it is closed, never kept, and the next request is not
+// answered with the stray bytes.
+func TestStrayBytesAfterAnAnswerEndItsConnection(t *testing.T) {
+	addr := rawApp(t, func(c net.Conn, n int) {
+		br := bufio.NewReader(c)
+		for {
+			if _, err := http.ReadRequest(br); err != nil {
+				return
+			}
+			_, _ = fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nok-%dHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray", n)
+		}
+	})
+	r := newEdgeRigTo(t, addr, 0)
+	for i := range 3 {
+		resp, body := r.get(t, r.host(), "/", nil)
+		if resp.StatusCode != http.StatusOK || body != fmt.Sprintf("ok-%d", i) {
+			t.Fatalf("request %d: %s %q", i, resp.Status, body)
+		}
+	}
+}
