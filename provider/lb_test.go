@@ -54,6 +54,9 @@ type lbRig struct {
 	// scheme is the replicas' and so the balancer's: ws, or wss when they
 	// serve TLS.
 	scheme string
+	// edgeScheme is the edge's: http, or https when the replicas' edges
+	// serve TLS.
+	edgeScheme string
 }
 
 type lbReplica struct {
@@ -85,6 +88,10 @@ type lbOptions struct {
 	// edge: every replica serves the public ingress edge under the one
 	// base URL HAProxy answers (deploy/haproxy/incus-provider-edge.cfg).
 	edge bool
+	// edgeTLS: the edge as with edge, served over TLS by the replicas (the
+	// rig's own certificate, in dir's edge.crt and edge.key) and passed
+	// through by HAProxy (deploy/haproxy/incus-provider-edge-tls.cfg).
+	edgeTLS bool
 }
 
 func newLBRigOpts(t *testing.T, o lbOptions) *lbRig {
@@ -98,6 +105,12 @@ func newLBRigOpts(t *testing.T, o lbOptions) *lbRig {
 		t.Skipf("haproxy is not installed: %v", err)
 	}
 	r := &lbRig{t: t, bin: buildProvider(t), dir: t.TempDir(), client: cl.Client(t), cl: cl, lb: loopback.FreeAddr(t), env: o.env, scheme: "ws"}
+	o.edge = o.edge || o.edgeTLS
+	if o.edgeTLS {
+		r.edgeScheme = "https"
+		r.writeCert("edge")
+		r.env = append(r.env, "PROVIDER_INGRESS_TLS_CERT="+filepath.Join(r.dir, "edge.crt"), "PROVIDER_INGRESS_TLS_KEY="+filepath.Join(r.dir, "edge.key"))
+	}
 	lbConfig := "../deploy/haproxy/incus-provider.cfg"
 	if o.tls {
 		r.scheme, lbConfig = "wss", "../deploy/haproxy/incus-provider-tls.cfg"
@@ -141,7 +154,11 @@ func newLBRigOpts(t *testing.T, o lbOptions) *lbRig {
 	var edgeEnv []string
 	if o.edge {
 		r.edge = loopback.FreeAddr(t)
-		lbArgs = append(lbArgs, "-f", "../deploy/haproxy/incus-provider-edge.cfg")
+		edgeConfig := "../deploy/haproxy/incus-provider-edge.cfg"
+		if o.edgeTLS {
+			edgeConfig = "../deploy/haproxy/incus-provider-edge-tls.cfg"
+		}
+		lbArgs = append(lbArgs, "-f", edgeConfig)
 		edgeEnv = []string{"EDGE_LISTEN=" + r.edge, "REPLICA1_EDGE=" + r.replicas[0].edge, "REPLICA2_EDGE=" + r.replicas[1].edge}
 	}
 	for i := range r.replicas {
@@ -199,7 +216,11 @@ func (r *lbRig) replicaEnv(i int) []string {
 	ingress := []string{"PROVIDER_INGRESS_LISTEN=off"}
 	if rep.edge != "" {
 		_, port, _ := net.SplitHostPort(r.edge)
-		ingress = []string{"PROVIDER_INGRESS_LISTEN=" + rep.edge, "PROVIDER_INGRESS_BASE_URL=http://{label}.localhost:" + port}
+		scheme := r.edgeScheme
+		if scheme == "" {
+			scheme = "http"
+		}
+		ingress = []string{"PROVIDER_INGRESS_LISTEN=" + rep.edge, "PROVIDER_INGRESS_BASE_URL=" + scheme + "://{label}.localhost:" + port}
 	}
 	env := append(childEnv(), ingress...)
 	env = append(env,
