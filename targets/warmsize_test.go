@@ -3,6 +3,7 @@ package targets
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -236,4 +237,105 @@ func runUntilCleanup(t *testing.T, svc *Service) {
 		_ = svc.Run(ctx)
 	}()
 	t.Cleanup(func() { cancel(); <-done })
+}
+
+// TestWarmDemandWithDozensOfOwners, on the real Incus: two replicas with
+// one pool sized by demand (2 to 48) and one clock meet 36 owners at once,
+// split between them at random (the seed is logged), and a third of the
+// owners closed as soon as their create answers, racing the hand-outs and
+// refills. Each replica's size grows with the creates it answered; once a
+// shrink period has passed the pool goes back to 2. Every owner still
+// open holds exactly one instance, every closed one none, and nothing is
+// orphaned or left claimed.
+func TestWarmDemandWithDozensOfOwners(t *testing.T) {
+	client := incustest.Client(t)
+	image := incustest.Image(t)
+	h := &harness{t: t, client: client, dialer: testrig.GuestDialer(t, client), catalog: testrig.Catalog(t, client, image, `templates:
+  - templateId: w
+    displayName: a pool sized by demand
+    powerStates: [running, paused, stopped]
+    imageAlias: {{image}}
+    warm: 2
+    warmMax: 48
+`)}
+	clk := &offsetClock{}
+	var svcs [2]*Service
+	for i := range svcs {
+		cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, WarmStale: 10 * time.Second,
+			WarmMetrics: NewWarmMetrics(prometheus.NewRegistry()), WarmBurstWindow: DefaultWarmShrinkAfter,
+			Replica: fmt.Sprintf("dozens-%d", i)}
+		svcs[i] = mustNew(t, client, h.catalog, h.dialer, zaptest.NewLogger(t), cfg)
+		svcs[i].now = clk.now
+		runUntilCleanup(t, svcs[i])
+	}
+	h.awaitPool(t, 2)
+	seed := time.Now().UnixNano()
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	const n = 36
+	owners := make([]controller.Owner, n)
+	via := make([]int, n)
+	closes := map[int]bool{}
+	for _, i := range rng.Perm(n)[:n/3] {
+		closes[i] = true
+	}
+	var answered [2]int
+	for i := range owners {
+		owners[i] = owner(fmt.Sprintf("dozens-%d", i))
+		via[i] = rng.IntN(2)
+		answered[via[i]]++
+	}
+	var wg sync.WaitGroup
+	for i, o := range owners {
+		svc := svcs[via[i]]
+		wg.Go(func() {
+			p := controller.CreateParams{Owner: o, TemplateID: "w"}
+			got := createUntilID(t, svc, p)
+			if got.TargetID != Name(o) {
+				return // createUntilID reported it
+			}
+			if !closes[i] {
+				return
+			}
+			// Closed at once, by the other replica half of the time.
+			closer := svcs[(via[i]+i)%2]
+			for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+				obs, err := closer.CloseTarget(context.Background(), controller.TargetRef{Owner: o})
+				if err == nil && obs.Phase == controller.PhaseClosed {
+					return
+				}
+				if time.Now().After(deadline) {
+					t.Errorf("owner %d never closed: %+v, %v", i, obs, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	grown := 0
+	for i, svc := range svcs {
+		// Every owner's create counted, a quarter more, within the
+		// minimum and the maximum. A create retried after it failed
+		// (unavailable, its budget spent on a loaded Incus) counts again,
+		// so the size may be larger, never smaller.
+		least := min(max((answered[i]*5+3)/4, 2), 48)
+		w := int(testutil.ToFloat64(svc.cfg.WarmMetrics.wanted.WithLabelValues("w")))
+		if w < least || w > 48 {
+			t.Errorf("replica %d answered %d creates and wants %d spares, want %d to 48", i, answered[i], w, least)
+		}
+		t.Logf("replica %d answered %d creates and wants %d spares", i, answered[i], w)
+		grown = max(grown, w)
+	}
+	var open []controller.Owner
+	for i, o := range owners {
+		if !closes[i] {
+			open = append(open, o)
+		}
+	}
+	// Grown to the larger replica's size (slots are shared names).
+	h.awaitPool(t, grown)
+	h.checkOnePerOwner(t, open)
+	clk.skip(DefaultWarmShrinkAfter + time.Minute)
+	h.awaitPool(t, 2)
+	h.checkOnePerOwner(t, open)
 }
