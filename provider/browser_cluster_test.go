@@ -40,12 +40,10 @@ import (
 //     replica and Incus member path is left; then the member is started
 //     again.
 //
-// A WebSocket held open across a loss is not covered: the dev guest's page
-// opens one WebSocket, sends one message, closes on the echo and never
-// reconnects or counts (internal/devguest/webapp.go, which this test does
-// not change), so nothing in the page could show a connection that
-// reconnected by itself. The page is loaded again instead, as a user's
-// reload or the waking page's own Refresh would.
+// The page's own WebSocket sends one message and closes on the echo, so
+// here the page is loaded again after each loss, as a user's reload or the
+// waking page's own Refresh would; a WebSocket held open across a loss is
+// TestClusterBrowserHoldsAWebSocketThroughALoss's.
 //
 // Screenshots go to $INCUS_PROVIDER_ARTIFACTS (or the test's temporary
 // directory), and their paths are logged.
@@ -285,5 +283,65 @@ func awaitBalancedTo(t *testing.T, r *lbRig, endpoint string, i int) {
 		if time.Now().After(deadline) {
 			t.Fatalf("the balancer sent nothing to replica %s in the 30 s after it was ready", r.replicas[i].id)
 		}
+	}
+}
+
+// TestClusterBrowserHoldsAWebSocketThroughALoss: the dev guest's page in
+// its hold mode keeps a WebSocket open through the balancer to a guest on
+// lsm3 (no replica there), sending a message every 250 ms and opening a
+// new socket 250 ms after one drops. Chromium runs live (the DevTools
+// protocol reads the page's text while it runs). Each replica is killed
+// in turn, and started again before the next: the kill of the replica
+// that carries the socket drops it, and the page's next socket is served
+// by the other, through the balancer, with its echoes flowing again. The
+// socket is on one replica at a time, so of the two kills at least one
+// drops it.
+func TestClusterBrowserHoldsAWebSocketThroughALoss(t *testing.T) {
+	incustest.Cluster(t)
+	needChromium(t, incustest.EnvRequire, incustest.EnvRequireCluster)
+	r := newLBRigOpts(t, lbOptions{edge: true, templates: `  - templateId: hold-lsm3
+    displayName: the dev guest's web app on lsm3
+    powerStates: [running, paused, stopped]
+    publicIngress: true
+    ingressPort: 8080
+    imageAlias: {{image}}
+    placement: lsm3
+`})
+	o := controller.Owner{UniverseID: "u-browser", EnvironmentID: "hold"}
+	rt := r.runningRoute(o, "hold-lsm3")
+	obs, err := r.call(controller.MethodIngressEnsure, controller.TargetParams{Target: controller.TargetRef{Owner: o, TargetID: rt.TargetID}}, 30*time.Second)
+	if err != nil || obs.Ingress == nil {
+		t.Fatalf("ensure: %+v, %v", obs, err)
+	}
+	page := openLivePage(t, obs.Ingress.Endpoint+"/?hold")
+	counts := func(text string) (int, int) {
+		opened, echoes, ok := heldCounts(text)
+		if !ok {
+			return 0, 0
+		}
+		return opened, echoes
+	}
+	page.await(t, "the held socket's first echoes", time.Minute, func(s string) bool {
+		opened, echoes := counts(s)
+		return opened >= 1 && echoes >= 4
+	})
+	for victim := range r.replicas {
+		opened, echoes := counts(page.text(t))
+		r.stop(victim, syscall.SIGKILL)
+		// Either the socket was on the victim, and the page opens another
+		// through the replica left, or it was not, and it goes on: both
+		// show as echoes that keep coming.
+		after := page.await(t, fmt.Sprintf("echoes after replica %s was killed", r.replicas[victim].id), time.Minute, func(s string) bool {
+			_, e := counts(s)
+			return e >= echoes+4
+		})
+		o2, e2 := counts(after)
+		t.Logf("replica %s killed: sockets opened %d → %d, echoes %d → %d", r.replicas[victim].id, opened, o2, echoes, e2)
+		r.start(victim)
+		r.awaitUp(victim)
+		awaitBalancedTo(t, r, obs.Ingress.Endpoint, victim)
+	}
+	if opened, _ := counts(page.text(t)); opened < 2 {
+		t.Fatalf("after both replicas were killed in turn, the page opened %d sockets: the one it held never dropped", opened)
 	}
 }

@@ -27,6 +27,9 @@ const SSEEvents = 3
 // uploads, downloads and redirects.
 //
 //	GET /          the page; its text shows what the stream and the echo delivered
+//	GET /?hold     the page, and a WebSocket it keeps: a message every 250 ms,
+//	               and when it drops, a new one 250 ms later; its text counts
+//	               the sockets opened and the echoes received
 //	GET /events    SSEEvents events "event-1"…, then an event "done"; held open until the client leaves
 //	GET /ws        a WebSocket that echoes every message with "echo: " before it
 //	GET /headers   the request's headers and Host, as JSON
@@ -163,6 +166,22 @@ const ws = new WebSocket((location.protocol === 'https:' ? 'wss://' : 'ws://') +
 ws.onopen = () => ws.send('hello from the browser');
 ws.onmessage = (e) => { wsText.textContent += ' ' + e.data + ' [ws done]'; ws.close(); };
 ws.onerror = () => { wsText.textContent += ' [ws error]'; };
+if (location.search.includes('hold')) {
+  const held = document.createElement('p');
+  held.id = 'held';
+  document.body.appendChild(held);
+  let opened = 0, echoes = 0, sent = 0;
+  const show = () => { held.textContent = 'held: opened ' + opened + ' echoes ' + echoes; };
+  const open = () => {
+    const s = new WebSocket((location.protocol === 'https:' ? 'wss://' : 'ws://') + location.host + '/ws');
+    let timer;
+    s.onopen = () => { opened++; show(); timer = setInterval(() => s.send('held ' + (++sent)), 250); };
+    s.onmessage = () => { echoes++; show(); };
+    s.onclose = () => { clearInterval(timer); setTimeout(open, 250); };
+  };
+  show();
+  open();
+}
 </script>
 </body></html>
 `
