@@ -66,9 +66,12 @@ func (r *edgeRig) awaitNoUpstream(t *testing.T) {
 	}
 }
 
-func TestSmallRequestsShareOneKeptUpstreamConnection(t *testing.T) {
-	var conns atomic.Int32
-	app := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") }))
+// countingApp is a guest app serving h that counts the connections it
+// accepted.
+func countingApp(t *testing.T, h http.HandlerFunc) (addr string, conns *atomic.Int32) {
+	t.Helper()
+	conns = new(atomic.Int32)
+	app := httptest.NewUnstartedServer(h)
 	app.Config.ConnState = func(_ net.Conn, s http.ConnState) {
 		if s == http.StateNew {
 			conns.Add(1)
@@ -76,7 +79,12 @@ func TestSmallRequestsShareOneKeptUpstreamConnection(t *testing.T) {
 	}
 	app.Start()
 	t.Cleanup(app.Close)
-	r := newEdgeRigTo(t, app.Listener.Addr().String(), 0)
+	return app.Listener.Addr().String(), conns
+}
+
+func TestSmallRequestsShareOneKeptUpstreamConnection(t *testing.T) {
+	addr, conns := countingApp(t, func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") })
+	r := newEdgeRigTo(t, addr, 0)
 	for i := range 20 {
 		method := []string{http.MethodGet, http.MethodHead, http.MethodOptions}[i%3]
 		req, _ := http.NewRequest(method, r.srv.URL+"/", nil)
@@ -324,13 +332,12 @@ func TestAnAppThatNeverAnswersIsGivenUpAtTheHeaderBound(t *testing.T) {
 // target's requests dialled the guest and closed the connection after).
 func TestManyClientsKeepTheirUpstreamConnections(t *testing.T) {
 	const clients = 64
-	var conns atomic.Int32
 	// A barrier per round: every request waits at the app until all of
 	// the round's are there, so each holds an upstream connection of its
 	// own at once.
 	var mu sync.Mutex
 	arrived, all := 0, make(chan struct{})
-	app := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+	addr, conns := countingApp(t, func(w http.ResponseWriter, _ *http.Request) {
 		mu.Lock()
 		if arrived++; arrived == clients {
 			close(all)
@@ -344,15 +351,8 @@ func TestManyClientsKeepTheirUpstreamConnections(t *testing.T) {
 			return
 		}
 		_, _ = io.WriteString(w, "ok")
-	}))
-	app.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		if s == http.StateNew {
-			conns.Add(1)
-		}
-	}
-	app.Start()
-	t.Cleanup(app.Close)
-	r := newEdgeRigTo(t, app.Listener.Addr().String(), 0)
+	})
+	r := newEdgeRigTo(t, addr, 0)
 	tr := &http.Transport{MaxIdleConnsPerHost: clients}
 	t.Cleanup(tr.CloseIdleConnections)
 	client := &http.Client{Transport: tr, Timeout: 10 * time.Second}

@@ -53,27 +53,13 @@ func TestClusterBrowserThroughTheBalancer(t *testing.T) {
 	// fails the test when either require variable is set.
 	incustest.Cluster(t)
 	needChromium(t, incustest.EnvRequire, incustest.EnvRequireCluster)
-	r := newLBRigOpts(t, lbOptions{edge: true, templates: `  - templateId: browser-lsm3
-    displayName: the dev guest's web app on lsm3
-    powerStates: [running, paused, stopped]
-    publicIngress: true
-    ingressPort: 8080
-    imageAlias: {{image}}
-    placement: lsm3
-`})
+	r := newLBRigOpts(t, lbOptions{edge: true, templates: webOnLsm3})
 	for _, rep := range r.replicas {
 		if rep.member == "lsm3" {
 			t.Fatalf("replica %s runs on lsm3, the guest's member", rep.id)
 		}
 	}
-	o := controller.Owner{UniverseID: "u-browser", EnvironmentID: "web"}
-	rt := r.runningRoute(o, "browser-lsm3")
-	ref := controller.TargetParams{Target: controller.TargetRef{Owner: o, TargetID: rt.TargetID}}
-	obs, err := r.call(controller.MethodIngressEnsure, ref, 30*time.Second)
-	if err != nil || obs.Ingress == nil {
-		t.Fatalf("ensure: %+v, %v", obs, err)
-	}
-	endpoint := obs.Ingress.Endpoint
+	ref, endpoint := r.ingressOnLsm3(controller.Owner{UniverseID: "u-browser", EnvironmentID: "web"})
 	if u, err := url.Parse(endpoint); err != nil || !strings.HasSuffix(u.Host, ":"+portOf(t, r.edge)) {
 		t.Fatalf("the endpoint %s is not the balancer's edge %s", endpoint, r.edge)
 	}
@@ -81,7 +67,7 @@ func TestClusterBrowserThroughTheBalancer(t *testing.T) {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		inst, _, err := r.client.GetInstance(ctx, rt.TargetID)
+		inst, _, err := r.client.GetInstance(ctx, ref.Target.TargetID)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -190,7 +176,7 @@ func TestClusterBrowserThroughTheBalancer(t *testing.T) {
 	if _, err := r.call(controller.MethodTargetSet, controller.SetPowerParams{Target: ref.Target, Power: controller.PowerStopped}, 30*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	r.until(o, "stopped", 60*time.Second, func(o controller.Observation) bool {
+	r.until(ref.Target.Owner, "stopped", 60*time.Second, func(o controller.Observation) bool {
 		return o.Phase == controller.PhaseActive && o.Power == controller.PowerStopped && o.Message == ""
 	})
 	if inst := instance(); inst.Status != incus.InstanceStopped || inst.Config["user.lightspeed.power_by"] != "setPower" {
@@ -299,21 +285,9 @@ func awaitBalancedTo(t *testing.T, r *lbRig, endpoint string, i int) {
 func TestClusterBrowserHoldsAWebSocketThroughALoss(t *testing.T) {
 	incustest.Cluster(t)
 	needChromium(t, incustest.EnvRequire, incustest.EnvRequireCluster)
-	r := newLBRigOpts(t, lbOptions{edge: true, templates: `  - templateId: hold-lsm3
-    displayName: the dev guest's web app on lsm3
-    powerStates: [running, paused, stopped]
-    publicIngress: true
-    ingressPort: 8080
-    imageAlias: {{image}}
-    placement: lsm3
-`})
-	o := controller.Owner{UniverseID: "u-browser", EnvironmentID: "hold"}
-	rt := r.runningRoute(o, "hold-lsm3")
-	obs, err := r.call(controller.MethodIngressEnsure, controller.TargetParams{Target: controller.TargetRef{Owner: o, TargetID: rt.TargetID}}, 30*time.Second)
-	if err != nil || obs.Ingress == nil {
-		t.Fatalf("ensure: %+v, %v", obs, err)
-	}
-	page := openLivePage(t, obs.Ingress.Endpoint+"/?hold")
+	r := newLBRigOpts(t, lbOptions{edge: true, templates: webOnLsm3})
+	_, endpoint := r.ingressOnLsm3(controller.Owner{UniverseID: "u-browser", EnvironmentID: "hold"})
+	page := openLivePage(t, endpoint+"/?hold")
 	counts := func(text string) (int, int) {
 		opened, echoes, ok := heldCounts(text)
 		if !ok {
@@ -339,7 +313,7 @@ func TestClusterBrowserHoldsAWebSocketThroughALoss(t *testing.T) {
 		t.Logf("replica %s killed: sockets opened %d → %d, echoes %d → %d", r.replicas[victim].id, opened, o2, echoes, e2)
 		r.start(victim)
 		r.awaitUp(victim)
-		awaitBalancedTo(t, r, obs.Ingress.Endpoint, victim)
+		awaitBalancedTo(t, r, endpoint, victim)
 	}
 	if opened, _ := counts(page.text(t)); opened < 2 {
 		t.Fatalf("after both replicas were killed in turn, the page opened %d sockets: the one it held never dropped", opened)

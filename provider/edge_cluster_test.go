@@ -23,22 +23,8 @@ import (
 // that a loaded machine cannot fail it and the old index, which waited for
 // a pass, does.
 func TestClusterEdgeThroughTheBalancer(t *testing.T) {
-	r := newLBRigOpts(t, lbOptions{edge: true, env: []string{"PROVIDER_RECONCILE_INTERVAL=1h"}, templates: `  - templateId: web-lsm3
-    displayName: the dev guest's web app on lsm3
-    powerStates: [running, paused, stopped]
-    publicIngress: true
-    ingressPort: 8080
-    imageAlias: {{image}}
-    placement: lsm3
-`})
-	o := controller.Owner{UniverseID: "u-edge", EnvironmentID: "web"}
-	rt := r.runningRoute(o, "web-lsm3")
-	ref := controller.TargetParams{Target: controller.TargetRef{Owner: o, TargetID: rt.TargetID}}
-	obs, err := r.call(controller.MethodIngressEnsure, ref, 30*time.Second)
-	if err != nil || obs.Ingress == nil {
-		t.Fatalf("ensure: %+v, %v", obs, err)
-	}
-	endpoint := obs.Ingress.Endpoint
+	r := newLBRigOpts(t, lbOptions{edge: true, env: []string{"PROVIDER_RECONCILE_INTERVAL=1h"}, templates: webOnLsm3})
+	ref, endpoint := r.ingressOnLsm3(controller.Owner{UniverseID: "u-edge", EnvironmentID: "web"})
 	u, err := url.Parse(endpoint)
 	if err != nil {
 		t.Fatal(err)
@@ -109,6 +95,30 @@ func TestClusterEdgeThroughTheBalancer(t *testing.T) {
 		t.Fatal(err)
 	}
 	gone("close")
+}
+
+// webOnLsm3 is a template of the dev guest's web app on lsm3, the member no
+// replica of the rig runs on.
+const webOnLsm3 = `  - templateId: web-lsm3
+    displayName: the dev guest's web app on lsm3
+    powerStates: [running, paused, stopped]
+    publicIngress: true
+    ingressPort: 8080
+    imageAlias: {{image}}
+    placement: lsm3
+`
+
+// ingressOnLsm3 creates o's target from webOnLsm3, waits until it runs and
+// routes public ingress to it: its reference and its endpoint.
+func (r *lbRig) ingressOnLsm3(o controller.Owner) (controller.TargetParams, string) {
+	r.t.Helper()
+	rt := r.runningRoute(o, "web-lsm3")
+	ref := controller.TargetParams{Target: controller.TargetRef{Owner: o, TargetID: rt.TargetID}}
+	obs, err := r.call(controller.MethodIngressEnsure, ref, 30*time.Second)
+	if err != nil || obs.Ingress == nil {
+		r.t.Fatalf("ensure: %+v, %v", obs, err)
+	}
+	return ref, obs.Ingress.Endpoint
 }
 
 func portOf(t *testing.T, addr string) string {

@@ -24,22 +24,8 @@ import (
 // HTTP/2, and takes a WebSocket over TLS (HTTP/1.1, as browsers open one
 // where the server offers no WebSocket over HTTP/2).
 func TestClusterEdgeTLSThroughTheBalancer(t *testing.T) {
-	r := newLBRigOpts(t, lbOptions{edgeTLS: true, templates: `  - templateId: web-lsm3
-    displayName: the dev guest's web app on lsm3
-    powerStates: [running, paused, stopped]
-    publicIngress: true
-    ingressPort: 8080
-    imageAlias: {{image}}
-    placement: lsm3
-`})
-	o := controller.Owner{UniverseID: "u-edge-tls", EnvironmentID: "web"}
-	rt := r.runningRoute(o, "web-lsm3")
-	ref := controller.TargetParams{Target: controller.TargetRef{Owner: o, TargetID: rt.TargetID}}
-	obs, err := r.call(controller.MethodIngressEnsure, ref, 30*time.Second)
-	if err != nil || obs.Ingress == nil {
-		t.Fatalf("ensure: %+v, %v", obs, err)
-	}
-	endpoint := obs.Ingress.Endpoint
+	r := newLBRigOpts(t, lbOptions{edgeTLS: true, templates: webOnLsm3})
+	_, endpoint := r.ingressOnLsm3(controller.Owner{UniverseID: "u-edge-tls", EnvironmentID: "web"})
 	u, err := url.Parse(endpoint)
 	if err != nil {
 		t.Fatal(err)

@@ -721,13 +721,7 @@ func TestWarmRenameOutlivingTheAnswerStartsTheTarget(t *testing.T) {
 		}
 		return false
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = svc.Run(ctx)
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	runUntilCleanup(t, svc)
 	h.awaitPool(t, 1)
 	o := owner("rename-outlives")
 	got, err := svc.CreateTarget(ctxT(t), controller.CreateParams{Owner: o, TemplateID: "w"})

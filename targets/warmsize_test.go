@@ -106,17 +106,25 @@ func (c *offsetClock) skip(d time.Duration) { c.by.Add(int64(d)) }
 // passed without a burst (the service's clock moved forward), goes back
 // to 1. The window is the shrink period, so that both bursts fall in it
 // however slow the machine. Every owner holds one instance throughout.
-func TestWarmPoolFollowsDemand(t *testing.T) {
+// demandHarness is a harness whose template w keeps a pool sized by
+// demand, from warm to warmMax.
+func demandHarness(t *testing.T, warm, warmMax int) *harness {
+	t.Helper()
 	client := incustest.Client(t)
 	image := incustest.Image(t)
-	h := &harness{t: t, client: client, dialer: testrig.GuestDialer(t, client), catalog: testrig.Catalog(t, client, image, `templates:
+	return &harness{t: t, client: client, dialer: testrig.GuestDialer(t, client), catalog: testrig.Catalog(t, client, image, fmt.Sprintf(`templates:
   - templateId: w
     displayName: a pool sized by demand
     powerStates: [running, paused, stopped]
     imageAlias: {{image}}
-    warm: 1
-    warmMax: 6
-`)}
+    warm: %d
+    warmMax: %d
+`, warm, warmMax))}
+}
+
+func TestWarmPoolFollowsDemand(t *testing.T) {
+	h := demandHarness(t, 1, 6)
+	client := h.client
 	reg := prometheus.NewRegistry()
 	clk := &offsetClock{}
 	cfg := Config{GracefulStop: 2 * time.Second, ReconcileInterval: time.Second, WarmStale: 3 * time.Second, WarmMetrics: NewWarmMetrics(reg),
@@ -248,16 +256,8 @@ func runUntilCleanup(t *testing.T, svc *Service) {
 // open holds exactly one instance, every closed one none, and nothing is
 // orphaned or left claimed.
 func TestWarmDemandWithDozensOfOwners(t *testing.T) {
-	client := incustest.Client(t)
-	image := incustest.Image(t)
-	h := &harness{t: t, client: client, dialer: testrig.GuestDialer(t, client), catalog: testrig.Catalog(t, client, image, `templates:
-  - templateId: w
-    displayName: a pool sized by demand
-    powerStates: [running, paused, stopped]
-    imageAlias: {{image}}
-    warm: 2
-    warmMax: 48
-`)}
+	h := demandHarness(t, 2, 48)
+	client := h.client
 	clk := &offsetClock{}
 	var svcs [2]*Service
 	for i := range svcs {
