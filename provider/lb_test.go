@@ -288,8 +288,14 @@ func (r *lbRig) connect(ctx context.Context) (*jsonrpc.Client, error) {
 
 // connectWith is connect presenting secret as the credential.
 func (r *lbRig) connectWith(ctx context.Context, secret string) (*jsonrpc.Client, error) {
+	return r.connectTo(ctx, r.lb, secret)
+}
+
+// connectTo opens a controller connection to addr: the balancer, or one
+// replica.
+func (r *lbRig) connectTo(ctx context.Context, addr, secret string) (*jsonrpc.Client, error) {
 	d := websocket.Dialer{HandshakeTimeout: 5 * time.Second, TLSClientConfig: rigTLS}
-	ws, resp, err := d.DialContext(ctx, r.scheme+"://"+r.lb+"/control", http.Header{"Authorization": {"Bearer " + secret}})
+	ws, resp, err := d.DialContext(ctx, r.scheme+"://"+addr+"/control", http.Header{"Authorization": {"Bearer " + secret}})
 	if resp != nil && resp.Body != nil {
 		_ = resp.Body.Close()
 	}
@@ -309,10 +315,15 @@ func (r *lbRig) connectWith(ctx context.Context, secret string) (*jsonrpc.Client
 // what a client retries (unavailable, a connection that broke) for up to
 // most.
 func (r *lbRig) call(method string, params any, most time.Duration) (controller.Observation, error) {
+	return r.callAt(r.lb, method, params, most)
+}
+
+// callAt is call on a connection to addr: the balancer, or one replica.
+func (r *lbRig) callAt(addr, method string, params any, most time.Duration) (controller.Observation, error) {
 	deadline := time.Now().Add(most)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		c, err := r.connect(ctx)
+		c, err := r.connectTo(ctx, addr, credential)
 		var o controller.Observation
 		if err == nil {
 			o, err = callOn(c, method, params)

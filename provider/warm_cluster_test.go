@@ -3,8 +3,12 @@ package provider_test
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"regexp"
+	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -138,5 +142,205 @@ func TestClusterWarmPoolFollowsDemand(t *testing.T) {
 		if byName[targets.Name(o)] != 1 {
 			t.Errorf("owner %v has %d instances", o, byName[targets.Name(o)])
 		}
+	}
+}
+
+// TestClusterWarmRacesAndAKill: two replicas and a pool of 6 on the rig.
+// Every one of 16 owners is created through both replicas at once (two
+// replicas claiming for one owner, and, with 16 owners for 6 spares, two
+// owners for one spare), a quarter of them closed through the other
+// replica as soon as a create answers an id (a close racing a claim), and
+// one replica is killed (SIGKILL) once a third of the owners have an
+// answer, then started again. Afterwards, in Incus: every open owner holds
+// exactly one instance, with its metadata; a closed one holds none; no
+// spare is left claimed; nothing else is there.
+func TestClusterWarmRacesAndAKill(t *testing.T) {
+	// Placed on a member, so that each create goes to that member's
+	// endpoint: creates Incus forwards leave it slower with each (see
+	// docs/instant-handouts.md), which over a run of the suite turns a
+	// bounded wait here into a race with the rig's own decay.
+	r := newLBRigOpts(t, lbOptions{templates: `  - templateId: pooled
+    displayName: a pool of 6 on lsm2
+    powerStates: [running, paused, stopped]
+    imageAlias: {{image}}
+    placement: lsm2
+    warm: 6
+`})
+	list := func() []incus.Instance {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		l, err := r.client.ListInstances(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	await := func(what string, within time.Duration, cond func([]incus.Instance) bool) {
+		t.Helper()
+		for deadline := time.Now().Add(within); ; time.Sleep(200 * time.Millisecond) {
+			if cond(list()) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within %s", what, within)
+			}
+		}
+	}
+	readySpares := func(l []incus.Instance) (ready, claimed int) {
+		for _, i := range l {
+			if !strings.HasPrefix(i.Name, "warm-") {
+				continue
+			}
+			switch {
+			case i.Config["user.lightspeed.warm_claim"] != "":
+				claimed++
+			case i.Config["user.lightspeed.warm_ready_ms"] != "":
+				ready++
+			}
+		}
+		return ready, claimed
+	}
+	await("the pool held 6 ready spares", 2*time.Minute, func(l []incus.Instance) bool { ready, _ := readySpares(l); return ready == 6 })
+
+	seed := time.Now().UnixNano()
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	const n = 16
+	owners := make([]controller.Owner, n)
+	closes := map[int]bool{}
+	for _, i := range rng.Perm(n)[:n/4] {
+		closes[i] = true
+	}
+	closeVia := make([]int, n)
+	for i := range closeVia {
+		closeVia[i] = rng.IntN(2)
+	}
+	var answered atomic.Int32
+	killed := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range owners {
+		owners[i] = controller.Owner{UniverseID: "u-warm-races", EnvironmentID: fmt.Sprintf("owner-%d", i)}
+		o := owners[i]
+		ids := make([]string, 2)
+		var inner sync.WaitGroup
+		for via := range r.replicas {
+			inner.Go(func() {
+				// Retried as a runtime does: unavailable, a connection that
+				// broke (the killed replica), and an answer without an id.
+				for deadline := time.Now().Add(3 * time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+					obs, err := r.callAt(r.replicas[via].addr, "target/create", controller.CreateParams{Owner: o, TemplateID: "pooled"}, 5*time.Second)
+					if err == nil && obs.TargetID != "" {
+						ids[via] = obs.TargetID
+						return
+					}
+				}
+				t.Errorf("owner %d: its create through replica %d never answered an id", i, via)
+			})
+		}
+		wg.Go(func() {
+			inner.Wait()
+			if ids[0] != ids[1] {
+				t.Errorf("owner %d: the replicas answered two targets, %q and %q", i, ids[0], ids[1])
+			}
+			if answered.Add(1) == n/3 {
+				close(killed)
+			}
+			if !closes[i] {
+				return
+			}
+			via := closeVia[i]
+			for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
+				obs, err := r.callAt(r.replicas[via].addr, "target/close", controller.TargetParams{Target: controller.TargetRef{Owner: o}}, 5*time.Second)
+				if err == nil && obs.Phase == controller.PhaseClosed {
+					return
+				}
+				if time.Now().After(deadline) {
+					t.Errorf("owner %d never closed: %+v, %v", i, obs, err)
+					return
+				}
+			}
+		})
+	}
+	select {
+	case <-killed:
+	case <-time.After(3 * time.Minute):
+		t.Fatal("a third of the owners never had an answer")
+	}
+	r.stop(1, syscall.SIGKILL)
+	t.Logf("replica %s killed after %d owners had an answer", r.replicas[1].id, answered.Load())
+	r.start(1)
+	r.awaitUp(1)
+	began := time.Now()
+	wg.Wait()
+	t.Logf("every create and close answered %s after the kill", time.Since(began).Round(time.Millisecond))
+	if t.Failed() {
+		return
+	}
+	for i, o := range owners {
+		if !closes[i] {
+			r.until(o, "active", 2*time.Minute, func(ob controller.Observation) bool { return ob.Phase == controller.PhaseActive })
+		}
+	}
+	// Claims a killed replica left are settled by the survivors' surveys.
+	await("no spare left claimed", 2*time.Minute, func(l []incus.Instance) bool { _, claimed := readySpares(l); return claimed == 0 })
+	// A hand-out whose claim this replica's cache had not heard of yet
+	// when it answered a close can land after it: the replica that
+	// answered closed closes what appears under the name (targets,
+	// closed.go). Awaited, and counted.
+	late := map[string]bool{}
+	await("closed owners hold nothing", 2*time.Minute, func(l []incus.Instance) bool {
+		held := map[string]bool{}
+		for _, inst := range l {
+			held[inst.Name] = true
+		}
+		for i, o := range owners {
+			if closes[i] && held[targets.Name(o)] {
+				late[targets.Name(o)] = true
+				return false
+			}
+		}
+		return true
+	})
+	t.Logf("settled %s after the kill", time.Since(began).Round(time.Millisecond))
+	if len(late) > 0 {
+		t.Logf("%d closed owners' names held an instance after the close was answered; each was closed by the replica that answered", len(late))
+	}
+	byName := map[string][]incus.Instance{}
+	for _, inst := range list() {
+		if strings.HasPrefix(inst.Name, "warm-") {
+			continue
+		}
+		byName[inst.Name] = append(byName[inst.Name], inst)
+	}
+	// A hand-out leaves its claim on the target as its record: the races
+	// above were races for spares only if some owners got one.
+	fromPool := 0
+	for _, insts := range byName {
+		for _, inst := range insts {
+			if inst.Config["user.lightspeed.warm_claim"] != "" {
+				fromPool++
+			}
+		}
+	}
+	t.Logf("%d of the %d open owners' targets came from the pool", fromPool, n-len(closes))
+	if fromPool == 0 {
+		t.Error("no open owner's target came from the pool: the test raced no claims")
+	}
+	for i, o := range owners {
+		name := targets.Name(o)
+		got := byName[name]
+		delete(byName, name)
+		switch {
+		case closes[i] && len(got) != 0:
+			t.Errorf("owner %d was closed and still holds %s", i, name)
+		case !closes[i] && len(got) != 1:
+			t.Errorf("owner %d holds %d instances", i, len(got))
+		case !closes[i] && (got[0].Config["user.lightspeed.environment"] != o.EnvironmentID):
+			t.Errorf("owner %d's instance carries %v", i, got[0].Config)
+		}
+	}
+	for name := range byName {
+		t.Errorf("instance %s is no owner's and no spare (an orphan)", name)
 	}
 }

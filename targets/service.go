@@ -1043,6 +1043,13 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		return s.observe(&recorded, ref.Owner), nil
 	}
 	if after == nil {
+		// Gone: closed, unless another create or hand-out is still on its
+		// way to the name (another replica's, which lost the name to the
+		// target just deleted and would now win it).
+		if pending, perr := s.arriving(ctx, name); perr != nil || pending {
+			return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
+				Message: "Waiting for a create of this target under way in Incus to end, to close what it leaves."}, nil
+		}
 		s.closed.note(name, s.now())
 		return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
@@ -1063,14 +1070,71 @@ func (s *Service) createPending(ctx context.Context, name string) (bool, error) 
 // is read again, which closes the gap in which a create finishes between
 // the first read and the listing.
 func (s *Service) arriving(ctx context.Context, name string) (bool, error) {
-	if pending, err := s.createPending(ctx, name); err != nil || pending {
-		return pending, err
+	ops, err := s.incus.ListOperations(ctx)
+	if err != nil {
+		return false, err
+	}
+	if opOn(ops, name) != nil {
+		return true, nil
 	}
 	if claimed, err := s.handoutPending(ctx, name); err != nil || claimed {
 		return claimed, err
 	}
+	if claimed, err := s.claimInFlight(ctx, ops, name); err != nil || claimed {
+		return claimed, err
+	}
 	again, err := s.lookup(ctx, name)
 	return again != nil, err
+}
+
+// claimInFlight says a warm instance with an Incus task under way (a
+// staged create, a spare's create, a hand-out's rename) is claimed for
+// name, or cannot be read. The observation cache hears of an instance
+// another replica is creating only once Incus tells, which can be after
+// its create has run for seconds; a close that answered closed meanwhile
+// would have the claim's rename land a target under a name answered
+// closed, which only the answering process's memory closes (closed.go)
+// and which a kill of that process would leave running (found by
+// TestClusterWarmRacesAndAKill). The tasks are few, so each such instance
+// is read from Incus: one whose record does not exist yet counts as
+// claimed, since it may be.
+func (s *Service) claimInFlight(ctx context.Context, ops []incus.Operation, name string) (bool, error) {
+	if !s.poolsOffered() && !s.stagesCreates() {
+		return false, nil
+	}
+	seen := map[string]bool{}
+	for _, op := range ops {
+		if op.Held() {
+			continue
+		}
+		for _, urls := range op.Resources {
+			for _, u := range urls {
+				wn, ok := strings.CutPrefix(u, "/1.0/instances/")
+				if !ok {
+					continue
+				}
+				wn, _, _ = strings.Cut(wn, "?")
+				if !isWarmName(wn) || seen[wn] {
+					continue
+				}
+				seen[wn] = true
+				w, _, err := s.incus.GetInstance(ctx, wn)
+				switch {
+				case errors.Is(err, incus.ErrNotFound):
+					// Not recorded yet (a create that has not written its
+					// record may carry a claim for name), or renamed or
+					// deleted a moment ago: either way the close answers
+					// closing, and the runtime asks again.
+					return true, nil
+				case err != nil:
+					return false, err
+				case claimOf(w) == name:
+					return true, nil
+				}
+			}
+		}
+	}
+	return false, nil
 }
 
 // operationOn is an unfinished Incus task on the named instance, if any.
@@ -1081,6 +1145,11 @@ func (s *Service) operationOn(ctx context.Context, name string) (*incus.Operatio
 	if err != nil {
 		return nil, err
 	}
+	return opOn(ops, name), nil
+}
+
+// opOn is the unfinished task of ops on the named instance, if any.
+func opOn(ops []incus.Operation, name string) *incus.Operation {
 	want := "/1.0/instances/" + name
 	for i, op := range ops { // ListOperations lists unfinished ones only
 		if op.Held() {
@@ -1089,12 +1158,12 @@ func (s *Service) operationOn(ctx context.Context, name string) (*incus.Operatio
 		for _, urls := range op.Resources {
 			for _, u := range urls {
 				if u == want || (len(u) > len(want) && u[:len(want)+1] == want+"?") {
-					return &ops[i], nil
+					return &ops[i]
 				}
 			}
 		}
 	}
-	return nil, nil
+	return nil
 }
 
 // settle waits, within ctx, until no Incus operation holds the instance
