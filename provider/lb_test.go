@@ -281,12 +281,8 @@ func (r *lbRig) awaitUp(i int) {
 	}
 }
 
-// connect opens a controller connection through the load balancer.
-func (r *lbRig) connect(ctx context.Context) (*jsonrpc.Client, error) {
-	return r.connectWith(ctx, credential)
-}
-
-// connectWith is connect presenting secret as the credential.
+// connectWith opens a controller connection through the load balancer,
+// presenting secret as the credential.
 func (r *lbRig) connectWith(ctx context.Context, secret string) (*jsonrpc.Client, error) {
 	return r.connectTo(ctx, r.lb, secret)
 }
