@@ -1089,15 +1089,14 @@ func (s *Service) arriving(ctx context.Context, name string) (bool, error) {
 
 // claimInFlight says a warm instance with an Incus task under way (a
 // staged create, a spare's create, a hand-out's rename) is claimed for
-// name, or cannot be read. The observation cache hears of an instance
+// name. The observation cache hears of an instance
 // another replica is creating only once Incus tells, which can be after
 // its create has run for seconds; a close that answered closed meanwhile
 // would have the claim's rename land a target under a name answered
 // closed, which only the answering process's memory closes (closed.go)
 // and which a kill of that process would leave running (found by
 // TestClusterWarmRacesAndAKill). The tasks are few, so each such instance
-// is read from Incus: one whose record does not exist yet counts as
-// claimed, since it may be.
+// is read from Incus.
 func (s *Service) claimInFlight(ctx context.Context, ops []incus.Operation, name string) (bool, error) {
 	if !s.poolsOffered() && !s.stagesCreates() {
 		return false, nil
@@ -1121,11 +1120,18 @@ func (s *Service) claimInFlight(ctx context.Context, ops []incus.Operation, name
 				w, _, err := s.incus.GetInstance(ctx, wn)
 				switch {
 				case errors.Is(err, incus.ErrNotFound):
-					// Not recorded yet (a create that has not written its
-					// record may carry a claim for name), or renamed or
-					// deleted a moment ago: either way the close answers
-					// closing, and the runtime asks again.
-					return true, nil
+					// Renamed or deleted a moment ago, or a create that has
+					// not written its record yet, which Incus does only
+					// after the image's first unpack into the pool (many
+					// seconds for a large image). Only a staged create is
+					// created with a claim (a pool slot is claimed by a
+					// write to its record), and its name carries a tag of
+					// its owner's: one that may be this owner's counts as
+					// claimed. Counting every one held closes of owners
+					// with nothing for all of a first unpack.
+					if stagedFor(wn, name) {
+						return true, nil
+					}
 				case err != nil:
 					return false, err
 				case claimOf(w) == name:

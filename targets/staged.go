@@ -3,8 +3,10 @@ package targets
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"maps"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -44,12 +46,40 @@ func (s *Service) stagesCreates() bool {
 	return s.warm.seen
 }
 
-// stagingName is a name for one staged create: in the pool's name space
-// (Name never produces it) and never a slot's.
-func stagingName(templateID string) string {
-	var b [5]byte
+// stagingName is a name for one staged create for the owner's name: in
+// the pool's name space (Name never produces it), never a slot's, and
+// carrying a tag of the owner's name (stagedFor) before random digits, so
+// that a close can tell a staged create that may be its owner's while
+// Incus has not written its record yet.
+func stagingName(templateID, name string) string {
+	var b [2]byte
 	_, _ = rand.Read(b[:])
-	return warmStem(templateID) + "-s" + hex.EncodeToString(b[:])
+	return warmStem(templateID) + "-s" + ownerTag(name) + hex.EncodeToString(b[:])
+}
+
+// ownerTag is 6 hex digits of the owner's name's digest: two owners share
+// one in 16 million, which costs a close a wait, never a wrong answer.
+func ownerTag(name string) string {
+	h := sha256.Sum256([]byte("lightspeed/staging/" + name))
+	return hex.EncodeToString(h[:3])
+}
+
+// isStagingName says a name is a staged create's (see stagingName).
+func isStagingName(name string) bool {
+	rest, ok := strings.CutPrefix(name, warmPrefix)
+	if !ok || len(rest) < 14 {
+		return false
+	}
+	return strings.HasPrefix(rest[12:], "-s")
+}
+
+// stagedFor says a staging name may be a staged create for name.
+func stagedFor(wn, name string) bool {
+	if !isStagingName(wn) {
+		return false
+	}
+	rest := wn[len(warmPrefix)+12+2:]
+	return strings.HasPrefix(rest, ownerTag(name))
 }
 
 // createStaged answers the create of a new owner while pools exist (see
@@ -60,7 +90,7 @@ func (s *Service) createStaged(ctx context.Context, name string, p controller.Cr
 	if err != nil {
 		return controller.Observation{}, err
 	}
-	wn := stagingName(tmpl.Wire.TemplateID)
+	wn := stagingName(tmpl.Wire.TemplateID, name)
 	req.Name, req.Start = wn, false
 	maps.Copy(req.Config, change{keys: fWarmClaim | fWarmClaimAt, to: record{WarmClaim: name, WarmClaimAt: s.now()}}.config())
 	// This process renames it itself, and its survey must not.

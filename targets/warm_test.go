@@ -746,3 +746,20 @@ func TestWarmRenameOutlivingTheAnswerStartsTheTarget(t *testing.T) {
 	}
 	h.checkOnePerOwner(t, []controller.Owner{o})
 }
+
+func TestStagingNamesAreNoSlots(t *testing.T) {
+	for _, id := range []string{"t1", "dev-small", ""} {
+		a, b := Name(owner("a")), Name(owner("b"))
+		if n := stagingName(id, a); !isStagingName(n) || !isWarmName(n) || !stagedFor(n, a) || stagedFor(n, b) || len(n) > 63 {
+			t.Fatalf("staging name %q for %s: not taken for one, or for another owner's", n, a)
+		}
+		for slot := range templates.MaxWarm {
+			if n := warmName(id, slot); isStagingName(n) {
+				t.Fatalf("slot %q taken for a staging name", n)
+			}
+		}
+	}
+	if isStagingName(Name(owner("a"))) {
+		t.Fatal("an owner's name taken for a staging name")
+	}
+}
