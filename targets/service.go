@@ -1098,7 +1098,7 @@ func (s *Service) arriving(ctx context.Context, name string) (bool, error) {
 // TestClusterWarmRacesAndAKill). The tasks are few, so each such instance
 // is read from Incus.
 func (s *Service) claimInFlight(ctx context.Context, ops []incus.Operation, name string) (bool, error) {
-	if !s.poolsOffered() && !s.stagesCreates() {
+	if !s.stagesCreates() { // no pool in the catalog, and none seen in Incus
 		return false, nil
 	}
 	seen := map[string]bool{}
