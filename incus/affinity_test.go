@@ -9,11 +9,11 @@ import (
 	"testing"
 )
 
-// TestCallsGoToTheHoldingMember: once the client knows which member holds
-// an instance and which endpoint is that member, calls about the instance
-// go there first; with that endpoint down they fail over as before, and
-// calls about other instances keep the configured order.
-func TestCallsGoToTheHoldingMember(t *testing.T) {
+// twoMembers is a client of two members, m1 and m2, that answer their
+// cluster's member list and what serve answers (true), 404 otherwise; the
+// client has learnt which endpoint is which member.
+func twoMembers(t *testing.T, serve func(w http.ResponseWriter, r *http.Request) bool) (m1, m2 *member, c *watched) {
+	t.Helper()
 	rg := newRig(t)
 	var mu sync.Mutex
 	urls := map[string]string{}
@@ -24,6 +24,29 @@ func TestCallsGoToTheHoldingMember(t *testing.T) {
 			defer mu.Unlock()
 			writeSync(w, []map[string]any{{"server_name": "m1", "url": urls["m1"], "status": "Online"},
 				{"server_name": "m2", "url": urls["m2"], "status": "Online"}})
+		case serve(w, r):
+		default:
+			writeError(w, 404, 404, "not found")
+		}
+	}
+	m1, m2 = rg.member(t, handler), rg.member(t, handler)
+	mu.Lock()
+	urls["m1"], urls["m2"] = m1.url(), m2.url()
+	mu.Unlock()
+	c = rg.client(t, []string{m1.url(), m2.url()}, nil)
+	if _, err := c.ListClusterMembers(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return m1, m2, c
+}
+
+// TestCallsGoToTheHoldingMember: once the client knows which member holds
+// an instance and which endpoint is that member, calls about the instance
+// go there first; with that endpoint down they fail over as before, and
+// calls about other instances keep the configured order.
+func TestCallsGoToTheHoldingMember(t *testing.T) {
+	m1, m2, c := twoMembers(t, func(w http.ResponseWriter, r *http.Request) bool {
+		switch {
 		case r.Method == http.MethodGet && r.URL.Path == "/1.0/instances/on-m2":
 			writeSync(w, map[string]any{"name": "on-m2", "location": "m2", "status": "Running"})
 		case r.Method == http.MethodGet && r.URL.Path == "/1.0/instances":
@@ -32,18 +55,11 @@ func TestCallsGoToTheHoldingMember(t *testing.T) {
 			_, _ = io.Copy(io.Discard, r.Body)
 			writeSync(w, json.RawMessage(`{}`))
 		default:
-			writeError(w, 404, 404, "not found")
+			return false
 		}
-	}
-	m1, m2 := rg.member(t, handler), rg.member(t, handler)
-	mu.Lock()
-	urls["m1"], urls["m2"] = m1.url(), m2.url()
-	mu.Unlock()
-	c := rg.client(t, []string{m1.url(), m2.url()}, nil)
+		return true
+	})
 	ctx := t.Context()
-	if _, err := c.ListClusterMembers(ctx); err != nil {
-		t.Fatal(err)
-	}
 	put := func(name string) {
 		t.Helper()
 		if _, err := c.UpdateInstanceState(ctx, name, InstanceStatePut{Action: "unfreeze"}); err != nil {
@@ -150,32 +166,15 @@ func TestLockRaceIsAskedAgain(t *testing.T) {
 // create Incus places, or places within a group, keeps the configured
 // order.
 func TestCreatesGoToTheirMember(t *testing.T) {
-	rg := newRig(t)
-	var mu sync.Mutex
-	urls := map[string]string{}
-	handler := func(w http.ResponseWriter, r *http.Request) {
-		switch {
-		case r.Method == http.MethodGet && r.URL.Path == "/1.0/cluster/members":
-			mu.Lock()
-			defer mu.Unlock()
-			writeSync(w, []map[string]any{{"server_name": "m1", "url": urls["m1"], "status": "Online"},
-				{"server_name": "m2", "url": urls["m2"], "status": "Online"}})
-		case r.Method == http.MethodPost && r.URL.Path == "/1.0/instances":
-			_, _ = io.Copy(io.Discard, r.Body)
-			writeAsync(w, map[string]any{"id": "op-1", "status": "Running", "status_code": 103})
-		default:
-			writeError(w, 404, 404, "not found")
+	m1, m2, c := twoMembers(t, func(w http.ResponseWriter, r *http.Request) bool {
+		if r.Method != http.MethodPost || r.URL.Path != "/1.0/instances" {
+			return false
 		}
-	}
-	m1, m2 := rg.member(t, handler), rg.member(t, handler)
-	mu.Lock()
-	urls["m1"], urls["m2"] = m1.url(), m2.url()
-	mu.Unlock()
-	c := rg.client(t, []string{m1.url(), m2.url()}, nil)
+		_, _ = io.Copy(io.Discard, r.Body)
+		writeAsync(w, map[string]any{"id": "op-1", "status": "Running", "status_code": 103})
+		return true
+	})
 	ctx := t.Context()
-	if _, err := c.ListClusterMembers(ctx); err != nil {
-		t.Fatal(err)
-	}
 	create := func(target string) {
 		t.Helper()
 		if _, err := c.CreateInstance(ctx, InstancesPost{Name: "x", Target: target}); err != nil {
