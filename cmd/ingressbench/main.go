@@ -441,34 +441,22 @@ func measureEdge(ctx context.Context, cfg config, client *incus.Client, job clie
 
 	if cfg.gib > 0 {
 		progress("%d GiB download", cfg.gib)
-		before := rss()
-		var peak atomic.Int64
-		done := make(chan struct{})
-		go func() {
-			t := time.NewTicker(50 * time.Millisecond)
-			defer t.Stop()
-			for {
-				select {
-				case <-done:
-					return
-				case <-t.C:
-					if r := rss(); r > peak.Load() {
-						peak.Store(r)
-					}
-				}
-			}
-		}()
 		n := int64(cfg.gib) << 30
-		start := time.Now()
-		got, err := download(ctx, edge, fmt.Sprintf("%s/bytes?n=%d", endpoint, n))
-		took := time.Since(start)
-		close(done)
+		var got int64
+		var took time.Duration
+		before, peak, err := peakDuring(rss, func() error {
+			start := time.Now()
+			var err error
+			got, err = download(ctx, edge, fmt.Sprintf("%s/bytes?n=%d", endpoint, n))
+			took = time.Since(start)
+			return err
+		})
 		if err != nil || got != n {
 			return fmt.Errorf("the %d GiB download: %d bytes, %w", cfg.gib, got, err)
 		}
-		growth := peak.Load() - before
+		growth := peak - before
 		row(fmt.Sprintf("%d GiB download through the edge", cfg.gib), fmt.Sprintf("%.0f MB/s", float64(n)/took.Seconds()/1e6), "")
-		row("resident set before / peak", fmt.Sprintf("%d / %d MiB", before>>20, peak.Load()>>20), goal(growth < 32<<20, "flat (< 32 MiB growth)"))
+		row("resident set before / peak", fmt.Sprintf("%d / %d MiB", before>>20, peak>>20), goal(growth < 32<<20, "flat (< 32 MiB growth)"))
 	}
 
 	return nil

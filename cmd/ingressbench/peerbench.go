@@ -61,7 +61,13 @@ func (r *pathRun) sampled(fn func() error) (before, peak int64, err error) {
 		// (1,000 clients' buffers) is not this turn's.
 		debug.FreeOSMemory()
 	}
-	before = r.rssOf()
+	return peakDuring(r.rssOf, fn)
+}
+
+// peakDuring runs fn while it samples a resident set every 50 ms; it
+// answers the set before fn and the peak during it.
+func peakDuring(rss func() int64, fn func() error) (before, peak int64, err error) {
+	before = rss()
 	var top atomic.Int64
 	top.Store(before)
 	done := make(chan struct{})
@@ -75,7 +81,7 @@ func (r *pathRun) sampled(fn func() error) (before, peak int64, err error) {
 			case <-done:
 				return
 			case <-t.C:
-				if v := r.rssOf(); v > top.Load() {
+				if v := rss(); v > top.Load() {
 					top.Store(v)
 				}
 			}
@@ -84,7 +90,7 @@ func (r *pathRun) sampled(fn func() error) (before, peak int64, err error) {
 	err = fn()
 	close(done)
 	<-stopped
-	if v := r.rssOf(); v > top.Load() {
+	if v := rss(); v > top.Load() {
 		top.Store(v)
 	}
 	return before, top.Load(), err
