@@ -281,7 +281,11 @@ func awaitBalancedTo(t *testing.T, r *lbRig, endpoint string, i int) {
 // that carries the socket drops it, and the page's next socket is served
 // by the other, through the balancer, with its echoes flowing again. The
 // socket is on one replica at a time, so of the two kills at least one
-// drops it.
+// drops it. Then the Incus member of the replica carrying the socket is
+// killed (never lsm3, the guest's), and the echoes must go on, on the held
+// socket or on the page's next one; then, with the member still dead, its
+// replica is killed too, and the page's next socket is served through the
+// other replica.
 func TestClusterBrowserHoldsAWebSocketThroughALoss(t *testing.T) {
 	incustest.Cluster(t)
 	needChromium(t, incustest.EnvRequire, incustest.EnvRequireCluster)
@@ -318,4 +322,54 @@ func TestClusterBrowserHoldsAWebSocketThroughALoss(t *testing.T) {
 	if opened, _ := counts(page.text(t)); opened < 2 {
 		t.Fatalf("after both replicas were killed in turn, the page opened %d sockets: the one it held never dropped", opened)
 	}
+
+	// The Incus member of the replica carrying the socket killed. The
+	// second replica was killed last and started again, and the balancer
+	// gave it only page loads since: its edge upgraded no WebSocket, so the
+	// socket is on the first replica. Its member's incusd dies: the
+	// replica's own Incus endpoint is gone, while the guest's member, lsm3,
+	// lives. The socket is relayed through lsm3's endpoint, so it may go on;
+	// if it drops, the page's next socket is served through whichever
+	// replica and member are left. Either way the echoes keep coming.
+	carrier := 0
+	if up := r.scrape(1, "incus_provider_ingress_requests_total", map[string]string{"class": "1xx"}); up != 0 {
+		t.Fatalf("replica %s upgraded %v WebSockets since it was started again, want the socket left on replica %s", r.replicas[1].id, up, r.replicas[0].id)
+	}
+	member := r.replicas[carrier].member
+	if !slices.Contains([]string{"lsm1", "lsm2"}, member) {
+		t.Fatalf("would kill %s, not a replica's member other than the guest's", member)
+	}
+	opened, _ := counts(page.text(t))
+	memberCtl(t, "kill", member)
+	restarted := false
+	t.Cleanup(func() {
+		if !restarted {
+			memberCtl(t, "start", member)
+		}
+	})
+	// Counted once the member is dead, so every echo awaited below
+	// crossed a dead member's cluster.
+	killed := time.Now()
+	_, echoes := counts(page.text(t))
+	// Killing the leader stalls the cluster's calls for about 7 s, and the
+	// cluster marks the member offline after about 20 s: the bound covers
+	// a reconnect served after both.
+	after := page.await(t, "echoes after member "+member+" was killed", 2*time.Minute, func(s string) bool {
+		_, e := counts(s)
+		return e >= echoes+8
+	})
+	o2, e2 := counts(after)
+	t.Logf("member %s (replica %s's) killed: sockets opened %d → %d, echoes %d → %d, 8 more echoes %s after it died", member, r.replicas[carrier].id, opened, o2, echoes, e2, time.Since(killed).Round(time.Millisecond))
+	// With the member still dead, its replica is killed too: the socket
+	// drops for certain, and the page's next one must be served by the
+	// other replica, on a live member, through to lsm3.
+	r.stop(carrier, syscall.SIGKILL)
+	reopened := page.await(t, "a new socket's echoes with member "+member+" and its replica dead", 2*time.Minute, func(s string) bool {
+		o, e := counts(s)
+		return o > o2 && e >= e2+4
+	})
+	o3, e3 := counts(reopened)
+	t.Logf("replica %s killed beside its member: sockets opened %d → %d, echoes %d → %d", r.replicas[carrier].id, o2, o3, e2, e3)
+	memberCtl(t, "start", member)
+	restarted = true
 }
