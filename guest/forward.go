@@ -84,6 +84,12 @@ const (
 	fwdNotHere
 	// fwdRefused: the request was malformed or its proof wrong.
 	fwdRefused
+	// fwdWakeRefused: a wake's answer that the target is not served now;
+	// the message holds the refusal (see peerwake.go).
+	fwdWakeRefused
+	// fwdNotTheWaker: the server does not wake this target (it serves no
+	// wakes, or its choice of waker differs): the client wakes it itself.
+	fwdNotTheWaker
 )
 
 // Forward outcomes, as ForwardOptions.Observe and ForwardServerOptions.Observe
@@ -303,10 +309,56 @@ func forwardDial(ctx context.Context, addr string, secret []byte, t Target) (net
 	fail := func(err error) error {
 		return fmt.Errorf("guest: forwarded dial %s through the replica on %s at %s: %w", t, t.Location, addr, err)
 	}
+	ps, err := openPeer(ctx, addr)
+	if err != nil {
+		return nil, fail(err)
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			_ = ps.tc.Close()
+		}
+	}()
+	body := make([]byte, 0, 7+len(t.Instance))
+	body = binary.BigEndian.AppendUint16(body, uint16(t.Port))
+	body = binary.BigEndian.AppendUint32(body, uint32(ps.budgetMillis()))
+	body = append(body, byte(len(t.Instance)))
+	body = append(body, t.Instance...)
+	st, msg, err := ps.ask(forwardMagic, "dial", secret, body)
+	if err != nil {
+		return nil, fail(err)
+	}
+	switch st {
+	case fwdOK:
+	case fwdNotRunning, fwdDialFailed:
+		return nil, &forwardGuestError{target: t, status: st, message: string(msg)}
+	case fwdNotHere:
+		return nil, fail(fmt.Errorf("%s: %w", msg, ErrNotOnMember))
+	case fwdRefused:
+		return nil, fail(fmt.Errorf("refused: %s", msg))
+	default:
+		return nil, fail(fmt.Errorf("unknown answer status %d", st))
+	}
+	_ = ps.raw.SetDeadline(time.Time{})
+	ok = true
+	return ps.tc, nil
+}
+
+// peerSession is a TLS session with a peer, set for one request.
+type peerSession struct {
+	raw      net.Conn
+	tc       *tls.Conn
+	ekm      []byte
+	deadline time.Time
+}
+
+// openPeer connects to the peer at addr and completes the TLS handshake;
+// the session's deadline is ctx's, or forwardMaxBudget away.
+func openPeer(ctx context.Context, addr string) (*peerSession, error) {
 	var nd net.Dialer
 	raw, err := nd.DialContext(ctx, "tcp", addr)
 	if err != nil {
-		return nil, fail(err)
+		return nil, err
 	}
 	if tc, ok := raw.(*net.TCPConn); ok {
 		_ = tc.SetNoDelay(true)
@@ -318,67 +370,55 @@ func forwardDial(ctx context.Context, addr string, secret []byte, t Target) (net
 	_ = raw.SetDeadline(deadline)
 	// The certificate is not checked: it is thrown away with its replica.
 	// The peer is authenticated by its proof over this session's keying
-	// material below.
+	// material (ask).
 	tc := tls.Client(raw, &tls.Config{MinVersion: tls.VersionTLS13, InsecureSkipVerify: true, ServerName: "incus-provider-peer"}) //nolint:gosec // see above
-	ok = false
-	defer func() {
-		if !ok {
-			_ = tc.Close()
-		}
-	}()
 	if err := tc.HandshakeContext(ctx); err != nil {
-		return nil, fail(fmt.Errorf("TLS handshake: %w", err))
+		_ = tc.Close()
+		return nil, fmt.Errorf("TLS handshake: %w", err)
 	}
 	cs := tc.ConnectionState()
 	ekm, err := cs.ExportKeyingMaterial(forwardExporter, nil, 32)
 	if err != nil {
-		return nil, fail(fmt.Errorf("keying material: %w", err))
+		_ = tc.Close()
+		return nil, fmt.Errorf("keying material: %w", err)
 	}
-	budget := time.Until(deadline).Milliseconds()
-	budget = max(1, min(budget, forwardMaxBudget.Milliseconds()))
-	body := make([]byte, 0, 7+len(t.Instance))
-	body = binary.BigEndian.AppendUint16(body, uint16(t.Port))
-	body = binary.BigEndian.AppendUint32(body, uint32(budget))
-	body = append(body, byte(len(t.Instance)))
-	body = append(body, t.Instance...)
-	req := make([]byte, 0, len(forwardMagic)+32+len(body))
-	req = append(req, forwardMagic...)
-	req = append(req, forwardMAC(secret, "dial", ekm, body)...)
+	return &peerSession{raw: raw, tc: tc, ekm: ekm, deadline: deadline}, nil
+}
+
+// budgetMillis is what is left of the session's deadline, as a request's
+// budget.
+func (ps *peerSession) budgetMillis() int64 {
+	return max(1, min(time.Until(ps.deadline).Milliseconds(), forwardMaxBudget.Milliseconds()))
+}
+
+// ask sends a request (magic, its proof for role, body) and reads the
+// peer's answer, whose proof it checks.
+func (ps *peerSession) ask(magic, role string, secret, body []byte) (forwardStatus, []byte, error) {
+	req := make([]byte, 0, len(magic)+32+len(body))
+	req = append(req, magic...)
+	req = append(req, forwardMAC(secret, role, ps.ekm, body)...)
 	req = append(req, body...)
-	if _, err := tc.Write(req); err != nil {
-		return nil, fail(fmt.Errorf("send request: %w", err))
+	if _, err := ps.tc.Write(req); err != nil {
+		return 0, nil, fmt.Errorf("send request: %w", err)
 	}
 	var head [1 + 32 + 2]byte
-	if _, err := io.ReadFull(tc, head[:]); err != nil {
-		return nil, fail(fmt.Errorf("read answer: %w", err))
+	if _, err := io.ReadFull(ps.tc, head[:]); err != nil {
+		return 0, nil, fmt.Errorf("read answer: %w", err)
 	}
 	n := int(binary.BigEndian.Uint16(head[33:]))
 	if n > forwardMaxMessage {
-		return nil, fail(fmt.Errorf("answer message of %d bytes exceeds %d", n, forwardMaxMessage))
+		return 0, nil, fmt.Errorf("answer message of %d bytes exceeds %d", n, forwardMaxMessage)
 	}
 	msg := make([]byte, n)
-	if _, err := io.ReadFull(tc, msg); err != nil {
-		return nil, fail(fmt.Errorf("read answer: %w", err))
+	if _, err := io.ReadFull(ps.tc, msg); err != nil {
+		return 0, nil, fmt.Errorf("read answer: %w", err)
 	}
 	signed := append([]byte{head[0]}, head[33:]...)
 	signed = append(signed, msg...)
-	if !hmac.Equal(head[1:33], forwardMAC(secret, "answer", ekm, signed)) {
-		return nil, fail(errors.New("the answer carries no valid proof of the shared secret: PROVIDER_PEER_SECRET_FILE differs between the replicas"))
+	if !hmac.Equal(head[1:33], forwardMAC(secret, "answer", ps.ekm, signed)) {
+		return 0, nil, errors.New("the answer carries no valid proof of the shared secret: PROVIDER_PEER_SECRET_FILE differs between the replicas")
 	}
-	switch st := forwardStatus(head[0]); st {
-	case fwdOK:
-	case fwdNotRunning, fwdDialFailed:
-		return nil, &forwardGuestError{target: t, status: st, message: string(msg)}
-	case fwdNotHere:
-		return nil, fail(fmt.Errorf("%s: %w", msg, ErrNotOnMember))
-	case fwdRefused:
-		return nil, fail(fmt.Errorf("refused: %s", msg))
-	default:
-		return nil, fail(fmt.Errorf("unknown answer status %d", st))
-	}
-	_ = raw.SetDeadline(time.Time{})
-	ok = true
-	return tc, nil
+	return forwardStatus(head[0]), msg, nil
 }
 
 func forwardMAC(secret []byte, role string, ekm, body []byte) []byte {
@@ -405,6 +445,12 @@ type ForwardServerOptions struct {
 	// Opened, if set, is told when a forwarded connection opens (+1) and
 	// closes (-1).
 	Opened func(delta int)
+	// Wake, if set, serves the other replicas' wakes of the targets this
+	// replica wakes (see PeerWaker): it wakes the target, sharing the
+	// replica's one flight for it, and answers what that settled on
+	// within ctx. ErrNotTheWaker sends the asking replica to wake the
+	// target itself. Without it every wake is answered that way.
+	Wake func(ctx context.Context, req WakeRequest) (WakeAnswer, error)
 }
 
 // ForwardServer accepts other replicas' forwarded dials.
@@ -540,7 +586,23 @@ func (s *ForwardServer) serveConn(ctx context.Context, raw net.Conn) {
 		_, err := tc.Write(out)
 		return err
 	}
-	req, err := s.readRequest(tc, ekm)
+	var prefix [len(forwardMagic) + 32]byte
+	if _, err := io.ReadFull(tc, prefix[:]); err != nil {
+		s.o.Observe(ForwardRefused, fmt.Errorf("request from %s: read: %w", raw.RemoteAddr(), err))
+		return
+	}
+	mac := prefix[len(forwardMagic):]
+	switch string(prefix[:len(forwardMagic)]) {
+	case forwardMagic:
+	case wakeMagic:
+		s.serveWake(ctx, tc, ekm, mac, func(proved []byte) { secret = proved }, answer)
+		return
+	default:
+		s.o.Observe(ForwardRefused, fmt.Errorf("request from %s: not a forwarding request (bad magic)", raw.RemoteAddr()))
+		_ = answer(fwdRefused, "not a forwarding request (bad magic)")
+		return
+	}
+	req, err := s.readRequest(tc, ekm, mac)
 	if req.secret != nil {
 		secret = req.secret
 	}
@@ -582,16 +644,12 @@ func (s *ForwardServer) serveConn(ctx context.Context, raw net.Conn) {
 	join(tc, g)
 }
 
-func (s *ForwardServer) readRequest(tc *tls.Conn, ekm []byte) (forwardRequest, error) {
-	var head [len(forwardMagic) + 32 + 2 + 4 + 1]byte
-	if _, err := io.ReadFull(tc, head[:]); err != nil {
+// readRequest reads a dial request's body, after its magic and mac.
+func (s *ForwardServer) readRequest(tc *tls.Conn, ekm, mac []byte) (forwardRequest, error) {
+	var fixed [2 + 4 + 1]byte
+	if _, err := io.ReadFull(tc, fixed[:]); err != nil {
 		return forwardRequest{}, fmt.Errorf("read: %w", err)
 	}
-	if string(head[:len(forwardMagic)]) != forwardMagic {
-		return forwardRequest{}, errors.New("not a forwarding request (bad magic)")
-	}
-	mac := head[len(forwardMagic) : len(forwardMagic)+32]
-	fixed := head[len(forwardMagic)+32:]
 	n := int(fixed[6])
 	if n == 0 || n > maxInstanceName {
 		return forwardRequest{}, fmt.Errorf("instance name of %d bytes: want 1 to %d", n, maxInstanceName)
@@ -600,14 +658,8 @@ func (s *ForwardServer) readRequest(tc *tls.Conn, ekm []byte) (forwardRequest, e
 	if _, err := io.ReadFull(tc, name); err != nil {
 		return forwardRequest{}, fmt.Errorf("read: %w", err)
 	}
-	body := append(append([]byte(nil), fixed...), name...)
-	var proved []byte
-	for _, secret := range s.secrets.accepted() {
-		if hmac.Equal(mac, forwardMAC(secret, "dial", ekm, body)) {
-			proved = secret
-			break
-		}
-	}
+	body := append(fixed[:], name...)
+	proved := s.proved(mac, "dial", ekm, body)
 	if proved == nil {
 		return forwardRequest{}, errors.New("the request carries no valid proof of the shared secret")
 	}
@@ -617,6 +669,16 @@ func (s *ForwardServer) readRequest(tc *tls.Conn, ekm []byte) (forwardRequest, e
 	}
 	budget := time.Duration(binary.BigEndian.Uint32(fixed[2:6])) * time.Millisecond
 	return forwardRequest{target: t, budget: max(time.Millisecond, min(budget, forwardMaxBudget)), secret: proved}, nil
+}
+
+// proved is the accepted secret that mac proves body with, nil for none.
+func (s *ForwardServer) proved(mac []byte, role string, ekm, body []byte) []byte {
+	for _, secret := range s.secrets.accepted() {
+		if hmac.Equal(mac, forwardMAC(secret, role, ekm, body)) {
+			return secret
+		}
+	}
+	return nil
 }
 
 // join copies both ways. When one direction ends, its end is passed on as

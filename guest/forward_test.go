@@ -130,7 +130,15 @@ func startForwardServerHolding(t *testing.T, held *PeerSecrets, secret []byte) (
 	t.Helper()
 	local := &fakeGuests{addr: echoDaemon(t), dials: map[string]int{}}
 	obs := &observed{}
-	srv, err := NewForwardServer(ForwardServerOptions{Member: "m2", Local: local, Secrets: held, Secret: secret, Observe: obs.server})
+	addr := serveForward(t, ForwardServerOptions{Member: "m2", Local: local, Secrets: held, Secret: secret, Observe: obs.server})
+	return addr, local, obs
+}
+
+// serveForward serves a ForwardServer built from o on loopback until the
+// test ends, and returns its address.
+func serveForward(t *testing.T, o ForwardServerOptions) string {
+	t.Helper()
+	srv, err := NewForwardServer(o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,7 +160,7 @@ func startForwardServerHolding(t *testing.T, held *PeerSecrets, secret []byte) (
 			t.Error("Serve did not return within 10 s of its context ending")
 		}
 	})
-	return ln.Addr().String(), local, obs
+	return ln.Addr().String()
 }
 
 func newTestForward(t *testing.T, peers map[string]string, secret []byte) (Dialer, *recordingFallback, *observed) {
