@@ -40,6 +40,19 @@ type Targets interface {
 
 var _ Targets = (*targets.Service)(nil)
 
+// Elsewhere hands a target's wake to the replica that wakes it, when that
+// is another replica (provider: the replicas of a cluster that forward to
+// each other), so that a target is woken once however many replicas its
+// uses arrive at.
+type Elsewhere interface {
+	// Wake has the replica that wakes r wake it, sharing that replica's
+	// one flight for r, and returns what the flight settled on, or stood
+	// at when ctx ended: nil when the daemon answered. handled is false
+	// when this replica wakes r itself: it is the one, or the other gave
+	// no answer.
+	Wake(ctx context.Context, r targets.Route, arrived time.Time) (ref *Refusal, handled bool)
+}
+
 // Options configure the wake. Zero values take the defaults.
 type Options struct {
 	Targets Targets
@@ -56,6 +69,9 @@ type Options struct {
 	// ClientInfo is what the readiness probe's initialize says of the
 	// provider (default: incus-provider and its build).
 	ClientInfo envd.ClientInfo
+	// Elsewhere, when set, is asked first to have another replica wake
+	// a powered-down target; nil: every wake is this replica's.
+	Elsewhere Elsewhere
 	// Trace, when set, is given the trace of every flight that ends with
 	// the daemon answering (see Trace), on the goroutine of the dial that
 	// started it (Report) or of the flight: it must return quickly. The
@@ -338,6 +354,20 @@ func (w *Waker) fly(f *Flight, r targets.Route) {
 		case wakeable && wakes < 3:
 			wakes++
 			f.stage(StateWaking, time.Second)
+			if ref, handled := w.wakeElsewhere(ctx, f, r); handled {
+				outcome = outcomeElsewhere
+				switch {
+				case ref == nil:
+					w.ready.mark(r.Name)
+				case ref.State == StateGone || ref.State == StateFailed:
+					w.ready.drop(r.Name)
+					outcome = outcomeFailed
+				default:
+					outcome = outcomeGaveUp
+				}
+				settle(ref)
+				return
+			}
 			if a := w.wakeAndProbe(ctx, f, r); a != probeSilent {
 				outcome = a.outcome()
 				w.ready.mark(r.Name)
@@ -391,6 +421,25 @@ func (w *Waker) reread(ctx context.Context, f *Flight, r targets.Route) (targets
 			return targets.Route{}, false
 		}
 	}
+}
+
+// wakeElsewhere has the replica that wakes r wake it, when that is
+// another one (Options.Elsewhere); handled is false when this replica is
+// to wake it.
+func (w *Waker) wakeElsewhere(ctx context.Context, f *Flight, r targets.Route) (ref *Refusal, handled bool) {
+	if w.opts.Elsewhere == nil {
+		return nil, false
+	}
+	tr := f.trace
+	var start time.Time
+	if tr != nil {
+		start = time.Now()
+	}
+	ref, handled = w.opts.Elsewhere.Wake(ctx, r, f.requested)
+	if tr != nil && handled {
+		tr.wakeCall(start, time.Now())
+	}
+	return ref, handled
 }
 
 // wakeAndProbe asks Incus to wake the instance and probes its daemon at

@@ -471,3 +471,105 @@ func TestTerminal(t *testing.T) {
 		}
 	}
 }
+
+// handTo is the Elsewhere of a replica whose targets another replica's
+// waker wakes: the peer hop without its wire (guest's tests have that).
+type handTo struct {
+	w      *Waker
+	asked  atomic.Int32
+	answer *Refusal // answered instead of asking w, when set
+	down   bool     // the other replica gives no answer
+}
+
+func (h *handTo) Wake(ctx context.Context, r targets.Route, arrived time.Time) (*Refusal, bool) {
+	h.asked.Add(1)
+	switch {
+	case h.down:
+		return nil, false
+	case h.answer != nil:
+		return h.answer, true
+	}
+	return h.w.WakeForUse(ctx, r, arrived), true
+}
+
+// Uses of one paused target arriving at two replicas at once: the one
+// that does not wake it hands its flight to the one that does, whose
+// flight every use shares, so the target is woken once.
+func TestUsesAtTwoReplicasShareOneWake(t *testing.T) {
+	waker := newWakeRig(t, targets.RoutePaused)
+	waker.targets.wakeDelay = 50 * time.Millisecond
+	hand := &handTo{w: waker.w}
+	other, err := New(t.Context(), Options{Targets: waker.targets, Dialer: waker.dialer, Relays: relays.New(time.Second),
+		Metrics: NewMetrics(prometheus.NewRegistry()), Budget: 5 * time.Second, Elsewhere: hand})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := waker.route(t)
+	const n = 12
+	var wg sync.WaitGroup
+	results := make(chan *Refusal, n)
+	for i := range n {
+		w := waker.w
+		if i%2 == 1 {
+			w = other
+		}
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+			defer cancel()
+			results <- w.WakeForUse(ctx, rt, time.Now())
+		})
+	}
+	wg.Wait()
+	close(results)
+	for ref := range results {
+		if ref != nil {
+			t.Fatalf("a use was refused %+v, want the daemon answering", ref)
+		}
+	}
+	if got := waker.targets.wakes.Load(); got != 1 {
+		t.Fatalf("%d wakes for %d uses at two replicas, want 1", got, n)
+	}
+	if got := hand.asked.Load(); got != 1 {
+		t.Fatalf("the replica that does not wake the target asked %d times for its %d uses, want its flight to ask once", got, n/2)
+	}
+	if !other.Ready(testInstance) {
+		t.Fatal("the daemon the waking replica proved is not ready on the other")
+	}
+}
+
+// What the waking replica answers is the other's flight's answer; no
+// answer from it, and the other wakes the target itself.
+func TestAHandedWakeSettlesOnTheWakersAnswer(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		hand   *handTo
+		want   *Refusal
+		wakes  int32
+		metric string
+	}{
+		{"gone", &handTo{answer: refuse(StateGone, 0)}, refuse(StateGone, 0), 0, outcomeFailed},
+		{"still waking", &handTo{answer: refuse(StateWaking, time.Second)}, refuse(StateWaking, time.Second), 0, outcomeGaveUp},
+		{"no answer", &handTo{down: true}, nil, 1, outcomeReady},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newWakeRig(t, targets.RoutePaused)
+			mx := prometheus.NewRegistry()
+			w, err := New(t.Context(), Options{Targets: r.targets, Dialer: r.dialer, Relays: r.reg,
+				Metrics: NewMetrics(mx), Budget: 5 * time.Second, Elsewhere: c.hand})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.w, r.metrics = w, mx
+			got := w.WakeForUse(t.Context(), r.route(t), time.Now())
+			if (got == nil) != (c.want == nil) || got != nil && (got.State != c.want.State || got.RetryAfter != c.want.RetryAfter) {
+				t.Fatalf("the use was answered %+v, want %+v", got, c.want)
+			}
+			if n := r.targets.wakes.Load(); n != c.wakes {
+				t.Fatalf("this replica woke the target %d times, want %d", n, c.wakes)
+			}
+			if n := r.wakesCounted(t, "paused", c.metric); n != 1 {
+				t.Fatalf("%d wakes from paused counted %s, want 1", n, c.metric)
+			}
+		})
+	}
+}
