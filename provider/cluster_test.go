@@ -455,9 +455,10 @@ func TestClusterTwoReplicas(t *testing.T) {
 	ev := events(30*time.Second, func(by map[string]int) bool { return by["instance-resumed"] > 0 })
 	flights := []int{a.wakes() - wakesBefore[0], b.wakes() - wakesBefore[1]}
 	t.Logf("%d dials of a paused target through two replicas: all upgraded; Incus resumed it %d times; wakes finished: replica A %d, B %d", dials, ev["instance-resumed"], flights[0], flights[1])
-	// Each replica's dials share one wake. Across replicas nothing is
-	// shared before the unfreeze (a lock there would put a write on every
-	// wake's path), and Incus's unfreeze takes no lock of its own: it
+	// Each replica's dials share one wake. These replicas forward to no
+	// peers, so across them nothing is shared before the unfreeze (replicas
+	// that forward to each other hand the wake to one of them:
+	// TestClusterOneWakeAcrossReplicas), and Incus's unfreeze takes no lock of its own: it
 	// checks the instance is frozen, then thaws it (driver_lxc.go,
 	// Unfreeze), so two replicas' unfreezes sent a moment apart may both
 	// be carried out. Measured on this rig: five concurrent unfreezes of one

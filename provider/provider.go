@@ -81,6 +81,10 @@ type Config struct {
 	// IngressBase is the public ingress edge's base URL; nil serves no
 	// public ingress (the capability is not advertised).
 	IngressBase *ingressurl.Base
+	// PeerWakes, on a cluster whose replicas forward to each other
+	// (guest.PeerWakes of the dialer), has each powered-down target woken
+	// by one replica; nil: each replica wakes the targets its uses find.
+	PeerWakes *guest.PeerWaker
 	// WakeTrace is the wake's trace hook (wake.Options.Trace): a
 	// benchmark's view of each wake a data-route dial started.
 	WakeTrace func(wake.Trace)
@@ -102,10 +106,11 @@ type Provider struct {
 	// is served on a listener of its own (Ingress.Server).
 	Ingress *ingress.Edge
 
-	log     *zap.Logger
-	handler http.Handler
-	cancel  context.CancelFunc
-	ctx     context.Context
+	log       *zap.Logger
+	peerWakes *guest.PeerWaker
+	handler   http.Handler
+	cancel    context.CancelFunc
+	ctx       context.Context
 }
 
 // New builds the provider. ctx bounds everything it serves: when it ends,
@@ -159,8 +164,12 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 		ctrlMetrics = controller.NewMetrics(cfg.Metrics)
 	}
 	ctx, cancel := context.WithCancel(ctx)
+	var elsewhere wake.Elsewhere
+	if cfg.PeerWakes != nil {
+		elsewhere = peerWakes{p: cfg.PeerWakes, log: log.Named("wake")}
+	}
 	wk, err := wake.New(ctx, wake.Options{Targets: svc, Dialer: cfg.Dialer, Relays: reg, Metrics: wakeMetrics,
-		Log: log.Named("wake"), Trace: cfg.WakeTrace})
+		Log: log.Named("wake"), Trace: cfg.WakeTrace, Elsewhere: elsewhere})
 	if err != nil {
 		cancel()
 		return nil, fmt.Errorf("wake: %w", err)
@@ -213,7 +222,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	mux.Handle("/", ctrl)
 	mux.Handle(rh.Prefix()+"/", rh)
 	return &Provider{Targets: svc, Relays: reg, Wake: wk, Routes: rh, Idle: loop, Control: ctrl, Ingress: edge,
-		log: log, handler: mux, cancel: cancel, ctx: ctx}, nil
+		log: log, handler: mux, cancel: cancel, ctx: ctx, peerWakes: cfg.PeerWakes}, nil
 }
 
 // Handler serves the data routes under their prefix and the controller

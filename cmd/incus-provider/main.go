@@ -198,6 +198,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger, level zap.AtomicLevel
 		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn, CacheCorrection: cfg.CacheCorrection,
 		WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter, WarmMemoryMax: cfg.warmMemoryMaxBytes,
 		Audit: switchedLog(cfg.AuditLog, log, "audit"), AccessLog: switchedLog(cfg.AccessLog, log, "access"),
+		PeerWakes: guest.PeerWakes(dialer),
 	})
 	if err != nil {
 		return err
@@ -244,7 +245,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger, level zap.AtomicLevel
 	var draining atomic.Bool // set on SIGTERM: /readyz answers 503 from then on
 	errc := make(chan error, 5)
 	if cfg.PeerListen != "off" {
-		servePeer, err := servePeers(srvCtx, cfg, member, client, peerSecrets, peerMx, peerLog)
+		servePeer, err := servePeers(srvCtx, cfg, member, client, peerSecrets, peerMx, peerLog, prov.WakeForPeer)
 		if err != nil {
 			return err
 		}

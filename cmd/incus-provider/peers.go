@@ -96,8 +96,10 @@ func (p *peerLog) server(m *peerMetrics) func(outcome string, reason error) {
 }
 
 // servePeers binds PROVIDER_PEER_LISTEN and serves the other replicas'
-// dials of this member's guests until ctx ends.
-func servePeers(ctx context.Context, cfg config, member string, client *incus.Client, secrets *guest.PeerSecrets, m *peerMetrics, pl *peerLog) (func() error, error) {
+// dials of this member's guests, and their wakes of the targets this
+// replica wakes (wake), until ctx ends.
+func servePeers(ctx context.Context, cfg config, member string, client *incus.Client, secrets *guest.PeerSecrets, m *peerMetrics, pl *peerLog,
+	wake func(context.Context, guest.WakeRequest) (guest.WakeAnswer, error)) (func() error, error) {
 	if member == "" {
 		return nil, errors.New("PROVIDER_PEER_LISTEN serves this replica's member's guests to the others, but no member is known: set PROVIDER_INCUS_MEMBER")
 	}
@@ -106,6 +108,7 @@ func servePeers(ctx context.Context, cfg config, member string, client *incus.Cl
 		Local:   guest.NewNetns(guest.OnMember(member, client.LocatedInitPID)),
 		Observe: pl.server(m),
 		Opened:  func(d int) { m.open.Add(float64(d)) },
+		Wake:    wake,
 	})
 	if err != nil {
 		return nil, err
