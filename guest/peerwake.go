@@ -56,6 +56,10 @@ type WakeAnswer struct {
 // differ). The asking replica wakes the target itself.
 var ErrNotTheWaker = errors.New("guest: the peer does not wake this target")
 
+// errWakeFailed is a peer's answer that it could not serve a wake (it
+// could not read the target from Incus, say).
+var errWakeFailed = errors.New("the waking replica could not wake the target")
+
 // maxOwnerID bounds an owner id on the wire; longer ones are not sent.
 const maxOwnerID = 255
 
@@ -147,7 +151,9 @@ func (p *PeerWaker) Wake(ctx context.Context, location string, req WakeRequest) 
 	case err == nil:
 		p.fwd.markUp(member)
 		return a, nil
-	case errors.Is(err, ErrNotTheWaker), ctx.Err() != nil:
+	case errors.Is(err, ErrNotTheWaker), errors.Is(err, errWakeFailed), ctx.Err() != nil:
+		// The peer answered (or this replica gave up waiting): it is up,
+		// and its members' dials still go to it.
 		return WakeAnswer{}, err
 	default:
 		p.fwd.markDown(member, err)
@@ -195,7 +201,7 @@ func wakeAt(ctx context.Context, addr string, secret []byte, req WakeRequest) (W
 		// dials are still forwarded.
 		return WakeAnswer{}, fail(fmt.Errorf("refused: %s: %w", msg, ErrNotTheWaker))
 	case fwdDialFailed:
-		return WakeAnswer{}, fail(fmt.Errorf("failed: %s", msg))
+		return WakeAnswer{}, fail(fmt.Errorf("%w: %s", errWakeFailed, msg))
 	default:
 		return WakeAnswer{}, fail(fmt.Errorf("unknown answer status %d", st))
 	}

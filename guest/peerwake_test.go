@@ -70,14 +70,18 @@ func TestPeerWakeCarriesTheWakersAnswer(t *testing.T) {
 		"waking":  {State: "waking", RetryAfter: 1500 * time.Millisecond},
 		"failed":  {State: "failed", Message: "the guest's disk is gone"},
 		"elsewhr": {},
+		"broken":  {},
 	}
 	addr := serveForward(t, ForwardServerOptions{Member: "m2", Local: &fakeGuests{}, Secret: secretA,
 		Wake: func(ctx context.Context, req WakeRequest) (WakeAnswer, error) {
 			mu.Lock()
 			got = append(got, req)
 			mu.Unlock()
-			if req.Instance == "elsewhr" {
+			switch req.Instance {
+			case "elsewhr":
 				return WakeAnswer{}, fmt.Errorf("another replica wakes it: %w", ErrNotTheWaker)
+			case "broken":
+				return WakeAnswer{}, errors.New("incus did not answer")
 			}
 			if _, ok := ctx.Deadline(); !ok {
 				return WakeAnswer{}, errors.New("a wake served without a deadline")
@@ -89,9 +93,15 @@ func TestPeerWakeCarriesTheWakersAnswer(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		a, err := w.Wake(ctx, "m2", WakeRequest{Instance: name, Universe: "u1", Environment: "e1", Age: 40 * time.Millisecond})
 		cancel()
-		if name == "elsewhr" {
+		switch name {
+		case "elsewhr":
 			if !errors.Is(err, ErrNotTheWaker) {
 				t.Fatalf("a peer that is not the waker: %v, want ErrNotTheWaker", err)
+			}
+			continue
+		case "broken":
+			if err == nil || !strings.Contains(err.Error(), "incus did not answer") {
+				t.Fatalf("a peer that could not wake: %v, want its failure", err)
 			}
 			continue
 		}
@@ -105,6 +115,10 @@ func TestPeerWakeCarriesTheWakersAnswer(t *testing.T) {
 		if r.Universe != "u1" || r.Environment != "e1" || r.Age != 40*time.Millisecond {
 			t.Fatalf("the waker was asked %+v, want the owner u1/e1 and an age of 40ms", r)
 		}
+	}
+	// None of those answers marks the peer down: its dials still go to it.
+	if why := w.fwd.skipped("m2"); why != nil {
+		t.Fatalf("a peer that answered every wake is skipped: %v", why)
 	}
 	// A guest on this replica's own member is its own to wake.
 	if _, err := w.Wake(context.Background(), "m1", WakeRequest{Instance: "x", Universe: "u", Environment: "e"}); err == nil {
