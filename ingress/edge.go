@@ -9,7 +9,6 @@ import (
 	stdlog "log"
 	"net"
 	"net/http"
-	"net/http/httptrace"
 	"net/http/httputil"
 	"strconv"
 	"sync"
@@ -214,6 +213,19 @@ type admission struct {
 	tk    *relays.Ticket
 }
 
+// connected is told by the transport once the request has an upstream
+// connection: from then on that connection, registered as a relay, speaks
+// for the request. An SSE stream that lasts an hour must not count as a
+// dial in progress (which a power-down waits for) but as a relay (which it
+// closes).
+func (a *admission) connected() { a.tk.Leave() }
+
+// admissionOf is the request's admission, nil for none.
+func admissionOf(ctx context.Context) *admission {
+	a, _ := ctx.Value(ctxKey{}).(*admission)
+	return a
+}
+
 // ServeHTTP maps the host, admits the request (waking its target) and
 // proxies it.
 func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -266,15 +278,9 @@ func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	a := &admission{route: route, tk: tk}
 	defer tk.Leave() // unless the transport took a connection first (see dial)
-	ctx := context.WithValue(r.Context(), ctxKey{}, a)
-	ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
-		// From here a registered upstream connection speaks for the
-		// request: an SSE stream that lasts an hour must not count as a
-		// dial in progress (which a power-down waits for) but as a relay
-		// (which it closes).
-		GotConn: func(httptrace.GotConnInfo) { tk.Leave() },
-	})
-	out := r.WithContext(ctx)
+	// The transport leaves the ticket once it has a connection (see
+	// admission.connected).
+	out := r.WithContext(context.WithValue(r.Context(), ctxKey{}, a))
 	if out.Body != nil && out.Body != http.NoBody {
 		// On the proxied copy only: the server judges whether the
 		// connection can carry another request by its own body.
@@ -296,6 +302,12 @@ func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // the relay registry, or the status to answer and when to retry.
 func (e *Edge) admit(ctx context.Context, route targets.IngressRoute) (*relays.Ticket, int, time.Duration) {
 	arrived := time.Now()
+	if e.isReady(route.Instance) {
+		// The common case costs no hold: no deadline, no timer.
+		if tk, _ := e.opts.Relays.Enter(route.Instance, arrived); tk != nil {
+			return tk, 0, 0
+		}
+	}
 	hctx, cancel := context.WithDeadline(ctx, arrived.Add(e.opts.Hold-100*time.Millisecond))
 	defer cancel()
 	for {
@@ -367,7 +379,7 @@ func (e *Edge) wake(ctx context.Context, route targets.IngressRoute, arrived tim
 // rewrite addresses the guest and sets the forwarding headers afresh:
 // Rewrite has already removed any the client sent, and the hop-by-hop ones.
 func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
-	a, _ := pr.In.Context().Value(ctxKey{}).(*admission)
+	a := admissionOf(pr.In.Context())
 	pr.Out.URL.Scheme = "http"
 	if a != nil {
 		pr.Out.URL.Host = net.JoinHostPort(a.route.Instance, strconv.Itoa(a.route.Port))
@@ -382,7 +394,7 @@ func (e *Edge) rewrite(pr *httputil.ProxyRequest) {
 // daemon's readiness proved running may still be binding its port: a
 // refused connection is tried again within the request.
 func (e *Edge) dial(ctx context.Context, _, addr string) (net.Conn, error) {
-	a, _ := ctx.Value(ctxKey{}).(*admission)
+	a := admissionOf(ctx)
 	if a == nil {
 		return nil, errors.New("ingress: a dial without its admission")
 	}

@@ -60,7 +60,13 @@ type inlineConn struct {
 // from the reading goroutine this path does without, so a request that
 // must not be sent twice goes there.)
 func (t *inline) RoundTrip(r *http.Request) (*http.Response, error) {
+	a := admissionOf(r.Context())
 	if (r.Body != nil && r.Body != http.NoBody) || !idempotent(r) {
+		if a != nil {
+			r = r.WithContext(httptrace.WithClientTrace(r.Context(), &httptrace.ClientTrace{
+				GotConn: func(httptrace.GotConnInfo) { a.connected() },
+			}))
+		}
 		return t.fallback.RoundTrip(r)
 	}
 	addr := r.URL.Host
@@ -68,6 +74,9 @@ func (t *inline) RoundTrip(r *http.Request) (*http.Response, error) {
 		c, reused, err := t.conn(r.Context(), addr)
 		if err != nil {
 			return nil, err
+		}
+		if a != nil {
+			a.connected()
 		}
 		if trace := httptrace.ContextClientTrace(r.Context()); trace != nil && trace.GotConn != nil {
 			trace.GotConn(httptrace.GotConnInfo{Conn: c.conn, Reused: reused})
