@@ -58,21 +58,11 @@ func echoDaemon(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer func() { _ = c.Close() }()
-				_ = c.SetDeadline(time.Now().Add(30 * time.Second))
-				in, _ := io.ReadAll(c)
-				_, _ = c.Write(append([]byte("echo:"), in...))
-			}()
-		}
-	}()
+	acceptEach(t, ln, func(c net.Conn) {
+		_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+		in, _ := io.ReadAll(c)
+		_, _ = c.Write(append([]byte("echo:"), in...))
+	})
 	return ln.Addr().String()
 }
 
@@ -116,6 +106,25 @@ func (o *observed) all() string {
 }
 
 var secretA = bytes.Repeat([]byte("a"), MinForwardSecret)
+
+// acceptEach serves each connection ln accepts with serve, on a goroutine
+// of its own, and closes it after; ln is closed when the test ends.
+func acceptEach(t *testing.T, ln net.Listener, serve func(net.Conn)) {
+	t.Helper()
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer func() { _ = c.Close() }()
+				serve(c)
+			}()
+		}
+	}()
+}
 
 // startForwardServer serves a ForwardServer for member m2 and returns its
 // address, its local dialer and what it observed.

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -183,36 +184,26 @@ func olderPeer(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer func() { _ = c.Close() }()
-				tc := c.(*tls.Conn)
-				_ = tc.SetDeadline(time.Now().Add(5 * time.Second))
-				if tc.Handshake() != nil {
-					return
-				}
-				cs := tc.ConnectionState()
-				ekm, err := cs.ExportKeyingMaterial(forwardExporter, nil, 32)
-				if err != nil {
-					return
-				}
-				var head [len(forwardMagic) + 32 + 2 + 4 + 1]byte
-				if _, err := io.ReadFull(tc, head[:]); err != nil || string(head[:len(forwardMagic)]) == forwardMagic {
-					return
-				}
-				msg := "not a forwarding request (bad magic)"
-				signed := binary.BigEndian.AppendUint16([]byte{byte(fwdRefused)}, uint16(len(msg)))
-				signed = append(signed, msg...)
-				out := append([]byte{byte(fwdRefused)}, forwardMAC(secretA, "answer", ekm, signed)...)
-				_, _ = tc.Write(append(out, signed[1:]...))
-			}()
+	acceptEach(t, ln, func(c net.Conn) {
+		tc := c.(*tls.Conn)
+		_ = tc.SetDeadline(time.Now().Add(5 * time.Second))
+		if tc.Handshake() != nil {
+			return
 		}
-	}()
+		cs := tc.ConnectionState()
+		ekm, err := cs.ExportKeyingMaterial(forwardExporter, nil, 32)
+		if err != nil {
+			return
+		}
+		var head [len(forwardMagic) + 32 + 2 + 4 + 1]byte
+		if _, err := io.ReadFull(tc, head[:]); err != nil || string(head[:len(forwardMagic)]) == forwardMagic {
+			return
+		}
+		msg := "not a forwarding request (bad magic)"
+		signed := binary.BigEndian.AppendUint16([]byte{byte(fwdRefused)}, uint16(len(msg)))
+		signed = append(signed, msg...)
+		out := append([]byte{byte(fwdRefused)}, forwardMAC(secretA, "answer", ekm, signed)...)
+		_, _ = tc.Write(append(out, signed[1:]...))
+	})
 	return ln.Addr().String()
 }

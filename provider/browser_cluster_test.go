@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -228,19 +229,24 @@ func TestClusterBrowserThroughTheBalancer(t *testing.T) {
 	if member == "lsm3" || !slices.Contains([]string{"lsm1", "lsm2"}, member) {
 		t.Fatalf("would kill %s, not a replica's member", member)
 	}
-	memberCtl(t, "kill", member)
-	restarted := false
-	t.Cleanup(func() {
-		if !restarted {
-			memberCtl(t, "start", member)
-		}
-	})
+	restart := killMember(t, member)
 	killed := time.Now()
 	load("member "+member+" killed", 10, 2*time.Minute, true)
 	t.Logf("member %s killed: the page served again after %s", member, time.Since(killed).Round(time.Millisecond))
 	screenshot(fmt.Sprintf("cluster-browser-%s-killed.png", member))
-	memberCtl(t, "start", member)
-	restarted = true
+	restart()
+}
+
+// killMember kills the member's incusd (its guests keep running) and
+// answers the start that brings it back, which the test's end makes if
+// the test has not.
+func killMember(t *testing.T, member string) (restart func()) {
+	t.Helper()
+	memberCtl(t, "kill", member)
+	var once sync.Once
+	restart = func() { once.Do(func() { memberCtl(t, "start", member) }) }
+	t.Cleanup(restart)
+	return restart
 }
 
 // awaitBalancedTo waits, bounded, until the balancer sends an edge request
@@ -340,13 +346,7 @@ func TestClusterBrowserHoldsAWebSocketThroughALoss(t *testing.T) {
 		t.Fatalf("would kill %s, not a replica's member other than the guest's", member)
 	}
 	opened, _ := counts(page.text(t))
-	memberCtl(t, "kill", member)
-	restarted := false
-	t.Cleanup(func() {
-		if !restarted {
-			memberCtl(t, "start", member)
-		}
-	})
+	restart := killMember(t, member)
 	// Counted once the member is dead, so every echo awaited below
 	// crossed a dead member's cluster.
 	killed := time.Now()
@@ -370,6 +370,5 @@ func TestClusterBrowserHoldsAWebSocketThroughALoss(t *testing.T) {
 	})
 	o3, e3 := counts(reopened)
 	t.Logf("replica %s killed beside its member: sockets opened %d → %d, echoes %d → %d", r.replicas[carrier].id, o2, o3, e2, e3)
-	memberCtl(t, "start", member)
-	restarted = true
+	restart()
 }
