@@ -142,14 +142,17 @@ func New(opts Options) (*Edge, error) {
 		idleTimeout:    e.tr.IdleConnTimeout,
 		headerTimeout:  e.tr.ResponseHeaderTimeout,
 		maxHeaderBytes: e.tr.MaxResponseHeaderBytes,
-		bufferSize:     e.tr.ReadBufferSize,
+		// Answers' heads are read through it; a body read with a larger
+		// buffer than this bypasses it (bufio), so a large one does not
+		// need it large, and a thousand answers at once hold 16 MiB.
+		bufferSize: 16 << 10,
 	}
 	e.proxy = &httputil.ReverseProxy{
-		Rewrite:       e.rewrite,
-		Transport:     e.rt,
-		FlushInterval: -1, // server-sent events and other streams go out as they come
-		BufferPool:    copyBuffers{},
-		ErrorHandler:  e.upstreamError,
+		Rewrite:        e.rewrite,
+		Transport:      e.rt,
+		FlushInterval:  -1, // server-sent events and other streams go out as they come
+		ModifyResponse: e.sizeCopy,
+		ErrorHandler:   e.upstreamError,
 		// A stream cut by a power-down or a client that left is routine.
 		ErrorLog: mustStdLog(opts.Log.Named("proxy")),
 	}
@@ -211,6 +214,42 @@ type ctxKey struct{}
 type admission struct {
 	route targets.IngressRoute
 	tk    *relays.Ticket
+	// proxy is the edge's, lending this request's body copy a buffer
+	// sized by the answer (see Get).
+	proxy httputil.ReverseProxy
+	// bodyLen is the answer's Content-Length, -1 when unknown (a stream),
+	// once the guest has answered.
+	bodyLen int64
+}
+
+// Get lends the answer's body copy a buffer: 256 KiB for a body known to
+// be larger than a small one's (a 1 MiB answer then takes 4 read and
+// write calls each way instead of 32), and 32 KiB for the rest. A stream
+// of unknown length (server-sent events) may last hours with little in
+// it, and a small answer needs little: a thousand of either at once hold
+// 32 MiB of buffers, not 256.
+func (a *admission) Get() []byte {
+	if a.bodyLen > smallCopy {
+		return *largeCopyPool.Get().(*[]byte)
+	}
+	return *smallCopyPool.Get().(*[]byte)
+}
+
+// Put takes a buffer Get lent back.
+func (a *admission) Put(b []byte) {
+	if cap(b) >= largeCopy {
+		largeCopyPool.Put(&b)
+		return
+	}
+	smallCopyPool.Put(&b)
+}
+
+// sizeCopy records the answer's length for Get.
+func (e *Edge) sizeCopy(res *http.Response) error {
+	if a := admissionOf(res.Request.Context()); a != nil {
+		a.bodyLen = res.ContentLength
+	}
+	return nil
 }
 
 // connected is told by the transport once the request has an upstream
@@ -276,7 +315,8 @@ func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	}
-	a := &admission{route: route, tk: tk}
+	a := &admission{route: route, tk: tk, proxy: *e.proxy, bodyLen: -1}
+	a.proxy.BufferPool = a
 	defer tk.Leave() // unless the transport took a connection first (see dial)
 	// The transport leaves the ticket once it has a connection (see
 	// admission.connected).
@@ -287,7 +327,7 @@ func (e *Edge) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		sw.body = &stallBody{ReadCloser: r.Body, rc: rc, stall: stall}
 		out.Body = sw.body
 	}
-	e.proxy.ServeHTTP(sw, out)
+	a.proxy.ServeHTTP(sw, out)
 	if sw.body != nil && sw.body.cut.Load() && sw.status == 0 {
 		// The stalled read cancelled the request before any answer: say
 		// so, and close (the rest of the body will never come).
@@ -570,12 +610,14 @@ func mustStdLog(log *zap.Logger) *stdlog.Logger {
 	return l
 }
 
-// copyBuffers lends the proxy 256 KiB buffers for answer bodies, eight
-// times its default: a 1 MiB answer takes 4 read and write calls each way
-// instead of 32.
-type copyBuffers struct{}
+// The body copies' buffers (admission.Get): a large one for a body known
+// to be large, and the proxy's default size for any other.
+const (
+	largeCopy = 256 << 10
+	smallCopy = 32 << 10
+)
 
-var copyBufferPool = sync.Pool{New: func() any { b := make([]byte, 256<<10); return &b }}
-
-func (copyBuffers) Get() []byte  { return *copyBufferPool.Get().(*[]byte) }
-func (copyBuffers) Put(b []byte) { copyBufferPool.Put(&b) }
+var (
+	largeCopyPool = sync.Pool{New: func() any { b := make([]byte, largeCopy); return &b }}
+	smallCopyPool = sync.Pool{New: func() any { b := make([]byte, smallCopy); return &b }}
+)

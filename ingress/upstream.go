@@ -40,8 +40,8 @@ func (u *upstream) Write(p []byte) (int, error) {
 // transport hands the body to the connection this way, and io.Copy's own
 // 32 KiB would make a 1 MiB upload 32 write calls.
 func (u *upstream) ReadFrom(r io.Reader) (int64, error) {
-	bp := copyBufferPool.Get().(*[]byte)
-	defer copyBufferPool.Put(bp)
+	bp := largeCopyPool.Get().(*[]byte)
+	defer largeCopyPool.Put(bp)
 	// The wrappers hide ReadFrom and WriteTo, so the copy is this loop.
 	return io.CopyBuffer(struct{ io.Writer }{u}, struct{ io.Reader }{r}, *bp)
 }
