@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -24,6 +25,9 @@ import (
 // a pass, does.
 func TestClusterEdgeThroughTheBalancer(t *testing.T) {
 	r := newLBRigOpts(t, lbOptions{edge: true, env: []string{"PROVIDER_RECONCILE_INTERVAL=1h"}, templates: webOnLsm3})
+	for i := range r.replicas {
+		r.awaitFollowing(i)
+	}
 	ref, endpoint := r.ingressOnLsm3(controller.Owner{UniverseID: "u-edge", EnvironmentID: "web"})
 	u, err := url.Parse(endpoint)
 	if err != nil {
@@ -68,7 +72,7 @@ func TestClusterEdgeThroughTheBalancer(t *testing.T) {
 					break
 				}
 				if time.Since(began) > 10*time.Second {
-					t.Fatalf("%s: replica %s's edge still answered %d 10 s later", what, rep.id, code)
+					t.Fatalf("%s: replica %s's edge still answered %d 10 s later; its /readyz:\n%s", what, rep.id, code, r.readyz(slices.Index(r.replicas[:], rep)))
 				}
 				time.Sleep(5 * time.Millisecond)
 			}

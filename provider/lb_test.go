@@ -281,6 +281,24 @@ func (r *lbRig) awaitUp(i int) {
 	}
 }
 
+// awaitFollowing waits, bounded, until replica i's observation cache is
+// confirmed: it follows Incus's events, which is how it learns another
+// replica's writes. A replica serves before that (reads then ask Incus),
+// so a test of what reaches it by events waits for it first.
+func (r *lbRig) awaitFollowing(i int) {
+	r.t.Helper()
+	began := time.Now()
+	for r.scrape(i, "incus_provider_cache_confirmed", nil) != 1 {
+		if time.Since(began) > 30*time.Second {
+			r.t.Fatalf("replica %s's observation cache not confirmed 30 s after it was ready:\n%s", r.replicas[i].id, r.readyz(i))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if took := time.Since(began); took > time.Second {
+		r.t.Logf("replica %s's observation cache confirmed %s after it was ready", r.replicas[i].id, took.Round(time.Millisecond))
+	}
+}
+
 // connectWith opens a controller connection through the load balancer,
 // presenting secret as the credential.
 func (r *lbRig) connectWith(ctx context.Context, secret string) (*jsonrpc.Client, error) {
