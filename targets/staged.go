@@ -54,7 +54,7 @@ func (s *Service) stagesCreates() bool {
 func stagingName(templateID, name string) string {
 	var b [2]byte
 	_, _ = rand.Read(b[:])
-	return warmStem(templateID) + "-s" + ownerTag(name) + hex.EncodeToString(b[:])
+	return warmStem(templateID) + stagingMark + ownerTag(name) + hex.EncodeToString(b[:])
 }
 
 // ownerTag is 6 hex digits of the owner's name's digest: two owners share
@@ -66,20 +66,16 @@ func ownerTag(name string) string {
 
 // isStagingName says a name is a staged create's (see stagingName).
 func isStagingName(name string) bool {
-	rest, ok := strings.CutPrefix(name, warmPrefix)
-	if !ok || len(rest) < 14 {
-		return false
-	}
-	return strings.HasPrefix(rest[12:], "-s")
+	return strings.HasPrefix(name, warmPrefix) && len(name) >= warmStemLen+len(stagingMark) &&
+		name[warmStemLen:warmStemLen+len(stagingMark)] == stagingMark
 }
+
+// stagingMark follows the stem in a staging name.
+const stagingMark = "-s"
 
 // stagedFor says a staging name may be a staged create for name.
 func stagedFor(wn, name string) bool {
-	if !isStagingName(wn) {
-		return false
-	}
-	rest := wn[len(warmPrefix)+12+2:]
-	return strings.HasPrefix(rest, ownerTag(name))
+	return isStagingName(wn) && strings.HasPrefix(wn[warmStemLen+len(stagingMark):], ownerTag(name))
 }
 
 // createStaged answers the create of a new owner while pools exist (see

@@ -103,8 +103,14 @@ func warmName(templateID string, slot int) string {
 // warmStem is what every pool name of a template starts with.
 func warmStem(templateID string) string {
 	h := sha256.Sum256([]byte("lightspeed/warm/" + templateID))
-	return warmPrefix + hex.EncodeToString(h[:6])
+	return warmPrefix + hex.EncodeToString(h[:warmStemBytes])
 }
+
+// warmStemBytes is the digest bytes in a stem; warmStemLen its length.
+const (
+	warmStemBytes = 6
+	warmStemLen   = len(warmPrefix) + 2*warmStemBytes
+)
 
 // isWarmName says a name is one of the pool's, of any template.
 func isWarmName(name string) bool { return strings.HasPrefix(name, warmPrefix) }
