@@ -427,11 +427,8 @@ func TestClusterReplicasBehindHAProxy(t *testing.T) {
 			return o.Phase == controller.PhaseActive && o.Power == controller.PowerRunning && o.Message == ""
 		})
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	list, err := r.client.ListInstances(ctx)
-	cancel()
-	if err != nil || len(list) != owners {
-		t.Fatalf("%d instances for %d owners (%v)", len(list), owners, err)
+	if list := r.instances(); len(list) != owners {
+		t.Fatalf("%d instances for %d owners", len(list), owners)
 	}
 
 	// A replica killed mid-relay.
@@ -662,6 +659,19 @@ lines:
 		return f
 	}
 	return -1
+}
+
+// instances lists the rig's project in Incus, bounded: what the tests
+// check their invariants against.
+func (r *lbRig) instances() []incus.Instance {
+	r.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	list, err := r.client.ListInstances(ctx)
+	if err != nil {
+		r.t.Fatalf("listing the rig's instances: %v", err)
+	}
+	return list
 }
 
 // readyz is a replica's /readyz body.

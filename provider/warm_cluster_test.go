@@ -1,7 +1,6 @@
 package provider_test
 
 import (
-	"context"
 	"fmt"
 	"math/rand/v2"
 	"regexp"
@@ -39,14 +38,8 @@ func TestClusterWarmPoolFollowsDemand(t *testing.T) {
 `})
 	spares := func() (ready, all int, where map[string]int) {
 		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		list, err := r.client.ListInstances(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
 		where = map[string]int{}
-		for _, i := range list {
+		for _, i := range r.instances() {
 			// Pool slots only: a create that finds no spare while pools
 			// exist is built under a staging name (warm-…-s…) of its own.
 			if !poolSlot.MatchString(i.Name) {
@@ -128,12 +121,7 @@ func TestClusterWarmPoolFollowsDemand(t *testing.T) {
 	mu.Unlock()
 
 	// One instance per owner, each the owner's.
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	list, err := r.client.ListInstances(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	list := r.instances()
 	byName := map[string]int{}
 	for _, i := range list {
 		byName[i.Name]++
@@ -166,20 +154,10 @@ func TestClusterWarmRacesAndAKill(t *testing.T) {
     placement: lsm2
     warm: 6
 `})
-	list := func() []incus.Instance {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		l, err := r.client.ListInstances(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return l
-	}
 	await := func(what string, within time.Duration, cond func([]incus.Instance) bool) {
 		t.Helper()
 		for deadline := time.Now().Add(within); ; time.Sleep(200 * time.Millisecond) {
-			if cond(list()) {
+			if cond(r.instances()) {
 				return
 			}
 			if time.Now().After(deadline) {
@@ -307,7 +285,7 @@ func TestClusterWarmRacesAndAKill(t *testing.T) {
 		t.Logf("%d closed owners' names held an instance after the close was answered; each was closed by the replica that answered", len(late))
 	}
 	byName := map[string][]incus.Instance{}
-	for _, inst := range list() {
+	for _, inst := range r.instances() {
 		if strings.HasPrefix(inst.Name, "warm-") {
 			continue
 		}
