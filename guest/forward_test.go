@@ -351,30 +351,21 @@ func TestForwardRefusesAManInTheMiddle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = mitm.Close() })
 	cert, err := throwawayCertificate()
 	if err != nil {
 		t.Fatal(err)
 	}
-	go func() {
-		for {
-			c, err := mitm.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				in := tls.Server(c, &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert}})
-				defer func() { _ = in.Close() }()
-				out, err := tls.Dial("tcp", addr, &tls.Config{MinVersion: tls.VersionTLS13, InsecureSkipVerify: true}) //nolint:gosec // the attacker's side
-				if err != nil {
-					return
-				}
-				defer func() { _ = out.Close() }()
-				go func() { _, _ = io.Copy(out, in) }()
-				_, _ = io.Copy(in, out)
-			}()
+	acceptEach(t, mitm, func(c net.Conn) {
+		in := tls.Server(c, &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert}})
+		defer func() { _ = in.Close() }()
+		out, err := tls.Dial("tcp", addr, &tls.Config{MinVersion: tls.VersionTLS13, InsecureSkipVerify: true}) //nolint:gosec // the attacker's side
+		if err != nil {
+			return
 		}
-	}()
+		defer func() { _ = out.Close() }()
+		go func() { _, _ = io.Copy(out, in) }()
+		_, _ = io.Copy(in, out)
+	})
 	d, fb, obs := newTestForward(t, map[string]string{"m2": mitm.Addr().String()}, secretA)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
