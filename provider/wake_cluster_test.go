@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -22,7 +23,8 @@ import (
 // there) or, for a guest on lsm3 where no replica runs, by the one replica
 // both choose; the other hands its flight to that one over the peer hop
 // (incus_provider_route_wake_duration_seconds counts it "elsewhere").
-// Incus sends one instance-resumed a round. Every use is served.
+// Incus sends one instance-resumed a round. Every use is served. With the
+// waking replica killed, the other wakes the target itself.
 func TestClusterOneWakeAcrossReplicas(t *testing.T) {
 	r := newLBRigOpts(t, lbOptions{edge: true, templates: webOnLsm3})
 	onLsm3 := controller.Owner{UniverseID: "u-onewake", EnvironmentID: "web"}
@@ -140,6 +142,38 @@ func TestClusterOneWakeAcrossReplicas(t *testing.T) {
 			}
 		}
 	}
+
+	// The waking replica of the guest on lsm2 killed: the other one's
+	// dials find no one to hand the wake to, wake the target themselves
+	// and are served (through exec, its member's replica being dead).
+	other := 1 - lsm2
+	r.stop(lsm2, syscall.SIGKILL)
+	if _, err := r.callAt(r.replicas[other].addr, "target/setPower", controller.SetPowerParams{Target: controller.TargetRef{Owner: onLsm2}, Power: controller.PowerPaused}, 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	r.until(onLsm2, "paused", 30*time.Second, func(o controller.Observation) bool {
+		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
+	})
+	before := wakes(other, "ready")
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	for range 4 {
+		wg.Go(func() {
+			if err := dial(other, route2); err != nil {
+				errs <- err
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("a dial through replica %s with the waking replica dead: %v", r.replicas[other].id, err)
+	}
+	if got := wakes(other, "ready") - before; got != 1 {
+		t.Fatalf("replica %s flew %v wakes of its own for 4 dials with the waking replica dead, want 1", r.replicas[other].id, got)
+	}
+	r.start(lsm2)
+	r.awaitUp(lsm2)
 }
 
 // webIdleOnLsm3 is webOnLsm3 with an idle policy: paused after 1.5 s idle.
