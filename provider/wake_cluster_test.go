@@ -2,11 +2,15 @@ package provider_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"sync"
 	"syscall"
 	"testing"
@@ -14,6 +18,8 @@ import (
 
 	"github.com/lightspeed-dev/incus-provider/conformance"
 	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/routes"
 )
 
@@ -24,7 +30,8 @@ import (
 // both choose; the other hands its flight to that one over the peer hop
 // (incus_provider_route_wake_duration_seconds counts it "elsewhere").
 // Incus sends one instance-resumed a round. Every use is served. With the
-// waking replica killed, the other wakes the target itself.
+// waking replica killed, the other wakes the target itself. A wake sent
+// over the hop naming another owner wakes nothing.
 func TestClusterOneWakeAcrossReplicas(t *testing.T) {
 	r := newLBRigOpts(t, lbOptions{edge: true, templates: webOnLsm3})
 	onLsm3 := controller.Owner{UniverseID: "u-onewake", EnvironmentID: "web"}
@@ -143,17 +150,43 @@ func TestClusterOneWakeAcrossReplicas(t *testing.T) {
 		}
 	}
 
-	// The waking replica of the guest on lsm2 killed: the other one's
-	// dials find no one to hand the wake to, wake the target themselves
-	// and are served (through exec, its member's replica being dead).
-	other := 1 - lsm2
-	r.stop(lsm2, syscall.SIGKILL)
-	if _, err := r.callAt(r.replicas[other].addr, "target/setPower", controller.SetPowerParams{Target: controller.TargetRef{Owner: onLsm2}, Power: controller.PowerPaused}, 30*time.Second); err != nil {
+	// A wake that names another owner, sent over the hop with the
+	// replicas' secret as a replica on lsm3 would send it, is answered
+	// gone, and the target stays paused: the waking replica checks the
+	// owner as for its own uses.
+	if _, err := r.call("target/setPower", controller.SetPowerParams{Target: controller.TargetRef{Owner: onLsm2}, Power: controller.PowerPaused}, 30*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	r.until(onLsm2, "paused", 30*time.Second, func(o controller.Observation) bool {
 		return o.Phase == controller.PhaseActive && o.Power == controller.PowerPaused && o.Message == ""
 	})
+	secret, err := os.ReadFile(filepath.Join(r.dir, "peer.secret"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail := func(context.Context, string, []string) (net.Conn, error) { return nil, errors.New("not in this test") }
+	asLsm3, err := guest.New(guest.KindMember, guest.Options{Member: "lsm3", PeerSecret: bytes.TrimSpace(secret), Exec: fail,
+		Lookup: func(context.Context, string) (int, error) { return 0, errors.New("not in this test") },
+		Peers:  map[string]string{r.replicas[0].member: r.replicas[0].peer, r.replicas[1].member: r.replicas[1].peer}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	a, err := guest.PeerWakes(asLsm3).Wake(wctx, "lsm2", guest.WakeRequest{Instance: route2.TargetID, Universe: "u-onewake", Environment: "someone-else"})
+	wcancel()
+	if err != nil || a.Ready || a.State != "gone" {
+		t.Fatalf("a wake of %s naming another owner: %+v, %v; want it answered gone", route2.TargetID, a, err)
+	}
+	time.Sleep(time.Second)
+	if inst, _, err := r.client.GetInstance(context.Background(), route2.TargetID); err != nil || inst.Status != incus.InstanceFrozen {
+		t.Fatalf("after a wake naming another owner, %s is %v (%v), want Frozen", route2.TargetID, inst, err)
+	}
+
+	// The waking replica of the guest on lsm2 killed: the other one's
+	// dials find no one to hand the wake to, wake the target themselves
+	// and are served (through exec, its member's replica being dead).
+	other := 1 - lsm2
+	r.stop(lsm2, syscall.SIGKILL)
 	before := wakes(other, "ready")
 	var wg sync.WaitGroup
 	errs := make(chan error, 4)
