@@ -4,7 +4,6 @@ package provider_test
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -13,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gorilla/websocket"
 
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
@@ -134,31 +132,6 @@ func TestDebianGuestImage(t *testing.T) {
 	ws = r.mustUpgrade(routesOf[1])
 	_ = ws.Close()
 	t.Logf("paused → upgraded: %v", time.Since(wakeStart).Round(time.Millisecond))
-}
-
-// daemonInstanceID runs the data-plane initialize and returns the daemon's
-// identity.
-func daemonInstanceID(t *testing.T, ws *websocket.Conn) string {
-	t.Helper()
-	_ = ws.SetReadDeadline(time.Now().Add(10 * time.Second))
-	defer func() { _ = ws.SetReadDeadline(time.Time{}) }()
-	req := `{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":5,"clientInfo":{"name":"image-test"}}}`
-	if err := ws.WriteMessage(websocket.TextMessage, []byte(req)); err != nil {
-		t.Fatal(err)
-	}
-	_, data, err := ws.ReadMessage()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var answer struct {
-		Result struct {
-			DaemonInstanceID string `json:"daemonInstanceId"`
-		} `json:"result"`
-	}
-	if err := json.Unmarshal(data, &answer); err != nil || answer.Result.DaemonInstanceID == "" {
-		t.Fatalf("initialize answered %s (%v)", data, err)
-	}
-	return answer.Result.DaemonInstanceID
 }
 
 // guestExec runs a command in the guest with the incus client and returns

@@ -67,7 +67,10 @@ type Config struct {
 	// Replica names this process among the provider replicas serving one
 	// Incus project (1-32 of a-z, 0-9 and -); default a random id. It names
 	// the relay lease this process keeps on the instances it relays to.
-	Replica string
+	// Replicas is how many replicas serve the project (default 1): each
+	// keeps its share of a pool of ready spares.
+	Replica  string
+	Replicas int
 	// NoCache turns the observation cache off: every read asks Incus.
 	NoCache bool
 	// CacheCorrection is the period of the cache's correcting full list
@@ -141,7 +144,7 @@ func New(ctx context.Context, cfg Config) (*Provider, error) {
 	}
 	svc, err := targets.New(cfg.Incus, cfg.Catalog, cfg.Dialer, reg, log.Named("targets"), targets.Config{
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, Replica: cfg.Replica,
-		IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics, CacheMetrics: cacheMetrics, NoCache: cfg.NoCache,
+		Replicas: cfg.Replicas, IngressBase: cfg.IngressBase, WarmMetrics: warmMetrics, CacheMetrics: cacheMetrics, NoCache: cfg.NoCache,
 		CacheCorrection: cfg.CacheCorrection, WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter, WarmMemoryMax: cfg.WarmMemoryMax,
 	})
 	if err != nil {

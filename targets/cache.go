@@ -155,6 +155,10 @@ func (s *Service) readFor(owner controller.Owner) func(context.Context, string) 
 // finalFor says whether inst, as owner's target, makes an answer that no
 // later request of the owner can undo.
 func finalFor(inst *incus.Instance, owner controller.Owner) bool {
+	if standinOf(inst) != "" {
+		// The owner's stand-in leads on to the target (see ready.go).
+		return recordOf(inst.Config, fOwner).Owner != owner
+	}
 	if checkOwned(inst, owner) != nil {
 		return true
 	}

@@ -41,6 +41,11 @@ type fakeRig struct {
 	tap    *busyTap
 	client *incus.Client
 	svc    *Service
+	// stop ends svc's run; restart starts another process in its place.
+	stop   func()
+	cat    *templates.Catalog
+	dialer guest.Dialer
+	cfg    Config
 
 	mu     sync.Mutex
 	owners map[string]controller.Owner // by instance name
@@ -58,6 +63,12 @@ const fakeFingerprint = "0123456789abcdef0123456789abcdef0123456789abcdef0123456
 // holds exactly the owners' instances (checkInventory), then the fake
 // closes.
 func newFakeRig(t *testing.T, fcfg incusfake.Config, cfg Config) *fakeRig {
+	t.Helper()
+	return newFakeRigOf(t, fcfg, cfg, fakeCatalog(t), nopDialer{})
+}
+
+// newFakeRigOf is newFakeRig with its own catalog and guest dialer.
+func newFakeRigOf(t *testing.T, fcfg incusfake.Config, cfg Config, cat *templates.Catalog, dialer guest.Dialer) *fakeRig {
 	t.Helper()
 	// A unix socket path holds at most 107 bytes, and t.TempDir's names
 	// carry the test's.
@@ -82,24 +93,42 @@ func newFakeRig(t *testing.T, fcfg incusfake.Config, cfg Config) *fakeRig {
 		t.Fatal(err)
 	}
 	t.Cleanup(client.Close)
-	r := &fakeRig{t: t, fake: fake, tap: tap, client: client, owners: map[string]controller.Owner{}}
+	r := &fakeRig{t: t, fake: fake, tap: tap, client: client, owners: map[string]controller.Owner{}, cat: cat, dialer: dialer}
 	t.Cleanup(r.checkInventory)
 	if cfg.Replica == "" {
 		cfg.Replica = "r-fake"
 	}
-	svc, err := New(client, fakeCatalog(t), nopDialer{}, relays.New(0), zaptest.NewLogger(t), cfg)
+	r.cfg = cfg
+	r.svc, r.stop = r.process(cfg, nil)
+	t.Cleanup(func() { r.stop() })
+	return r
+}
+
+// process starts a service on the rig's client, as one more provider
+// process would, with hook as its warm hook; stop ends it (once).
+func (r *fakeRig) process(cfg Config, hook func(string) bool) (*Service, func()) {
+	r.t.Helper()
+	svc, err := New(r.client, r.cat, r.dialer, relays.New(0), zaptest.NewLogger(r.t), cfg)
 	if err != nil {
-		t.Fatal(err)
+		r.t.Fatal(err)
 	}
-	r.svc = svc
+	svc.warmHook = hook
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		_ = svc.Run(ctx)
 	}()
-	t.Cleanup(func() { cancel(); <-done })
-	return r
+	var once sync.Once
+	return svc, func() { once.Do(func() { cancel(); <-done }) }
+}
+
+// restart stops the rig's process and starts another in its place, with
+// the same configuration and hook.
+func (r *fakeRig) restart(hook func(string) bool) {
+	r.t.Helper()
+	r.stop()
+	r.svc, r.stop = r.process(r.cfg, hook)
 }
 
 // fakeDurations are the fake's operation times for tests that do not hold
@@ -279,10 +308,38 @@ func (r *fakeRig) checkInventory() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	seen := map[string]bool{}
-	for _, v := range r.fake.Instances(fakeProject) {
-		inst := incus.Instance{Name: v.Name, Config: v.Config}
+	all := r.fake.Instances(fakeProject)
+	byName := map[string]incus.Instance{}
+	for _, v := range all {
+		byName[v.Name] = incus.Instance{Name: v.Name, Config: v.Config, Status: v.Status}
+	}
+	for _, v := range all {
+		inst := byName[v.Name]
 		o, ok := ownerOf(&inst)
-		want, expected := r.owners[v.Name]
+		key := v.Name
+		if sn := standinOf(&inst); sn != "" {
+			// A stand-in: it locks its owner's name for the spare it names,
+			// which must be that owner's target (checked there).
+			spare, held := byName[sn]
+			if got, ours := ownerOf(&spare); !held || !ours || Name(got) != v.Name {
+				r.t.Errorf("inventory: stand-in %s names %s, which is not its owner's target (config %v)", v.Name, sn, spare.Config)
+			}
+			continue
+		}
+		if isReadyName(v.Name) {
+			if !ok {
+				if recordOf(v.Config, fWarm).Warm != "" {
+					continue // a spare in the pool, or one being made
+				}
+				r.t.Errorf("inventory: ready spare %s is neither in the pool nor anyone's (config %v)", v.Name, v.Config)
+				continue
+			}
+			key = Name(o)
+			if lock, locked := byName[key]; !locked || standinOf(&lock) != v.Name {
+				r.t.Errorf("inventory: target %s of owner %+v is locked by no stand-in", v.Name, o)
+			}
+		}
+		want, expected := r.owners[key]
 		switch {
 		case !ok:
 			r.t.Errorf("inventory: instance %s carries no owner (config %v)", v.Name, v.Config)
@@ -291,7 +348,10 @@ func (r *fakeRig) checkInventory() {
 		case o != want:
 			r.t.Errorf("inventory: instance %s carries owner %+v, want %+v", v.Name, o, want)
 		}
-		seen[v.Name] = true
+		if seen[key] {
+			r.t.Errorf("inventory: owner %+v has two targets", o)
+		}
+		seen[key] = true
 	}
 	for name, o := range r.owners {
 		if !seen[name] {

@@ -46,13 +46,19 @@ func Name(o controller.Owner) string {
 	return namePrefix + hex.EncodeToString(h.Sum(nil)[:10])
 }
 
-// looksLikeTargetID says whether an id could be one of our names; anything
-// else is answered notFound without asking Incus about someone else's instance.
-func looksLikeTargetID(id string) bool { return namePattern.MatchString(id) }
+// looksLikeTargetID says whether an id could be one of our targets: an
+// owner's name, or a ready spare's (see ready.go); anything else is
+// answered notFound without asking Incus about someone else's instance.
+func looksLikeTargetID(id string) bool { return namePattern.MatchString(id) || isReadyName(id) }
+
+// isOwnerName says a name is one Name derives: an owner's lock.
+func isOwnerName(name string) bool { return namePattern.MatchString(name) }
 
 // ownerOf reads an instance's owner. ok is false for an instance that is not
 // one of ours: missing metadata, or a name that its metadata does not derive
-// (a renamed copy or clone is never taken for a target).
+// (a renamed copy or clone is never taken for a target). A ready spare
+// handed out is its owner's by its claim, which names the owner's name
+// (where the stand-in locks it); a stand-in is a lock, never a target.
 func ownerOf(inst *incus.Instance) (controller.Owner, bool) {
 	r := recordOf(inst.Config, fOwned)
 	return r.owner(inst.Name)
@@ -61,7 +67,10 @@ func ownerOf(inst *incus.Instance) (controller.Owner, bool) {
 // owner is ownerOf on a record decoded with fOwned, of the instance name.
 func (r *record) owner(name string) (controller.Owner, bool) {
 	o := r.Owner
-	if r.Schema == "" || o.UniverseID == "" || o.EnvironmentID == "" || Name(o) != name {
+	if r.Schema == "" || o.UniverseID == "" || o.EnvironmentID == "" || r.Standin != "" {
+		return controller.Owner{}, false
+	}
+	if n := Name(o); n != name && (!isReadyName(name) || r.WarmClaim != n) {
 		return controller.Owner{}, false
 	}
 	return o, true

@@ -323,6 +323,10 @@ func (s *Service) closeInstance(ctx context.Context, inst *incus.Instance) error
 	if err == nil {
 		s.log.Info("deleted a closed target", zap.String("instance", name))
 	}
+	if lock := claimOf(inst); isReadyName(name) && isOwnerName(lock) && (err == nil || errors.Is(err, incus.ErrNotFound)) {
+		// A ready spare's stand-in goes last (see ready.go).
+		s.dropStandin(ctx, lock, name)
+	}
 	// Gone (or not): the idle loop reads it again, and the targets gauge
 	// with it, instead of waiting for the next listing.
 	s.changes.note(name)

@@ -59,10 +59,19 @@ const (
 	keyWarmReady   = "user.lightspeed.warm_ready_ms"
 	keyWarmClaim   = "user.lightspeed.warm_claim"
 	keyWarmClaimAt = "user.lightspeed.warm_claim_ms"
+	// keyWarmMaker is the replica that made a ready spare, the only one
+	// that hands it out; keyStandin, on a stand-in at an owner's name, the
+	// ready spare that is the owner's target (see ready.go).
+	keyWarmMaker = "user.lightspeed.warm_maker"
+	keyStandin   = "user.lightspeed.standin"
 
 	// keyRelayPrefix and a replica's id name that replica's relay lease
 	// (see leases.go).
 	keyRelayPrefix = "user.lightspeed.relays."
+
+	// keyReplicaPrefix and a replica's id name, on the project, until when
+	// that replica's word stands (see ready.go).
+	keyReplicaPrefix = "user.lightspeed.replica."
 
 	// keyPendingPrefix and an instance's name name, on the project, a
 	// power request kept for that instance (see pendingstore.go).
@@ -103,6 +112,8 @@ const (
 	fWarmReady
 	fWarmClaim
 	fWarmClaimAt
+	fWarmMaker
+	fStandin
 	// fRelays is every replica's relay lease.
 	fRelays
 	fLast
@@ -113,8 +124,9 @@ const (
 	fPool = fWarm | fWarmRecipe | fWarmReady
 	// fState is what StateOf reads.
 	fState = fBooted | fClosing | fFailure | fIntent | fPowerDone
-	// fOwned is what ownerOf reads.
-	fOwned = fSchema | fOwner
+	// fOwned is what ownerOf reads: a ready spare is its owner's by its
+	// claim, and a stand-in is no one's target.
+	fOwned = fSchema | fOwner | fWarmClaim | fStandin
 )
 
 // record is an instance's user.lightspeed.* keys, typed. A key that is
@@ -169,6 +181,10 @@ type record struct {
 	WarmReady   time.Time
 	WarmClaim   string
 	WarmClaimAt time.Time
+	// WarmMaker is the replica that made a ready spare; Standin, on a
+	// stand-in, the ready spare it names (see ready.go).
+	WarmMaker string
+	Standin   string
 	// Relays are the replicas' relay leases, by replica id, to when each
 	// stands (zero: present, but no instant). Nil when there are none.
 	Relays map[string]time.Time
@@ -260,6 +276,8 @@ func recordOf(config map[string]string, want fields) (r record) {
 	ms(fWarmReady, keyWarmReady, &r.WarmReady)
 	str(fWarmClaim, keyWarmClaim, &r.WarmClaim)
 	ms(fWarmClaimAt, keyWarmClaimAt, &r.WarmClaimAt)
+	str(fWarmMaker, keyWarmMaker, &r.WarmMaker)
+	str(fStandin, keyStandin, &r.Standin)
 	if want&fRelays != 0 {
 		for k, v := range config {
 			id, ok := strings.CutPrefix(k, keyRelayPrefix)
@@ -367,6 +385,8 @@ func (c change) config() map[string]string {
 	ms(fWarmReady, keyWarmReady, r.WarmReady)
 	str(fWarmClaim, keyWarmClaim, r.WarmClaim)
 	ms(fWarmClaimAt, keyWarmClaimAt, r.WarmClaimAt)
+	str(fWarmMaker, keyWarmMaker, r.WarmMaker)
+	str(fStandin, keyStandin, r.Standin)
 	if c.keys&fRelays != 0 {
 		for id, until := range r.Relays {
 			out[keyRelayPrefix+id] = msText(until)
@@ -455,6 +475,10 @@ func fieldOf(key string) fields {
 		return fWarm
 	case keyWarmRecipe:
 		return fWarmRecipe
+	case keyWarmMaker:
+		return fWarmMaker
+	case keyStandin:
+		return fStandin
 	case keyWarmReady:
 		return fWarmReady
 	case keyWarmClaim:
@@ -614,4 +638,29 @@ func pendingAll(config map[string]string) (kept map[string]pendingWrite, bad map
 		kept[name] = w
 	}
 	return kept, bad
+}
+
+// replicaWords reads the replicas' words from a project's config: until
+// when each stands (see ready.go).
+func replicaWords(config map[string]string) map[string]time.Time {
+	out := map[string]time.Time{}
+	for k, v := range config {
+		if id, ok := strings.CutPrefix(k, keyReplicaPrefix); ok {
+			out[id], _ = parseMs(v)
+		}
+	}
+	return out
+}
+
+// putReplicaWord writes a replica's word into a project's config, and takes
+// out every word that lapsed before lapsed.
+func putReplicaWord(config map[string]string, id string, until, lapsed time.Time) {
+	for k, v := range config {
+		if _, ok := strings.CutPrefix(k, keyReplicaPrefix); ok {
+			if at, ok := parseMs(v); !ok || at.Before(lapsed) {
+				delete(config, k)
+			}
+		}
+	}
+	config[keyReplicaPrefix+id] = msText(until)
 }

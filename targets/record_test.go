@@ -45,6 +45,8 @@ func fullRecord(t *testing.T) record {
 		WarmReady:     at(6),
 		WarmClaim:     "ls-0123456789abcdef0123",
 		WarmClaimAt:   at(7),
+		WarmMaker:     "r-a",
+		Standin:       "lsr-0123456789abcdef0123",
 		Relays:        map[string]time.Time{"r-a": at(8), "r-b": at(9)},
 	}
 	if err := r.setIdle(&idlepolicy.Policy{PauseAfterMs: &ms}); err != nil {
@@ -132,6 +134,8 @@ func TestRecordWireIsUnchanged(t *testing.T) {
 		"user.lightspeed.warm_ready_ms":    "1700000006000",
 		"user.lightspeed.warm_claim":       "ls-0123456789abcdef0123",
 		"user.lightspeed.warm_claim_ms":    "1700000007000",
+		"user.lightspeed.warm_maker":       "r-a",
+		"user.lightspeed.standin":          "lsr-0123456789abcdef0123",
 		"user.lightspeed.relays.r-a":       "1700000008000",
 		"user.lightspeed.relays.r-b":       "1700000009000",
 	}

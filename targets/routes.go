@@ -122,10 +122,15 @@ var errNotResolved = errors.New("targets: the route was not resolved")
 func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targetID string) (Route, error) {
 	name := Name(owner)
 	if targetID != name {
-		if looksLikeTargetID(targetID) {
+		switch {
+		case isReadyName(targetID):
+			// A ready spare handed out: read, and fenced by its claim below.
+			name = targetID
+		case looksLikeTargetID(targetID):
 			return Route{}, ErrRouteOwner
+		default:
+			return Route{}, ErrRouteGone
 		}
-		return Route{}, ErrRouteGone
 	}
 	inst, err := s.readFor(owner)(ctx, name)
 	// One read is bounded well short of a dial's hold (getAttempt: a
@@ -144,6 +149,10 @@ func (s *Service) ResolveRoute(ctx context.Context, owner controller.Owner, targ
 	}
 	if err != nil {
 		return Route{}, err
+	}
+	if inst != nil && standinOf(inst) != "" {
+		// Only a target's own id reaches it: the runtime holds the spare's.
+		inst = nil
 	}
 	if inst == nil {
 		return Route{}, ErrRouteGone

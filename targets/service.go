@@ -43,8 +43,11 @@ type Config struct {
 	// deadline (default AnswerWithin + 1 s).
 	MethodBudget time.Duration
 	// Replica names this process among the replicas serving one project
-	// (see leases.go); default a random id.
-	Replica string
+	// (see leases.go); default a random id. Replicas is how many share the
+	// project (default 1): each keeps its share of a pool of ready spares
+	// (see ready.go).
+	Replica  string
+	Replicas int
 	// IngressBase is the public base of the ingress edge; nil serves no
 	// public ingress (the methods answer capabilityUnavailable).
 	IngressBase *ingressurl.Base
@@ -159,8 +162,10 @@ type Service struct {
 	// ingressChanges are the instances whose cached record changed, for
 	// the ingress index (see followIngress).
 	ingressChanges changeFeed
-	// warm is this process's view of the warm pools (see warm.go).
-	warm warmPool
+	// warm is this process's view of the warm pools (see warm.go), and
+	// ready its ready spares (see ready.go).
+	warm  warmPool
+	ready readyPool
 	// warmHook, set by tests only, is called at each step of a hand-out
 	// (true stops it there as a crash would), and where a get has read an
 	// owner's name empty ("get-absent"), the window a rename can land in.
@@ -194,6 +199,7 @@ func New(client *incus.Client, catalog *templates.Catalog, dialer guest.Dialer, 
 	s.leaseKey = leaseKeyOf(cfg.Replica)
 	s.ingress.init()
 	s.warm.init()
+	s.ready.init()
 	s.own = newOwner(s.converge)
 	s.catalog.Store(catalog)
 	cfg.WarmMetrics.Start(catalog)
@@ -362,6 +368,22 @@ func (s *Service) resolve(ctx context.Context, ref controller.TargetRef) (name s
 func (s *Service) resolveWith(ctx context.Context, ref controller.TargetRef,
 	read func(context.Context, string) (*incus.Instance, error)) (name string, inst *incus.Instance, err error) {
 	name = Name(ref.Owner)
+	if isReadyName(ref.TargetID) {
+		// A ready spare handed out: its claim names its owner.
+		other, err := read(ctx, ref.TargetID)
+		if err != nil {
+			return "", nil, s.incusError("looking up a target", err)
+		}
+		if other != nil {
+			if got, ours := ownerOf(other); ours {
+				if got != ref.Owner {
+					return "", nil, ownerMismatch(ref.TargetID)
+				}
+				return other.Name, other, nil
+			}
+		}
+		return "", nil, jsonrpc.Errorf(jsonrpc.KindNotFound, "This provider holds no target %q for this owner.", ref.TargetID)
+	}
 	if ref.TargetID != "" && ref.TargetID != name {
 		if looksLikeTargetID(ref.TargetID) {
 			other, err := read(ctx, ref.TargetID)
@@ -379,6 +401,16 @@ func (s *Service) resolveWith(ctx context.Context, ref controller.TargetRef,
 	inst, err = read(ctx, name)
 	if err != nil {
 		return "", nil, s.incusError("looking up the owner's target", err)
+	}
+	if inst != nil && standinOf(inst) != "" {
+		target, st, err := s.follow(ctx, ref.Owner, inst, read)
+		if err != nil {
+			return "", nil, s.incusError("looking up the owner's target", err)
+		}
+		if st != standinHeld {
+			return name, nil, nil // a hand-out under way, or nothing (see getNothing)
+		}
+		return target.Name, target, nil
 	}
 	if inst != nil {
 		if err := checkOwned(inst, ref.Owner); err != nil {
@@ -430,6 +462,25 @@ func (s *Service) getNothing(ctx context.Context, ref controller.TargetRef, name
 	if s.warmHook != nil {
 		s.warmHook("get-absent")
 	}
+	if s.readyOffered() || s.ready.seen() {
+		at, err := s.lookup(ctx, name)
+		if err != nil {
+			return controller.Observation{}, s.incusError("looking up the owner's target", err)
+		}
+		if at != nil && standinOf(at) != "" {
+			target, st, err := s.follow(ctx, ref.Owner, at, s.lookup)
+			switch {
+			case err != nil:
+				return controller.Observation{}, s.incusError("looking up the owner's target", err)
+			case st == standinHeld:
+				return s.observe(target, ref.Owner), nil
+			case st == standinPending:
+				return controller.Observation{TargetID: ref.TargetID, Owner: ref.Owner, Phase: controller.PhaseProvisioning,
+					Message: "Handing out a ready spare."}, nil
+			}
+			return controller.Observation{}, notHeld()
+		}
+	}
 	pending := s.creates.following(name) || s.warm.renamingTo(name)
 	if !pending && !s.poolsOffered() {
 		return controller.Observation{}, notHeld()
@@ -475,6 +526,20 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 	inst, err := s.lookup(ctx, name)
 	if err != nil {
 		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	if inst != nil && standinOf(inst) != "" {
+		// A hand-out of a ready spare: finished, left unfinished, or stale.
+		target, r := s.resumeReady(ctx, name, inst, p)
+		switch r {
+		case warmHit:
+			return s.observe(target, p.Owner), nil
+		case warmCrashed:
+			return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "The provider stopped while handing out a ready spare; retry shortly.")
+		case warmMiss:
+			inst = nil // the stale stand-in is gone: a hand-out or a create follows
+		default:
+			return handingOut(p.Owner), nil
+		}
 	}
 	if inst == nil && s.creates.following(name) {
 		// This process sent a create for the name whose instance Incus has
@@ -528,6 +593,24 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		s.warmGauge()
 		s.warm.kick()
 	}
+	if tmpl.Ready() {
+		switch r, target := s.handoutReady(ctx, name, p, tmpl); r {
+		case warmHit:
+			s.warmMetrics().handout(tmpl.Wire.TemplateID, true)
+			after, err := s.lookup(ctx, target)
+			if err != nil || after == nil {
+				// Claimed for the owner: the target is the owner's whatever
+				// this read says, and its id is known.
+				return controller.Observation{TargetID: target, Owner: p.Owner, Phase: controller.PhaseProvisioning,
+					Message: "Handing out a ready spare."}, nil
+			}
+			return s.observe(after, p.Owner), nil
+		case warmLost:
+			return s.answerAt(ctx, name, p.Owner)
+		case warmCrashed:
+			return controller.Observation{}, jsonrpc.Unavailable(retryAfter, "The provider stopped while handing out a ready spare; retry shortly.")
+		}
+	}
 	switch s.handout(ctx, name, p, tmpl) {
 	case warmRenaming:
 		// The method's time is spent: no look at Incus to answer it.
@@ -558,6 +641,9 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		// Created-but-answer-lost and lost races both end here: whatever
 		// Incus now holds under the name is the answer.
 		again, lerr := s.lookup(ctx, name)
+		if lerr == nil && again != nil && standinOf(again) != "" {
+			return s.answerAt(ctx, name, p.Owner)
+		}
 		if lerr == nil && again != nil {
 			if err := checkOwned(again, p.Owner); err != nil {
 				return controller.Observation{}, err
@@ -587,6 +673,26 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		o.TargetID = name
 	}
 	return o, nil
+}
+
+// answerAt answers a create that lost the owner's name to another create:
+// what that one put there, the owner's target or a stand-in leading to it.
+func (s *Service) answerAt(ctx context.Context, name string, owner controller.Owner) (controller.Observation, error) {
+	at, err := s.lookup(ctx, name)
+	if err != nil {
+		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	target, st, err := s.follow(ctx, owner, at, s.lookup)
+	if err != nil {
+		return controller.Observation{}, s.incusError("looking up the owner's target", err)
+	}
+	if target == nil || st == standinPending || st == standinStale {
+		return handingOut(owner), nil
+	}
+	if err := checkOwned(target, owner); err != nil {
+		return controller.Observation{}, err
+	}
+	return s.observe(target, owner), nil
 }
 
 // handingOut answers a create whose hand-out's rename has not landed: no
@@ -619,6 +725,9 @@ func (s *Service) refuseUnlessHeld(ctx context.Context, name string, owner contr
 	}
 	if inst == nil {
 		return controller.Observation{}, refusal
+	}
+	if standinOf(inst) != "" {
+		return s.answerAt(ctx, name, owner)
 	}
 	if err := checkOwned(inst, owner); err != nil {
 		return controller.Observation{}, err
@@ -671,11 +780,14 @@ func (s *Service) awaitRecord(ctx context.Context, name string, op *incus.Operat
 	for delay := 10 * time.Millisecond; ; delay = min(delay*2, 200*time.Millisecond) {
 		inst, err := s.lookup(ctx, name)
 		if err == nil && inst != nil {
-			return true, nil
+			// A stand-in there is another create's (a hand-out's, see
+			// ready.go): this one fails, and the owner's next create
+			// follows the stand-in.
+			return standinOf(inst) == "", nil
 		}
 		if cur, err := s.incus.RefreshOperation(ctx, op); err == nil && cur.Final() {
 			if again, _ := s.lookup(ctx, name); again != nil {
-				return true, nil
+				return standinOf(again) == "", nil
 			}
 			if cur.StatusCode >= incus.StatusFailure {
 				if other, oerr := s.operationOn(ctx, name); oerr == nil && other != nil {
@@ -938,7 +1050,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
 	name := Name(ref.Owner)
-	if ref.TargetID != "" && ref.TargetID != name {
+	if ref.TargetID != "" && ref.TargetID != name && !isReadyName(ref.TargetID) {
 		// Another owner's id is refused; an id that is no one's does not stop
 		// the owner's own target from being closed.
 		if _, _, err := s.resolve(ctx, ref); err != nil {
@@ -971,6 +1083,13 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		if inst != nil {
 			break
 		}
+		if dropped, err := s.closeStandin(ctx, name, ref.Owner); err != nil || dropped {
+			unlock()
+			if err != nil {
+				return controller.Observation{}, s.incusError("closing a hand-out's stand-in", err)
+			}
+			continue
+		}
 		// A create this process follows that fails now must not leave a
 		// record of its failure behind a close answered closed.
 		following := s.creates.askClose(name)
@@ -990,6 +1109,10 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 				"The instance is still being created or handed out and holds no record yet to carry the close; retry shortly.")
 		}
 	}
+	// The owner's target: the instance at the owner's name, or the spare
+	// a stand-in there leads to (which a close deletes before the stand-in).
+	lock := name
+	name = inst.Name
 	// Public ingress goes first: the edge answers the host 404 from now on,
 	// whatever the stop and delete take.
 	s.ingress.closing(name)
@@ -1046,11 +1169,19 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 		// Gone: closed, unless another create or hand-out is still on its
 		// way to the name (another replica's, which lost the name to the
 		// target just deleted and would now win it).
-		if pending, perr := s.arriving(ctx, name); perr != nil || pending {
+		if pending, perr := s.arriving(ctx, lock); perr != nil || pending {
+			if name != lock && perr == nil {
+				// The stand-in is what is left: it goes last.
+				s.dropStandin(ctx, lock, name)
+				if at, lerr := s.lookup(ctx, lock); lerr == nil && at == nil {
+					s.closed.note(lock, s.now())
+					return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
+				}
+			}
 			return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosing,
 				Message: "Waiting for a create of this target under way in Incus to end, to close what it leaves."}, nil
 		}
-		s.closed.note(name, s.now())
+		s.closed.note(lock, s.now())
 		return controller.Observation{TargetID: name, Owner: ref.Owner, Phase: controller.PhaseClosed}, nil
 	}
 	return s.observe(after, ref.Owner), nil

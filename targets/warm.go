@@ -130,7 +130,7 @@ func (s *Service) handoutPending(ctx context.Context, name string) (bool, error)
 // finished. It belongs to the owner whose name it has; it is never anyone
 // else's target, and never an orphan.
 func unfinishedHandout(inst *incus.Instance) bool {
-	if !looksLikeTargetID(inst.Name) {
+	if !isOwnerName(inst.Name) {
 		return false
 	}
 	if r := recordOf(inst.Config, fWarm|fWarmClaim); r.Warm == "" && r.WarmClaim == "" {
@@ -334,7 +334,7 @@ const (
 // handout gives the owner's name one ready warm instance of the template.
 // The caller holds the owner's lock and has seen no instance at name.
 func (s *Service) handout(ctx context.Context, name string, p controller.CreateParams, t *templates.Template) handoutResult {
-	if !t.Pooled() {
+	if !t.Stopped() {
 		return warmMiss
 	}
 	owner, err := s.ownerChange(p, t)
@@ -571,7 +571,7 @@ func (s *Service) resumeHandout(ctx context.Context, name string) (handoutResult
 //
 // It says whether the claim is settled: handed out, or up for deletion.
 func (s *Service) resumeClaim(ctx context.Context, wn, name string) (settled bool) {
-	if !looksLikeTargetID(name) {
+	if !isOwnerName(name) {
 		return true
 	}
 	unlock, err := s.own.request(ctx, name)
@@ -637,11 +637,11 @@ func (p *warmPool) renamingTo(name string) bool {
 	return p.renaming[name] > 0
 }
 
-// poolsOffered says a template of the catalog keeps a warm pool: only
-// then can a claim or a hand-out's rename exist.
+// poolsOffered says a template of the catalog keeps a warm pool of stopped
+// spares: only then can a claim or a hand-out's rename exist.
 func (s *Service) poolsOffered() bool {
 	for _, t := range s.catalog.Load().All() {
-		if t.Pooled() {
+		if t.Stopped() {
 			return true
 		}
 	}
@@ -781,7 +781,7 @@ func (s *Service) warmWanted() map[string]*templates.Template {
 	want := map[string]*templates.Template{}
 	now := s.now()
 	for _, t := range s.catalog.Load().All() {
-		if t.Wire.Deprecated {
+		if t.Wire.Deprecated || !t.Stopped() {
 			continue
 		}
 		for slot := range s.warmSize(t, now) {
@@ -797,7 +797,7 @@ func (s *Service) warmWanted() map[string]*templates.Template {
 func (s *Service) warmSlots() map[string]*templates.Template {
 	slots := map[string]*templates.Template{}
 	for _, t := range s.catalog.Load().All() {
-		if t.Wire.Deprecated {
+		if t.Wire.Deprecated || !t.Stopped() {
 			continue
 		}
 		for slot := range t.WarmMax {
@@ -821,7 +821,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	defer cancel()
 	want, slots := s.warmWanted(), s.warmSlots()
 	s.warm.mu.Lock()
-	idle := len(slots) == 0 && s.warm.surveyed && !s.warm.seen
+	idle := len(slots) == 0 && s.warm.surveyed && !s.warm.seen && !s.readyOffered()
 	s.warm.mu.Unlock()
 	if idle {
 		return
@@ -833,6 +833,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		}
 		return
 	}
+	s.readySurvey(ctx, list)
 	recipes := map[string]string{}
 	known := map[string]bool{}
 	var drop, retire, retired, ready, resume []incus.Instance
@@ -875,7 +876,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 			// creates all lost). A resume renames it onto the owner's
 			// name, or deletes it once another instance holds that name,
 			// where no rename can land.
-			if !looksLikeTargetID(r.WarmClaim) {
+			if !isOwnerName(r.WarmClaim) {
 				drop = append(drop, w) // no owner's name: no rename can be on its way
 			} else if at := r.WarmClaimAt; at.IsZero() || s.now().Sub(at) >= min(s.cfg.MethodBudget, s.cfg.WarmStale/2) {
 				// Past its claimant's own method budget: a live claimant
@@ -914,7 +915,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		}
 	}
 	s.warm.where = where
-	s.warm.surveyed, s.warm.seen = true, len(known) > 0
+	s.warm.surveyed, s.warm.seen = true, len(known) > 0 || anyReady(list)
 	for wn := range s.warm.resumeAfter {
 		if _, listed := known[wn]; !listed { // known holds every warm instance listed
 			delete(s.warm.resumeAfter, wn)
@@ -986,6 +987,7 @@ func (s *Service) warmFill() {
 	held := s.warmMemoryHeld()
 	heldBack := map[string]int{}
 	defer func() { s.warmMetrics().heldBack(s.catalog.Load(), heldBack) }()
+	s.readyFill(held, heldBack)
 	for _, n := range names {
 		t := want[n]
 		s.warm.mu.Lock()
@@ -1093,6 +1095,7 @@ func (s *Service) warmGauge() {
 		}
 	}
 	s.warm.mu.Unlock()
+	s.readyGauge(sizes)
 	m.sizes(sizes, wanted)
 }
 
@@ -1146,6 +1149,7 @@ func (s *Service) warmMemoryHeld() map[string]int64 {
 			count(n)
 		}
 	}
+	s.readyMemoryHeld(held)
 	return held
 }
 

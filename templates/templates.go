@@ -5,6 +5,7 @@
 package templates
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -49,6 +50,11 @@ type Entry struct {
 	// WarmMax is the most the pool grows to when creates come faster than
 	// Warm covers (see targets/warmsize.go); omitted, the pool stays at Warm.
 	WarmMax uint32 `json:"warmMax,omitempty"`
+	// WarmState is how a warm instance waits: "stopped" (the default:
+	// never started, handed out by a rename and a start), or "frozen" or
+	// "running" (started once, handed out with no start and no rename; see
+	// targets/ready.go).
+	WarmState string `json:"warmState,omitempty" wire:"enum=stopped|frozen|running"`
 }
 
 // MaxWarm bounds a template's warm pool: each warm instance holds a root
@@ -90,6 +96,9 @@ func (e *Entry) CheckWire() *wire.FieldError {
 	}
 	if e.WarmMax != 0 && e.WarmMax < e.Warm {
 		return &wire.FieldError{Path: "warmMax", Problem: "must be at least warm, the pool's minimum"}
+	}
+	if e.WarmState != "" && e.WarmState != WarmStopped && e.instanceType() != "container" {
+		return &wire.FieldError{Path: "warmState", Problem: "may be frozen or running only for a container: a virtual machine's spare is tested stopped only"}
 	}
 	if (e.Warm > 0 || e.WarmMax > 0) && e.Deprecated {
 		return &wire.FieldError{Path: "warm", Problem: "must be 0 for a deprecated template, which creates no new targets to hand a warm instance to"}
@@ -152,10 +161,26 @@ type Template struct {
 	Placement    string // Incus's target: a member, @group, or empty
 	Warm         int    // instances kept created ahead, at least (see Entry.Warm)
 	WarmMax      int    // and at most, as demand asks: Warm or more
+	WarmState    string // how a spare waits: WarmStopped, WarmFrozen or WarmRunning
 }
+
+// How a template's spares wait (Entry.WarmState).
+const (
+	WarmStopped = "stopped"
+	WarmFrozen  = "frozen"
+	WarmRunning = "running"
+)
 
 // Pooled says the template keeps a warm pool, of any size.
 func (t *Template) Pooled() bool { return t.WarmMax > 0 }
+
+// Stopped says the template's spares wait stopped and are handed out by a
+// rename (targets/warm.go).
+func (t *Template) Stopped() bool { return t.Pooled() && t.WarmState == WarmStopped }
+
+// Ready says the template's spares wait started (frozen or running) and
+// are handed out under a stand-in lock (targets/ready.go).
+func (t *Template) Ready() bool { return t.Pooled() && t.WarmState != WarmStopped }
 
 // Catalog is the loaded, validated set of templates.
 type Catalog struct {
@@ -216,6 +241,7 @@ func build(path string, f file) (*Catalog, error) {
 			Placement:    e.Placement,
 			Warm:         int(e.Warm),
 			WarmMax:      int(max(e.Warm, e.WarmMax)),
+			WarmState:    cmp.Or(e.WarmState, WarmStopped),
 		}
 		c.byID[e.TemplateID] = t
 		c.list = append(c.list, t)

@@ -1,0 +1,278 @@
+package targets
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/lightspeed-dev/incus-provider/controller"
+	"github.com/lightspeed-dev/incus-provider/guest"
+	"github.com/lightspeed-dev/incus-provider/internal/incusfake"
+	"github.com/lightspeed-dev/incus-provider/internal/jsonrpc"
+	"github.com/lightspeed-dev/incus-provider/templates"
+)
+
+// fakeReadyCatalog is a catalog whose template r keeps ready spares.
+func fakeReadyCatalog(t *testing.T, warm, warmMax int, state string) *templates.Catalog {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "templates.yaml")
+	body := fmt.Sprintf(`templates:
+  - templateId: r
+    displayName: ready guest
+    powerStates: [running, paused, stopped]
+    imageFingerprint: %s
+    warm: %d
+    warmMax: %d
+    warmState: %s
+`, fakeFingerprint, warm, warmMax, state)
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cat, err := templates.Load(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cat.Resolve(context.Background(), fakeImages{}); err != nil {
+		t.Fatal(err)
+	}
+	return cat
+}
+
+// pipeDialer reaches a daemon that listens at once: a spare's wait for
+// its daemon ends on the first dial.
+type pipeDialer struct{ nopDialer }
+
+func (pipeDialer) DialContext(context.Context, guest.Target) (net.Conn, error) {
+	a, b := net.Pipe()
+	_ = b.Close()
+	return a, nil
+}
+
+// newReadyRig is a fake rig whose template r keeps warm frozen spares.
+func newReadyRig(t *testing.T, warm, warmMax int, cfg Config) *fakeRig {
+	t.Helper()
+	if cfg.ReconcileInterval == 0 {
+		cfg.ReconcileInterval = 300 * time.Millisecond
+	}
+	return newFakeRigOf(t, fakeDurations(seeded(t)), cfg, fakeReadyCatalog(t, warm, warmMax, templates.WarmFrozen), pipeDialer{})
+}
+
+// readyCount is how many ready spares svc holds for its hand-outs.
+func readyCount(svc *Service) int {
+	svc.ready.mu.Lock()
+	defer svc.ready.mu.Unlock()
+	return len(svc.ready.spares)
+}
+
+// awaitReady waits until svc holds n ready spares.
+func (r *fakeRig) awaitReady(svc *Service, n int) {
+	r.t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for readyCount(svc) < n {
+		if time.Now().After(deadline) {
+			r.t.Fatalf("the replica never held %d ready spares (holds %d)", n, readyCount(svc))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// readyParams is the owner's create of template r.
+func readyParams(o controller.Owner) controller.CreateParams {
+	return controller.CreateParams{Owner: o, TemplateID: "r"}
+}
+
+// closeUntilClosed sends the owner's close until it answers closed.
+func closeUntilClosed(t *testing.T, svc *Service, o controller.Owner, d time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		obs, err := svc.CloseTarget(context.Background(), controller.TargetRef{Owner: o})
+		if err == nil && obs.Phase == controller.PhaseClosed {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("close of %s never answered closed (last %+v, %v)", o.EnvironmentID, obs, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestFakeReadyHandOutIsActiveAtOnce: a create from a pool of frozen
+// spares answers active and running, with a spare's name as its id, and
+// Incus starts and renames nothing for it: one stand-in, one claim, one
+// unfreeze. The owner reaches it by owner and by id; another owner is
+// refused it; a close leaves nothing, stand-in included.
+func TestFakeReadyHandOutIsActiveAtOnce(t *testing.T) {
+	r := newReadyRig(t, 3, 3, Config{})
+	r.awaitReady(r.svc, 3)
+	for i := range 3 {
+		o := fakeOwner(fmt.Sprintf("ready-%d", i))
+		r.expect(o)
+		from := len(r.fake.Writes())
+		obs, err := r.svc.CreateTarget(context.Background(), controller.CreateParams{Owner: o, TemplateID: "r"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if obs.Phase != controller.PhaseActive || obs.Power != controller.PowerRunning || !isReadyName(obs.TargetID) {
+			t.Fatalf("a hand-out from the pool answered %+v, want active and running under a spare's name", obs)
+		}
+		kinds := map[incusfake.WriteKind]int{}
+		for _, w := range r.fake.Writes()[from:] {
+			if w.Instance == obs.TargetID || w.Instance == Name(o) {
+				kinds[w.Kind]++
+			}
+		}
+		if kinds[incusfake.WriteStart] != 0 || kinds[incusfake.WriteRename] != 0 || kinds[incusfake.WriteCreate] != 1 ||
+			kinds[incusfake.WriteUnfreeze] != 1 {
+			t.Fatalf("the hand-out wrote %v: want one create (the stand-in), one unfreeze, no start, no rename", kinds)
+		}
+		for _, ref := range []controller.TargetRef{{Owner: o}, {Owner: o, TargetID: obs.TargetID}} {
+			got, err := r.svc.GetTarget(context.Background(), ref)
+			if err != nil || got.TargetID != obs.TargetID || got.Phase != controller.PhaseActive {
+				t.Fatalf("get %+v answered %+v, %v; want the handed-out spare, active", ref, got, err)
+			}
+		}
+		again, err := r.svc.CreateTarget(context.Background(), controller.CreateParams{Owner: o, TemplateID: "r"})
+		if err != nil || again.TargetID != obs.TargetID {
+			t.Fatalf("a second create answered %+v, %v; want the same target", again, err)
+		}
+		_, err = r.svc.GetTarget(context.Background(), controller.TargetRef{Owner: fakeOwner("someone-else"), TargetID: obs.TargetID})
+		var rpc *jsonrpc.Error
+		if !errors.As(err, &rpc) || rpc.Reason != "ownerMismatch" {
+			t.Fatalf("another owner's get of the spare answered %v, want ownerMismatch", err)
+		}
+		if _, err := r.svc.SetPower(context.Background(), controller.TargetRef{Owner: o, TargetID: obs.TargetID}, controller.PowerPaused); err != nil {
+			t.Fatal(err)
+		}
+		r.awaitFake("the handed-out spare paused", 10*time.Second, func() bool {
+			v, _ := r.fake.Instance(fakeProject, obs.TargetID)
+			return restsAt(v, "Frozen", controller.PowerPaused)
+		})
+	}
+	for i := range 3 {
+		o := fakeOwner(fmt.Sprintf("ready-%d", i))
+		closeUntilClosed(t, r.svc, o, 20*time.Second)
+		r.closed(Name(o))
+		if got, err := r.svc.GetTarget(context.Background(), controller.TargetRef{Owner: o}); err == nil {
+			t.Fatalf("a get after closed answered %+v", got)
+		}
+	}
+}
+
+// TestFakeReadyManyOwnersAtOnce: thirty owners create at once against a
+// pool of eight, each as the runtime does: every owner ends with exactly
+// one target (some handed out, the rest created cold), and asking again
+// answers the same one.
+func TestFakeReadyManyOwnersAtOnce(t *testing.T) {
+	r := newReadyRig(t, 8, 8, Config{})
+	r.awaitReady(r.svc, 8)
+	const owners = 30
+	ids := make([]string, owners)
+	var wg sync.WaitGroup
+	for i := range owners {
+		o := fakeOwner(fmt.Sprintf("many-%d", i))
+		r.expect(o)
+		wg.Go(func() { ids[i] = createUntilID(t, r.svc, readyParams(o)).TargetID })
+	}
+	wg.Wait()
+	handed := 0
+	for i := range owners {
+		if isReadyName(ids[i]) {
+			handed++
+		}
+		again := createUntilID(t, r.svc, readyParams(fakeOwner(fmt.Sprintf("many-%d", i))))
+		if again.TargetID != ids[i] {
+			t.Fatalf("owner %d: a create answered %s, then %s", i, ids[i], again.TargetID)
+		}
+	}
+	t.Logf("%d of %d owners were handed a ready spare", handed, owners)
+	if handed == 0 {
+		t.Fatal("no owner was handed a spare from a pool of eight")
+	}
+}
+
+// TestFakeReadyHandOutKilledAtEachStep: a process stopped between the
+// hand-out's steps (after the stand-in's create was sent, after it
+// landed, after the claim) leaves a state the owner's next create, by the
+// next process of the same replica, turns into exactly one target.
+func TestFakeReadyHandOutKilledAtEachStep(t *testing.T) {
+	for _, step := range []string{"standin-sent", "standin", "claimed"} {
+		t.Run(step, func(t *testing.T) {
+			r := newReadyRig(t, 2, 2, Config{})
+			r.awaitReady(r.svc, 2)
+			o := fakeOwner("killed-" + step)
+			r.expect(o)
+			r.svc.warmHook = func(s string) bool { return s == step }
+			if _, err := r.svc.CreateTarget(context.Background(), controller.CreateParams{Owner: o, TemplateID: "r"}); err == nil {
+				t.Fatalf("the hand-out was not stopped at %s", step)
+			}
+			r.restart(nil)
+			obs := createUntilID(t, r.svc, readyParams(o))
+			if !isReadyName(obs.TargetID) && obs.TargetID != Name(o) {
+				t.Fatalf("the next create answered %+v", obs)
+			}
+			deadline := time.Now().Add(20 * time.Second)
+			for {
+				got, err := r.svc.GetTarget(context.Background(), controller.TargetRef{Owner: o})
+				if err == nil && got.Phase == controller.PhaseActive && got.Power == controller.PowerRunning && got.TargetID == obs.TargetID {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("the owner's target never ran: %+v, %v", got, err)
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+		})
+	}
+}
+
+// TestFakeReadyTwoReplicas: two replicas share a project and a pool of
+// four, two spares each, and each hands out only its own. Sixteen owners
+// each send their create to both replicas at once: each owner ends with
+// one target, and no spare is ever claimed for two owners.
+func TestFakeReadyTwoReplicas(t *testing.T) {
+	r := newReadyRig(t, 4, 4, Config{Replica: "ra", Replicas: 2})
+	cfgB := r.cfg
+	cfgB.Replica = "rb"
+	b, stopB := r.process(cfgB, nil)
+	t.Cleanup(stopB)
+	r.awaitReady(r.svc, 2)
+	r.awaitReady(b, 2)
+	const owners = 16
+	var wg sync.WaitGroup
+	ids := make([][2]string, owners)
+	for i := range owners {
+		o := fakeOwner(fmt.Sprintf("two-%d", i))
+		r.expect(o)
+		for j, svc := range []*Service{r.svc, b} {
+			wg.Go(func() { ids[i][j] = createUntilID(t, svc, readyParams(o)).TargetID })
+		}
+	}
+	wg.Wait()
+	for i := range owners {
+		if ids[i][0] != ids[i][1] {
+			t.Errorf("owner %d was answered %s by one replica and %s by the other", i, ids[i][0], ids[i][1])
+		}
+	}
+	claims := map[string]map[string]bool{}
+	for _, w := range r.fake.Writes() {
+		if c := w.Config[keyWarmClaim]; isReadyName(w.Instance) && c != "" {
+			if claims[w.Instance] == nil {
+				claims[w.Instance] = map[string]bool{}
+			}
+			claims[w.Instance][c] = true
+		}
+	}
+	for sn, by := range claims {
+		if len(by) > 1 {
+			t.Errorf("spare %s was claimed for %d owners: %v", sn, len(by), by)
+		}
+	}
+	stopB()
+}
