@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-
 	"github.com/lightspeed-dev/incus-provider/controller"
 	"github.com/lightspeed-dev/incus-provider/incus"
 	"github.com/lightspeed-dev/incus-provider/routes"
