@@ -263,7 +263,11 @@ func (h *killHarness) work(ctx context.Context, round int, rng *rand.Rand, l *ow
 		case "close":
 			o, err = call("target/close", controller.TargetParams{Target: ref})
 		case "dial":
-			route := routes.Route{Owner: l.owner, TargetID: targets.Name(l.owner)}
+			id := l.id
+			if id == "" {
+				id = targets.Name(l.owner)
+			}
+			route := routes.Route{Owner: l.owner, TargetID: id}
 			var d conformance.RouteDial
 			d, err = conformance.DialRoute(ctx, "ws://"+h.addr+routes.Path("/routes", route), credential)
 			if err == nil && d.Conn == nil {
@@ -366,16 +370,21 @@ func acceptedByKind(logs []*ownerLog) map[string]int {
 // coveredOps are the kinds of request the matrix must have seen accepted.
 var coveredOps = []string{"create", "paused", "stopped", "dial"}
 
-func TestKillMatrix(t *testing.T) { killMatrix(t, 0) }
+func TestKillMatrix(t *testing.T) { killMatrix(t, 0, "") }
 
 // The same with a warm pool: most creates are hand-outs (claim, rename,
 // metadata, start), so kills land in them too, and the pool refills
 // across kills. A warm instance is no owner's, and none is left claimed.
-func TestKillMatrixWithAWarmPool(t *testing.T) { killMatrix(t, 4) }
+func TestKillMatrixWithAWarmPool(t *testing.T) { killMatrix(t, 4, "") }
 
-func killMatrix(t *testing.T, warm int) {
+// The same with a pool of frozen spares: kills land between a hand-out's
+// stand-in, claim and unfreeze, and each owner still ends with one target,
+// locked by its stand-in; no spare is left claimed under no stand-in.
+func TestKillMatrixWithReadySpares(t *testing.T) { killMatrix(t, 4, "frozen") }
+
+func killMatrix(t *testing.T, warm int, state string) {
 	seed := testSeed(t)
-	t.Logf("kill matrix seed %d (PROVIDER_TEST_SEED replays it; rounds of %d owners; warm pool %d)", seed, killOwners, warm)
+	t.Logf("kill matrix seed %d (PROVIDER_TEST_SEED replays it; rounds of %d owners; warm pool %d %s)", seed, killOwners, warm, state)
 	rng := rand.New(rand.NewPCG(uint64(seed), 7))
 	client := incustest.Client(t)
 	image := incustest.Image(t)
@@ -390,7 +399,7 @@ func killMatrix(t *testing.T, warm int) {
     powerStates: [running, paused, stopped]
     imageAlias: {{image}}
     warm: {{warm}}
-`, "{{image}}", image), "{{warm}}", strconv.Itoa(warm))), 0o600); err != nil {
+`, "{{image}}", image), "{{warm}}", strconv.Itoa(warm))+warmStateLine(state)), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	h := &killHarness{t: t, bin: buildProvider(t), dir: dir, addr: loopback.FreeAddr(t), project: client.Project(),
@@ -491,20 +500,41 @@ func killMatrix(t *testing.T, warm int) {
 	for _, l := range logs {
 		want[targets.Name(l.owner)] = true
 	}
+	byName := map[string]incus.Instance{}
 	for _, inst := range list {
-		pooled := warm > 0 && strings.HasPrefix(inst.Name, "warm-")
-		if !want[inst.Name] && !pooled {
-			t.Errorf("instance %s belongs to no owner: an orphan", inst.Name)
+		byName[inst.Name] = inst
+	}
+	for _, inst := range list {
+		pooled := warm > 0 && (strings.HasPrefix(inst.Name, "warm-") ||
+			strings.HasPrefix(inst.Name, "lsr-") && inst.Config["user.lightspeed.warm_claim"] == "")
+		// A spare handed out is its owner's while the stand-in at the
+		// owner's name names it.
+		handed := strings.HasPrefix(inst.Name, "lsr-") && want[inst.Config["user.lightspeed.warm_claim"]] &&
+			byName[inst.Config["user.lightspeed.warm_claim"]].Config[standinKey] == inst.Name
+		if !want[inst.Name] && !pooled && !handed {
+			t.Errorf("instance %s belongs to no owner: an orphan (config %v)", inst.Name, inst.Config)
 		}
 	}
 	if warm > 0 {
-		if n := h.count("handed out a warm instance"); n == 0 {
+		said := "handed out a warm instance"
+		if state != "" {
+			said = "handed out a ready spare"
+		}
+		if n := h.count(said); n == 0 {
 			t.Error("no create was a warm hand-out: the matrix tested nothing of the pool")
 		} else {
 			t.Logf("%d creates were warm hand-outs", n)
 		}
-		checkPoolSettles(ctx, t, client, warm)
+		checkPoolSettles(ctx, t, client, warm, state)
 	}
+}
+
+// warmStateLine is the template's warmState, when one is asked.
+func warmStateLine(state string) string {
+	if state == "" {
+		return ""
+	}
+	return "    warmState: " + state + "\n"
 }
 
 // count is how many provider log lines, over every round, contain s.
@@ -524,7 +554,7 @@ func (h *killHarness) count(s string) int {
 // claimed (a claim a kill left behind is resumed onto its owner's name by
 // the pool's survey, or deleted once another instance holds that name)
 // and none carrying an owner's metadata.
-func checkPoolSettles(ctx context.Context, t *testing.T, client *incus.Client, warm int) {
+func checkPoolSettles(ctx context.Context, t *testing.T, client *incus.Client, warm int, state string) {
 	t.Helper()
 	deadline := time.Now().Add(3 * time.Minute)
 	for {
@@ -532,8 +562,26 @@ func checkPoolSettles(ctx context.Context, t *testing.T, client *incus.Client, w
 		if err != nil {
 			t.Fatal(err)
 		}
+		byName := map[string]incus.Instance{}
+		for _, inst := range list {
+			byName[inst.Name] = inst
+		}
 		var pool, bad []string
 		for _, inst := range list {
+			if state != "" && strings.HasPrefix(inst.Name, "lsr-") {
+				// Ready spares: the unclaimed ones are the pool; a claimed
+				// one must be locked by its owner's stand-in.
+				claim := inst.Config["user.lightspeed.warm_claim"]
+				switch {
+				case claim == "" && inst.Config["user.lightspeed.environment"] != "":
+					bad = append(bad, inst.Name)
+				case claim == "":
+					pool = append(pool, inst.Name)
+				case byName[claim].Config[standinKey] != inst.Name:
+					bad = append(bad, inst.Name)
+				}
+				continue
+			}
 			if !strings.HasPrefix(inst.Name, "warm-") {
 				continue
 			}
@@ -571,8 +619,8 @@ func checkOwner(ctx context.Context, t *testing.T, h *killHarness, c *jsonrpc.Cl
 		allowed["nothing"] = true
 	}
 	name := targets.Name(l.owner)
-	if l.id != "" && l.id != name {
-		t.Errorf("%s: handed out id %s, not the owner's name %s", l.owner.EnvironmentID, l.id, name)
+	if l.id != "" && l.id != name && !strings.HasPrefix(l.id, "lsr-") {
+		t.Errorf("%s: handed out id %s, neither the owner's name %s nor a ready spare's", l.owner.EnvironmentID, l.id, name)
 	}
 	var last controller.Observation
 	var lastErr error
@@ -600,6 +648,11 @@ func checkOwner(ctx context.Context, t *testing.T, h *killHarness, c *jsonrpc.Cl
 		t.Errorf("%s: the id %s handed out answers notFound while its owner never closed", l.owner.EnvironmentID, l.id)
 	}
 	inst, _, err := h.client.GetInstance(ctx, name)
+	if err == nil && inst.Config[standinKey] != "" {
+		// A stand-in: the target is the spare it names.
+		name = inst.Config[standinKey]
+		inst, _, err = h.client.GetInstance(ctx, name)
+	}
 	switch {
 	case errors.Is(err, incus.ErrNotFound):
 		if !allowed["close"] && l.accepted != "" {

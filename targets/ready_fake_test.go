@@ -276,3 +276,90 @@ func TestFakeReadyTwoReplicas(t *testing.T) {
 	}
 	stopB()
 }
+
+// TestFakeReadyLeftoversAreRepaired: what stopped hand-outs leave is
+// settled. A stand-in whose spare is gone is deleted by the survey; a
+// spare claimed under no stand-in is closed by it; a stand-in naming an
+// unclaimed spare of this replica's is finished by the owner's next
+// create, which answers that spare.
+func TestFakeReadyLeftoversAreRepaired(t *testing.T) {
+	r := newReadyRig(t, 1, 1, Config{})
+	r.awaitReady(r.svc, 1)
+	then := time.Now().Add(-time.Hour)
+	lockOf := func(o controller.Owner, spare string, at time.Time) incusfake.Seed {
+		return incusfake.Seed{Name: Name(o), Config: map[string]string{keySchema: schemaVersion, keyUniverse: o.UniverseID,
+			keyEnvironment: o.EnvironmentID, keyStandin: spare, keyTemplate: "r", keyWarmClaimAt: msString(at)}}
+	}
+	recipe := recipeOf(readyRequest("", r.svc.catalog.Load().All()[0]))
+	gone, unlocked, resumed := fakeOwner("gone"), fakeOwner("unlocked"), fakeOwner("resumed")
+	spare := "lsr-00000000000000000001"
+	claimed := "lsr-00000000000000000002"
+	if err := r.fake.Seed(fakeProject,
+		lockOf(gone, "lsr-000000000000000000ff", then),
+		incusfake.Seed{Name: claimed, Status: "Frozen", Config: map[string]string{keySchema: schemaVersion,
+			keyUniverse: unlocked.UniverseID, keyEnvironment: unlocked.EnvironmentID, keyTemplate: "r",
+			keyWarmClaim: Name(unlocked), keyWarmClaimAt: msString(then), keyBooted: msString(then)}},
+		incusfake.Seed{Name: spare, Status: "Frozen", Config: map[string]string{keyWarm: "r", keyWarmRecipe: recipe,
+			keyWarmReady: msString(then), keyWarmMaker: r.cfg.Replica}},
+		lockOf(resumed, spare, time.Now()),
+	); err != nil {
+		t.Fatal(err)
+	}
+	r.expect(resumed)
+	r.awaitFake("the stale stand-in deleted and the unlocked spare closed", 20*time.Second, func() bool {
+		_, lock := r.fake.Instance(fakeProject, Name(gone))
+		_, orphan := r.fake.Instance(fakeProject, claimed)
+		return !lock && !orphan
+	})
+	obs, err := r.svc.CreateTarget(context.Background(), readyParams(resumed))
+	if err != nil || obs.TargetID != spare || obs.Phase != controller.PhaseActive {
+		t.Fatalf("the owner's create answered %+v, %v; want the spare its stand-in names, active", obs, err)
+	}
+}
+
+// TestFakeReadyCloseRacesAClaim: a close on another replica arrives while
+// a hand-out has its stand-in and not yet its claim. It must not answer
+// closed (the claim would then land a target no one closes): it answers
+// unavailable until the claim has landed, and then closes the target, its
+// stand-in last.
+func TestFakeReadyCloseRacesAClaim(t *testing.T) {
+	r := newReadyRig(t, 1, 1, Config{Replica: "ra", Replicas: 2})
+	cfgB := r.cfg
+	cfgB.Replica = "rb"
+	b, stopB := r.process(cfgB, nil)
+	t.Cleanup(stopB)
+	r.awaitReady(r.svc, 1)
+	o := fakeOwner("raced")
+	at, release := make(chan struct{}), make(chan struct{})
+	r.svc.warmHook = func(step string) bool {
+		if step == "standin" {
+			close(at)
+			<-release
+		}
+		return false
+	}
+	created := make(chan controller.Observation, 1)
+	go func() {
+		obs, err := r.svc.CreateTarget(context.Background(), readyParams(o))
+		if err != nil {
+			t.Error(err)
+		}
+		created <- obs
+	}()
+	<-at
+	obs, err := b.CloseTarget(context.Background(), controller.TargetRef{Owner: o})
+	var rpc *jsonrpc.Error
+	if err == nil || !errors.As(err, &rpc) || rpc.Kind != jsonrpc.KindUnavailable {
+		t.Fatalf("a close while the hand-out's claim is under way answered %+v, %v; want unavailable", obs, err)
+	}
+	close(release)
+	if got := <-created; !isReadyName(got.TargetID) || got.Phase != controller.PhaseActive {
+		t.Fatalf("the hand-out answered %+v", got)
+	}
+	closeUntilClosed(t, b, o, 30*time.Second)
+	for _, v := range r.fake.Instances(fakeProject) {
+		if v.Config[keyEnvironment] == o.EnvironmentID {
+			t.Fatalf("after closed, Incus still holds %s of the owner", v.Name)
+		}
+	}
+}
