@@ -142,7 +142,16 @@ func TestClusterWarmPoolFollowsDemand(t *testing.T) {
 // answer, then started again. Afterwards, in Incus: every open owner holds
 // exactly one instance, with its metadata; a closed one holds none; no
 // spare is left claimed; nothing else is there.
-func TestClusterWarmRacesAndAKill(t *testing.T) {
+func TestClusterWarmRacesAndAKill(t *testing.T) { clusterWarmRaces(t, "") }
+
+// TestClusterReadyRacesAndAKill is the same with a pool of frozen spares,
+// three made by each replica: a hand-out is a stand-in, a claim and an
+// unfreeze, and only a spare's maker hands it out. Afterwards every open
+// owner's name holds a stand-in naming a spare claimed for it (or its own
+// cold target), and no spare is claimed under no stand-in.
+func TestClusterReadyRacesAndAKill(t *testing.T) { clusterWarmRaces(t, "frozen") }
+
+func clusterWarmRaces(t *testing.T, state string) {
 	// Placed on a member, so that each create goes to that member's
 	// endpoint: creates Incus forwards leave it slower with each (see
 	// docs/instant-handouts.md), which over a run of the suite turns a
@@ -153,7 +162,11 @@ func TestClusterWarmRacesAndAKill(t *testing.T) {
     imageAlias: {{image}}
     placement: lsm2
     warm: 6
-`})
+` + warmStateLine(state)})
+	prefix := "warm-"
+	if state != "" {
+		prefix = "lsr-"
+	}
 	await := func(what string, within time.Duration, cond func([]incus.Instance) bool) {
 		t.Helper()
 		for deadline := time.Now().Add(within); ; time.Sleep(200 * time.Millisecond) {
@@ -165,15 +178,23 @@ func TestClusterWarmRacesAndAKill(t *testing.T) {
 			}
 		}
 	}
+	// claimed counts the spares claimed and not the owner's target: any
+	// stopped spare claimed (its rename has not landed), and a ready one
+	// claimed under no stand-in naming it.
 	readySpares := func(l []incus.Instance) (ready, claimed int) {
+		byName := map[string]incus.Instance{}
 		for _, i := range l {
-			if !strings.HasPrefix(i.Name, "warm-") {
+			byName[i.Name] = i
+		}
+		for _, i := range l {
+			if !strings.HasPrefix(i.Name, prefix) {
 				continue
 			}
+			claim := i.Config["user.lightspeed.warm_claim"]
 			switch {
-			case i.Config["user.lightspeed.warm_claim"] != "":
+			case claim != "" && (state == "" || byName[claim].Config[standinKey] != i.Name):
 				claimed++
-			case i.Config["user.lightspeed.warm_ready_ms"] != "":
+			case claim == "" && i.Config["user.lightspeed.warm_ready_ms"] != "":
 				ready++
 			}
 		}
@@ -278,6 +299,16 @@ func TestClusterWarmRacesAndAKill(t *testing.T) {
 				return false
 			}
 		}
+		for _, inst := range l {
+			if env := inst.Config["user.lightspeed.environment"]; env != "" {
+				for i, o := range owners {
+					if closes[i] && o.EnvironmentID == env && o.UniverseID == inst.Config["user.lightspeed.universe"] {
+						late[inst.Name] = true
+						return false
+					}
+				}
+			}
+		}
 		return true
 	})
 	t.Logf("settled %s after the kill", time.Since(began).Round(time.Millisecond))
@@ -285,11 +316,21 @@ func TestClusterWarmRacesAndAKill(t *testing.T) {
 		t.Logf("%d closed owners' names held an instance after the close was answered; each was closed by the replica that answered", len(late))
 	}
 	byName := map[string][]incus.Instance{}
+	spares := map[string]incus.Instance{}
 	for _, inst := range r.instances() {
-		if strings.HasPrefix(inst.Name, "warm-") {
+		if strings.HasPrefix(inst.Name, prefix) {
+			spares[inst.Name] = inst
 			continue
 		}
 		byName[inst.Name] = append(byName[inst.Name], inst)
+	}
+	// A stand-in stands for the spare it names, which carries the claim.
+	for name, insts := range byName {
+		if sn := insts[0].Config[standinKey]; len(insts) == 1 && sn != "" {
+			if sp, ok := spares[sn]; ok {
+				byName[name] = []incus.Instance{sp}
+			}
+		}
 	}
 	// A hand-out leaves its claim on the target as its record: the races
 	// above were races for spares only if some owners got one.

@@ -402,3 +402,19 @@ func fileIn(t *testing.T, dir, name, body string) string {
 	}
 	return p
 }
+
+// The replicas a pool of ready spares is shared among: the members
+// PROVIDER_PEERS names and this one, counted once whether or not the list
+// names it too.
+func TestReplicaCount(t *testing.T) {
+	peers := map[string]string{"lsm1": "a:1", "lsm2": "b:1"}
+	for _, c := range []struct {
+		member string
+		peers  map[string]string
+		want   int
+	}{{"", nil, 1}, {"lsm1", nil, 1}, {"lsm1", peers, 2}, {"lsm3", peers, 3}, {"", peers, 3}} {
+		if got := replicaCount(c.member, c.peers); got != c.want {
+			t.Errorf("replicaCount(%q, %v) = %d, want %d", c.member, c.peers, got, c.want)
+		}
+	}
+}

@@ -195,7 +195,7 @@ func run(ctx context.Context, cfg config, log *zap.Logger, level zap.AtomicLevel
 		GracefulStop: cfg.GracefulStop, ReconcileInterval: cfg.ReconcileInterval, MaxInFlight: cfg.MaxInFlight,
 		RelayIdleTimeout: cfg.RelayIdleTimeout, RouteMaxHeld: cfg.RouteMaxHeld, RoutePath: cfg.RoutePath,
 		DecodeBudget: cfg.decodeBudgetBytes, MaxControlConnections: cfg.MaxControl, Replica: cfg.Replica,
-		Replicas:    len(cfg.peers) + 1,
+		Replicas:    replicaCount(member, cfg.peers),
 		IngressBase: cfg.ingressBase, NoCache: !cfg.cacheOn, CacheCorrection: cfg.CacheCorrection,
 		WarmBurstWindow: cfg.WarmBurstWindow, WarmShrinkAfter: cfg.WarmShrinkAfter, WarmMemoryMax: cfg.warmMemoryMaxBytes,
 		Audit: switchedLog(cfg.AuditLog, log, "audit"), AccessLog: switchedLog(cfg.AccessLog, log, "access"),
@@ -694,4 +694,14 @@ func warnIfFewFiles(log *zap.Logger, maxConnections int) {
 		log.Warn("the open-file limit is below PROVIDER_MAX_CONNECTIONS and what the provider holds besides; raise it (LimitNOFILE) or lower the ceiling",
 			zap.Uint64("openFileLimit", lim.Cur), zap.Int("maxConnections", maxConnections))
 	}
+}
+
+// replicaCount is how many replicas serve the project: the members named in
+// PROVIDER_PEERS and this replica's own (which the list may name too).
+func replicaCount(member string, peers map[string]string) int {
+	n := len(peers)
+	if _, named := peers[member]; !named || member == "" {
+		n++
+	}
+	return n
 }
