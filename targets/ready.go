@@ -492,6 +492,7 @@ func (s *Service) readyCreate(ctx context.Context, name string, t *templates.Tem
 		<-s.warm.sem
 		s.warmMetrics().refill(id, ok, s.now().Sub(began))
 		s.warmGauge()
+		s.warm.kick() // the next refill, without waiting for a survey
 	}()
 	req := readyRequest(name, t)
 	maps.Copy(req.Config, change{keys: fWarm | fWarmRecipe | fWarmMaker,
