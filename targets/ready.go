@@ -95,7 +95,17 @@ type readyPool struct {
 	named map[string]bool
 	// met: a survey has listed a ready spare or a stand-in.
 	met bool
+	// left are the spares that left the pool through this process (handed
+	// out, or found unusable), and when: a listing older than that still
+	// shows them unclaimed, and a survey must not put them back.
+	left map[string]time.Time
+	// deferred is since when the refill has waited for hand-outs to end.
+	deferred time.Time
 }
+
+// readyRefillPatience bounds how long the refill waits for hand-outs to
+// end: under a steady stream of them, it refills anyway.
+const readyRefillPatience = 3 * time.Second
 
 type readySpare struct {
 	template string
@@ -104,6 +114,13 @@ type readySpare struct {
 
 func (p *readyPool) init() {
 	p.spares, p.filling, p.taken, p.named = map[string]readySpare{}, map[string]*templates.Template{}, map[string]bool{}, map[string]bool{}
+	p.left = map[string]time.Time{}
+}
+
+// consume takes a spare out of the pool for good; p.mu held.
+func (p *readyPool) consume(name string) {
+	delete(p.spares, name)
+	p.left[name] = time.Now()
 }
 
 // take holds one ready spare of t for a hand-out; release gives it back
@@ -120,7 +137,7 @@ func (p *readyPool) take(t *templates.Template) (name string, sp readySpare, rel
 			p.mu.Lock()
 			delete(p.taken, n)
 			if consumed {
-				delete(p.spares, n)
+				p.consume(n)
 			}
 			p.mu.Unlock()
 		}, true
@@ -159,13 +176,13 @@ func (s *Service) readyOffered() bool {
 // handoutReady gives the owner's name one ready spare of t: the stand-in,
 // the claim and the unfreeze. The caller holds the owner's lock and has
 // seen nothing at name. On warmHit, target is the spare now the owner's.
-func (s *Service) handoutReady(ctx context.Context, name string, p controller.CreateParams, t *templates.Template) (r handoutResult, target string) {
+func (s *Service) handoutReady(ctx context.Context, name string, p controller.CreateParams, t *templates.Template) (r handoutResult, target string, inst *incus.Instance) {
 	if !t.Ready() {
-		return warmMiss, ""
+		return warmMiss, "", nil
 	}
 	owner, err := s.ownerChange(p, t)
 	if err != nil {
-		return warmMiss, ""
+		return warmMiss, "", nil
 	}
 	for tries := 0; tries < 3 && answerWait(ctx, time.Second) >= 200*time.Millisecond; tries++ {
 		sn, sp, release, ok := s.ready.take(t)
@@ -173,23 +190,23 @@ func (s *Service) handoutReady(ctx context.Context, name string, p controller.Cr
 			break
 		}
 		began := s.now()
-		r, consumed := s.handoutReadyOne(ctx, name, sn, sp, owner, t)
+		r, consumed, inst := s.handoutReadyOne(ctx, name, sn, sp, owner, t)
 		release(consumed)
 		s.warm.kick()
 		if r == warmHit {
 			s.warmMetrics().handedOut(t.Wire.TemplateID, s.now().Sub(began))
-			return r, sn
+			return r, sn, inst
 		}
 		if r != warmMiss {
-			return r, ""
+			return r, "", nil
 		}
 	}
-	return warmMiss, ""
+	return warmMiss, "", nil
 }
 
 // handoutReadyOne tries one spare. consumed: the spare left the pool (it
 // is claimed, gone, or its fate is unknown).
-func (s *Service) handoutReadyOne(ctx context.Context, name, sn string, sp readySpare, owner change, t *templates.Template) (r handoutResult, consumed bool) {
+func (s *Service) handoutReadyOne(ctx context.Context, name, sn string, sp readySpare, owner change, t *templates.Template) (r handoutResult, consumed bool, inst *incus.Instance) {
 	lock := change{keys: fSchema | fOwner | fStandin | fTemplate | fWarmClaimAt,
 		to: record{Schema: schemaVersion, Owner: owner.to.Owner, Standin: sn, Template: t.Wire.TemplateID, WarmClaimAt: s.now()}}
 	req := incus.InstancesPost{Name: name, Type: t.InstanceType, Source: incus.InstanceSource{Type: "none"},
@@ -197,7 +214,7 @@ func (s *Service) handoutReadyOne(ctx context.Context, name, sn string, sp ready
 	op, err := s.incus.CreateInstance(ctx, req)
 	if err == nil {
 		if s.warmHook != nil && s.warmHook("standin-sent") {
-			return warmCrashed, true
+			return warmCrashed, true, nil
 		}
 		_, err = s.wait(ctx, op, answerWait(ctx, 2*time.Second))
 	}
@@ -210,9 +227,9 @@ func (s *Service) handoutReadyOne(ctx context.Context, name, sn string, sp ready
 		case lerr == nil && at != nil:
 			// Another create holds the owner's name: its answer is the
 			// owner's, and the spare stays in the pool.
-			return warmLost, false
+			return warmLost, false, nil
 		case lerr == nil && errors.Is(err, incus.ErrConflict):
-			return warmLost, false
+			return warmLost, false, nil
 		default:
 			// Its fate is unknown: should it land, it names this spare,
 			// which therefore leaves the pool until a survey finds it
@@ -221,25 +238,23 @@ func (s *Service) handoutReadyOne(ctx context.Context, name, sn string, sp ready
 			s.ready.mu.Lock()
 			s.ready.named[sn] = true
 			s.ready.mu.Unlock()
-			return warmMiss, false
+			return warmMiss, false, nil
 		}
 	}
 	if s.warmHook != nil && s.warmHook("standin") {
-		return warmCrashed, true
+		return warmCrashed, true, nil
 	}
-	if r := s.claimReady(ctx, name, sn, owner, t); r != warmHit {
-		return r, true
-	}
-	return warmHit, true
+	r, inst = s.claimReady(ctx, name, sn, owner, t)
+	return r, true, inst
 }
 
 // claimReady claims a spare named by the stand-in at name and unfreezes it
 // (steps 2 and 3). A claim refused leaves the stand-in to be deleted.
-func (s *Service) claimReady(ctx context.Context, name, sn string, owner change, t *templates.Template) handoutResult {
+func (s *Service) claimReady(ctx context.Context, name, sn string, owner change, t *templates.Template) (handoutResult, *incus.Instance) {
 	w, etag, err := s.incus.GetInstance(ctx, sn)
 	if err != nil || !claimable(w, t, s.cfg.Replica) {
 		s.dropStandin(ctx, name, sn)
-		return warmMiss
+		return warmMiss, nil
 	}
 	claim := owner
 	claim.keys |= fPool | fWarmMaker | fWarmClaim | fWarmClaimAt | fBooted
@@ -258,20 +273,28 @@ func (s *Service) claimReady(ctx context.Context, name, sn string, owner change,
 	if err != nil {
 		s.logRetry("claiming a ready spare failed", err, zap.String("instance", name), zap.String("spare", sn))
 		s.dropStandin(ctx, name, sn)
-		return warmMiss
+		return warmMiss, nil
 	}
 	if s.warmHook != nil && s.warmHook("claimed") {
-		return warmCrashed
+		return warmCrashed, nil
 	}
 	s.changes.note(sn)
+	// What Incus holds now, as this hand-out wrote it: the create's
+	// answer needs no read of its own.
+	now := *w
+	now.Config = maps.Clone(w.Config)
+	claim.applyTo(now.Config)
 	if w.Status == incus.InstanceFrozen {
 		if err := s.act(ctx, sn, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, answerWait(ctx, 2*time.Second)); err != nil {
 			// Its intent is running: the reconciler unfreezes it.
 			s.own.kick(sn)
+			s.log.Info("handed out a ready spare", zap.String("instance", name), zap.String("target", sn))
+			return warmHit, nil
 		}
+		now.Status = incus.InstanceRunning
 	}
 	s.log.Info("handed out a ready spare", zap.String("instance", name), zap.String("target", sn))
-	return warmHit
+	return warmHit, &now
 }
 
 // claimable says a spare can be claimed for a template's hand-out by this
@@ -379,7 +402,7 @@ func (s *Service) resumeReady(ctx context.Context, name string, at *incus.Instan
 			return nil, warmBusy
 		}
 		s.log.Info("resuming a hand-out an earlier claimant left", zap.String("instance", name), zap.String("spare", sn))
-		if r := s.claimReady(ctx, name, sn, owner, tmpl); r != warmHit {
+		if r, _ := s.claimReady(ctx, name, sn, owner, tmpl); r != warmHit {
 			return nil, r
 		}
 		got, err := s.lookup(ctx, sn)
@@ -405,7 +428,7 @@ func (p *readyPool) hold(name string) (release func(consumed bool), ok bool) {
 		p.mu.Lock()
 		delete(p.taken, name)
 		if consumed {
-			delete(p.spares, name)
+			p.consume(name)
 		}
 		p.mu.Unlock()
 	}, true
@@ -424,6 +447,22 @@ func readyRequest(name string, t *templates.Template) incus.InstancesPost {
 // ceiling.
 func (s *Service) readyFill(held map[string]int64, heldBack map[string]int) {
 	now := s.now()
+	// A burst of hand-outs is Incus writes the refill's creates and starts
+	// would slow: the refill waits while hand-outs run (each one's end
+	// kicks it), for readyRefillPatience at most.
+	s.ready.mu.Lock()
+	busy := len(s.ready.taken) > 0
+	switch {
+	case !busy:
+		s.ready.deferred = time.Time{}
+	case s.ready.deferred.IsZero():
+		s.ready.deferred = now
+	}
+	wait := busy && now.Sub(s.ready.deferred) < readyRefillPatience
+	s.ready.mu.Unlock()
+	if wait {
+		return
+	}
 	for _, t := range s.catalog.Load().All() {
 		if !t.Ready() || t.Wire.Deprecated {
 			continue
@@ -616,7 +655,10 @@ func (s *Service) readySurvey(ctx context.Context, list []incus.Instance) {
 		}
 		t, ok := s.catalog.Load().Get(r.Warm)
 		current := ok && t.Ready() && !t.Wire.Deprecated && r.WarmRecipe == recipeOf(readyRequest("", t))
+		_, left := s.ready.left[w.Name]
 		switch {
+		case left:
+			// Handed out or found unusable since this listing was taken.
 		case r.WarmMaker == s.cfg.Replica && current && r.has(fWarmReady) && !named[w.Name]:
 			mine[w.Name] = readySpare{template: r.Warm, member: memberOf(w.Location)}
 		case named[w.Name]:
@@ -656,6 +698,18 @@ func (s *Service) readySurvey(ctx context.Context, list []incus.Instance) {
 					n--
 				}
 			}
+		}
+	}
+	for n, sp := range s.ready.spares {
+		if _, listed := byName[n]; !listed {
+			// Made since the listing was taken, most likely; one deleted
+			// meanwhile fails its hand-out's read and leaves then.
+			mine[n] = sp
+		}
+	}
+	for n, at := range s.ready.left {
+		if now.Sub(at) > time.Minute {
+			delete(s.ready.left, n)
 		}
 	}
 	s.ready.spares, s.ready.named = mine, named

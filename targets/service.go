@@ -594,9 +594,12 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		s.warm.kick()
 	}
 	if tmpl.Ready() {
-		switch r, target := s.handoutReady(ctx, name, p, tmpl); r {
+		switch r, target, inst := s.handoutReady(ctx, name, p, tmpl); r {
 		case warmHit:
 			s.warmMetrics().handout(tmpl.Wire.TemplateID, true)
+			if inst != nil {
+				return s.observe(inst, p.Owner), nil
+			}
 			after, err := s.lookup(ctx, target)
 			if err != nil || after == nil {
 				// Claimed for the owner: the target is the owner's whatever

@@ -38,6 +38,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -61,6 +63,8 @@ func (b *builds) Set(v string) error { *b = append(*b, v); return nil }
 type options struct {
 	socket, image, timeline string
 	owners, burst, pool     int
+	// only limits the templates measured (warm, ready, cold; empty: all).
+	only string
 	// trace prints every create's and get's answer, for finding where a
 	// burst's time goes.
 	trace bool
@@ -78,6 +82,7 @@ func main() {
 	flag.IntVar(&o.pool, "pool", 40, "the pooled template's warm (a build that refuses it is given its most, 32)")
 	flag.StringVar(&o.timeline, "timeline", "", "the label of a build whose pool sized by demand is followed through a burst")
 	incusOnly := flag.Bool("incus-only", false, "measure Incus alone, no build")
+	flag.StringVar(&o.only, "only", "", "measure only these templates, comma-separated: warm (stopped spares), ready (frozen spares), cold")
 	flag.Parse()
 	if len(bs) == 0 && !*incusOnly {
 		fmt.Fprintln(os.Stderr, "createbench: give at least one -build label=path")
@@ -487,6 +492,9 @@ func measureBuild(ctx context.Context, root *incus.Client, o options, label, bin
 		return nil, err
 	}
 	defer s.stop()
+	if o.only != "" {
+		tmpls = slices.DeleteFunc(tmpls, func(t string) bool { return !slices.Contains(strings.Split(o.only, ","), t) })
+	}
 	s.trace = o.trace
 	conns := make([]*jsonrpc.Client, 4)
 	for i := range conns {
@@ -774,6 +782,8 @@ func ms(d time.Duration) string {
 	return strconv.FormatFloat(float64(d)/float64(time.Millisecond), 'f', 0, 64) + " ms"
 }
 
+var poolSize = regexp.MustCompile(`a pool of \d+`)
+
 func report(rows []row, o options) {
 	fmt.Printf("\n== create → active and create → opened, the runtime's way (re-check every %s, Retry-After honoured)\n", runtimeRecheck)
 	fmt.Printf("%-12s %-62s %-8s %-32s %-32s %s\n", "build", "phase", "active", "create → active p50 / p95 / max", "create → opened p50 / p95 / max", "p50 vs the first build (active, opened)")
@@ -786,11 +796,18 @@ func report(rows []row, o options) {
 			base[r.phase] = r
 		}
 	}
+	// Phases compare by shape: a pool's size may differ between builds
+	// (an older one takes at most 32).
+	shape := func(phase string) string { return poolSize.ReplaceAllString(phase, "a pool of N") }
+	byShape := map[string]row{}
+	for p, r := range base {
+		byShape[shape(p)] = r
+	}
 	baseOf := func(phase string) (row, bool) {
-		if b, ok := base[phase]; ok {
+		if b, ok := byShape[shape(phase)]; ok {
 			return b, true
 		}
-		b, ok := base[strings.Replace(phase, " frozen", " stopped", 1)]
+		b, ok := byShape[shape(strings.Replace(phase, " frozen", " stopped", 1))]
 		return b, ok
 	}
 	for _, r := range rows {
