@@ -251,7 +251,22 @@ func (s *Service) handoutReadyOne(ctx context.Context, name, sn string, sp ready
 // claimReady claims a spare named by the stand-in at name and unfreezes it
 // (steps 2 and 3). A claim refused leaves the stand-in to be deleted.
 func (s *Service) claimReady(ctx context.Context, name, sn string, owner change, t *templates.Template) (handoutResult, *incus.Instance) {
-	w, etag, err := s.incus.GetInstance(ctx, sn)
+	// The spare as the observation cache holds it, written without an
+	// ETag: only this replica claims its spares, one hand-out at a time
+	// holds each (take, hold), one writer at a time writes it (owned), and
+	// the survey deletes one only while holding it. Without the cache, it
+	// is read, and the write is conditional on that read.
+	var w *incus.Instance
+	var etag string
+	var err error
+	if s.cache != nil {
+		if inst, hit := s.cache.get(sn); hit && inst != nil {
+			w = inst
+		}
+	}
+	if w == nil {
+		w, etag, err = s.incus.GetInstance(ctx, sn)
+	}
 	if err != nil || !claimable(w, t, s.cfg.Replica) {
 		s.dropStandin(ctx, name, sn)
 		return warmMiss, nil

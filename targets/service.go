@@ -523,7 +523,14 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		return controller.Observation{}, err
 	}
 	defer unlock()
-	inst, err := s.lookup(ctx, name)
+	read := s.lookup
+	if t, ok := s.catalog.Load().Get(p.TemplateID); ok && t.Ready() {
+		// From the cache: a hand-out's first write is the stand-in's
+		// create, which Incus refuses while anything holds the name, and
+		// that refusal is answered from Incus (answerAt).
+		read = s.read
+	}
+	inst, err := read(ctx, name)
 	if err != nil {
 		return controller.Observation{}, s.incusError("looking up the owner's target", err)
 	}

@@ -383,13 +383,9 @@ func readyWarm(ctx context.Context, c *incus.Client, tmpl string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	prefix := "warm-"
-	if tmpl == "ready" {
-		prefix = "lsr-"
-	}
 	n := 0
 	for _, i := range list {
-		if strings.HasPrefix(i.Name, prefix) && i.Config["user.lightspeed.warm_ready_ms"] != "" && i.Config["user.lightspeed.warm_claim"] == "" &&
+		if i.Config["user.lightspeed.warm"] == tmpl && i.Config["user.lightspeed.warm_ready_ms"] != "" && i.Config["user.lightspeed.warm_claim"] == "" &&
 			(tmpl != "ready" || i.Status == incus.InstanceFrozen) {
 			n++
 		}
@@ -442,29 +438,28 @@ func (s *served) closeAll(ctx context.Context, c *jsonrpc.Client, inc *incus.Cli
 	}
 }
 
-// templatesFile offers a pool of stopped spares (warm), one of frozen
-// spares when ready (a build before warmState refuses it), and no pool
-// (cold).
-func templatesFile(image string, pool int, ready bool) string {
-	f := fmt.Sprintf(`templates:
-  - templateId: warm
-    displayName: a fixed pool
+// templatesFile offers the templates named: a pool of stopped spares
+// (warm), of frozen spares (ready) and of running ones (live), which a
+// build before warmState refuses, and no pool (cold).
+func templatesFile(image string, pool int, names []string) string {
+	f := "templates:\n"
+	for _, n := range names {
+		state := ""
+		switch n {
+		case "ready":
+			state = "    warmState: frozen\n"
+		case "live":
+			state = "    warmState: running\n"
+		}
+		warm := ""
+		if n != "cold" {
+			warm = fmt.Sprintf("    warm: %d\n", pool)
+		}
+		f += fmt.Sprintf(`  - templateId: %s
+    displayName: %s
     powerStates: [running, paused, stopped]
     imageAlias: %s
-    warm: %d
-  - templateId: cold
-    displayName: no pool
-    powerStates: [running, paused, stopped]
-    imageAlias: %s
-`, image, pool, image)
-	if ready {
-		f += fmt.Sprintf(`  - templateId: ready
-    displayName: a fixed pool of frozen spares
-    powerStates: [running, paused, stopped]
-    imageAlias: %s
-    warm: %d
-    warmState: frozen
-`, image, pool)
+`, n, n, image) + warm + state
 	}
 	return f
 }
@@ -476,25 +471,28 @@ func measureBuild(ctx context.Context, root *incus.Client, o options, label, bin
 	}
 	defer drop()
 	pool := o.pool
-	tmpls := []string{"warm", "ready", "cold"}
-	s, err := serve(ctx, bin, o.socket, inc.Project(), templatesFile(o.image, pool, true))
+	only := func(ts []string) []string {
+		if o.only == "" {
+			return ts
+		}
+		return slices.DeleteFunc(ts, func(t string) bool { return !slices.Contains(strings.Split(o.only, ","), t) })
+	}
+	tmpls := only([]string{"warm", "ready", "live", "cold"})
+	s, err := serve(ctx, bin, o.socket, inc.Project(), templatesFile(o.image, pool, tmpls))
 	if err != nil {
 		// A build without warmState.
-		tmpls = []string{"warm", "cold"}
-		s, err = serve(ctx, bin, o.socket, inc.Project(), templatesFile(o.image, pool, false))
+		tmpls = only([]string{"warm", "cold"})
+		s, err = serve(ctx, bin, o.socket, inc.Project(), templatesFile(o.image, pool, tmpls))
 	}
 	if err != nil && pool > 32 {
 		pool = 32 // the most a build before issue 27 takes
 		fmt.Fprintf(os.Stderr, "createbench: build %s refused a pool of %d; measuring it with %d\n", label, o.pool, pool)
-		s, err = serve(ctx, bin, o.socket, inc.Project(), templatesFile(o.image, pool, false))
+		s, err = serve(ctx, bin, o.socket, inc.Project(), templatesFile(o.image, pool, tmpls))
 	}
 	if err != nil {
 		return nil, err
 	}
 	defer s.stop()
-	if o.only != "" {
-		tmpls = slices.DeleteFunc(tmpls, func(t string) bool { return !slices.Contains(strings.Split(o.only, ","), t) })
-	}
 	s.trace = o.trace
 	conns := make([]*jsonrpc.Client, 4)
 	for i := range conns {
@@ -580,6 +578,8 @@ func phaseName(tmpl string, pool int) string {
 		return fmt.Sprintf("from a pool of %d stopped", pool)
 	case "ready":
 		return fmt.Sprintf("from a pool of %d frozen", pool)
+	case "live":
+		return fmt.Sprintf("from a pool of %d running", pool)
 	}
 	return "no pool"
 }
