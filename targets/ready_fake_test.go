@@ -363,3 +363,33 @@ func TestFakeReadyCloseRacesAClaim(t *testing.T) {
 		}
 	}
 }
+
+// TestFakeReadyCloseByIDIsIdempotent: the runtime closes with the id it
+// holds, a spare's name, until closed; after closed, the same close
+// answers closed again, never notFound.
+func TestFakeReadyCloseByIDIsIdempotent(t *testing.T) {
+	r := newReadyRig(t, 1, 1, Config{})
+	r.awaitReady(r.svc, 1)
+	o := fakeOwner("close-by-id")
+	obs, err := r.svc.CreateTarget(context.Background(), readyParams(o))
+	if err != nil || !isReadyName(obs.TargetID) {
+		t.Fatalf("create answered %+v, %v", obs, err)
+	}
+	ref := controller.TargetRef{Owner: o, TargetID: obs.TargetID}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		got, err := r.svc.CloseTarget(context.Background(), ref)
+		if err == nil && got.Phase == controller.PhaseClosed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("close by id never answered closed: %+v, %v", got, err)
+		}
+	}
+	if got, err := r.svc.CloseTarget(context.Background(), ref); err != nil || got.Phase != controller.PhaseClosed {
+		t.Fatalf("a close after closed answered %+v, %v; want closed", got, err)
+	}
+	// Another owner naming the gone spare holds nothing: closed.
+	if got, err := r.svc.CloseTarget(context.Background(), controller.TargetRef{Owner: fakeOwner("other"), TargetID: obs.TargetID}); err != nil || got.Phase != controller.PhaseClosed {
+		t.Fatalf("another owner's close naming a gone spare answered %+v, %v; want closed", got, err)
+	}
+}

@@ -1060,7 +1060,7 @@ func (s *Service) CloseTarget(ctx context.Context, ref controller.TargetRef) (co
 	ctx, cancel := s.budget(ctx)
 	defer cancel()
 	name := Name(ref.Owner)
-	if ref.TargetID != "" && ref.TargetID != name && !isReadyName(ref.TargetID) {
+	if ref.TargetID != "" && ref.TargetID != name {
 		// Another owner's id is refused; an id that is no one's does not stop
 		// the owner's own target from being closed.
 		if _, _, err := s.resolve(ctx, ref); err != nil {
