@@ -442,6 +442,11 @@ func killMatrix(t *testing.T, warm int, state string) {
 			t.Logf("round %d asks only for %v, accepted in no round yet", round, focus)
 		}
 		h.start(round)
+		if round == 0 && warm > 0 {
+			// The first owners meet a full pool: hand-outs, not creates,
+			// are what the kills are to land in.
+			awaitPoolFull(t, client, warm)
+		}
 		ctx, cancel := context.WithCancel(context.Background())
 		var wg sync.WaitGroup
 		for i, l := range logs {
@@ -535,6 +540,31 @@ func warmStateLine(state string) string {
 		return ""
 	}
 	return "    warmState: " + state + "\n"
+}
+
+// awaitPoolFull waits until Incus holds n ready, unclaimed spares.
+func awaitPoolFull(t *testing.T, client *incus.Client, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	for {
+		list, err := client.ListInstances(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ready := 0
+		for _, inst := range list {
+			if inst.Config["user.lightspeed.warm_ready_ms"] != "" && inst.Config["user.lightspeed.warm_claim"] == "" {
+				ready++
+			}
+		}
+		if ready >= n {
+			return
+		}
+		if !clock.Sleep(ctx, 200*time.Millisecond) {
+			t.Fatalf("the pool never held %d ready spares (holds %d)", n, ready)
+		}
+	}
 }
 
 // count is how many provider log lines, over every round, contain s.
