@@ -167,14 +167,17 @@ func clusterWarmRaces(t *testing.T, state string) {
 	if state != "" {
 		prefix = "lsr-"
 	}
+	// held says what a failed wait last saw, for its message.
+	held := ""
 	await := func(what string, within time.Duration, cond func([]incus.Instance) bool) {
 		t.Helper()
+		held = ""
 		for deadline := time.Now().Add(within); ; time.Sleep(200 * time.Millisecond) {
 			if cond(r.instances()) {
 				return
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("%s: not within %s", what, within)
+				t.Fatalf("%s: not within %s (last seen: %s)", what, within, held)
 			}
 		}
 	}
@@ -289,21 +292,19 @@ func clusterWarmRaces(t *testing.T, state string) {
 	// closed.go). Awaited, and counted.
 	late := map[string]bool{}
 	await("closed owners hold nothing", 2*time.Minute, func(l []incus.Instance) bool {
-		held := map[string]bool{}
 		for _, inst := range l {
-			held[inst.Name] = true
-		}
-		for i, o := range owners {
-			if closes[i] && held[targets.Name(o)] {
-				late[targets.Name(o)] = true
-				return false
+			for i, o := range owners {
+				if closes[i] && inst.Name == targets.Name(o) {
+					late[inst.Name] = true
+					held = fmt.Sprintf("closed owner %d's name %s, status %s, config %v", i, inst.Name, inst.Status, inst.Config)
+					return false
+				}
 			}
-		}
-		for _, inst := range l {
 			if env := inst.Config["user.lightspeed.environment"]; env != "" {
 				for i, o := range owners {
 					if closes[i] && o.EnvironmentID == env && o.UniverseID == inst.Config["user.lightspeed.universe"] {
 						late[inst.Name] = true
+						held = fmt.Sprintf("closed owner %d's %s, status %s, config %v", i, inst.Name, inst.Status, inst.Config)
 						return false
 					}
 				}

@@ -845,16 +845,6 @@ func (s *Service) readyMemoryHeld(held map[string]int64) {
 	}
 }
 
-// anyReady says a listing holds a ready spare or a stand-in.
-func anyReady(list []incus.Instance) bool {
-	for i := range list {
-		if isReadyName(list[i].Name) || standinOf(&list[i]) != "" {
-			return true
-		}
-	}
-	return false
-}
-
 // seen says this process has met a ready spare or a stand-in: a catalog
 // that no longer offers one may still have targets handed out from one.
 func (p *readyPool) seen() bool {

@@ -821,8 +821,11 @@ func (s *Service) warmSurvey(ctx context.Context) {
 	defer cancel()
 	want, slots := s.warmWanted(), s.warmSlots()
 	s.warm.mu.Lock()
-	idle := len(slots) == 0 && s.warm.surveyed && !s.warm.seen && !s.readyOffered()
+	idle := len(slots) == 0 && s.warm.surveyed && !s.warm.seen
 	s.warm.mu.Unlock()
+	// Ready spares and stand-ins are surveyed while offered, and after,
+	// while a listing found any.
+	idle = idle && !s.readyOffered() && !s.ready.seen()
 	if idle {
 		return
 	}
@@ -915,7 +918,7 @@ func (s *Service) warmSurvey(ctx context.Context) {
 		}
 	}
 	s.warm.where = where
-	s.warm.surveyed, s.warm.seen = true, len(known) > 0 || anyReady(list)
+	s.warm.surveyed, s.warm.seen = true, len(known) > 0
 	for wn := range s.warm.resumeAfter {
 		if _, listed := known[wn]; !listed { // known holds every warm instance listed
 			delete(s.warm.resumeAfter, wn)
