@@ -203,7 +203,9 @@ func clusterWarmRaces(t *testing.T, state string) {
 		}
 		return ready, claimed
 	}
+	filling := time.Now()
 	await("the pool held 6 ready spares", 2*time.Minute, func(l []incus.Instance) bool { ready, _ := readySpares(l); return ready == 6 })
+	t.Logf("the pool held 6 ready spares %s after the replicas started", time.Since(filling).Round(time.Millisecond))
 
 	seed := time.Now().UnixNano()
 	t.Logf("seed %d", seed)

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"maps"
+	"net"
 	"regexp"
 	"sync"
 	"time"
@@ -558,10 +559,11 @@ func (s *Service) readyCreate(ctx context.Context, name string, t *templates.Tem
 	}
 	s.listingChanged()
 	if err == nil {
+		location := ""
 		if inst, lerr := s.lookupIncus(ctx, name); lerr == nil && inst != nil && inst.Location != "" {
-			member = memberOf(inst.Location)
+			location, member = inst.Location, memberOf(inst.Location)
 		}
-		s.awaitDaemon(ctx, name, t)
+		s.awaitDaemon(ctx, guest.Target{Instance: name, Port: t.DaemonPort, Location: location})
 		if t.WarmState == templates.WarmFrozen {
 			err = s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionFreeze}, time.Minute)
 		}
@@ -587,20 +589,27 @@ const readyDaemonWait = 20 * time.Second
 // awaitDaemon waits, bounded, until a stream to the guest's daemon opens:
 // a spare frozen before its daemon listens would make its owner wait for
 // the rest of a boot.
-func (s *Service) awaitDaemon(ctx context.Context, name string, t *templates.Template) {
-	ctx, cancel := context.WithTimeout(ctx, readyDaemonWait)
+func (s *Service) awaitDaemon(ctx context.Context, target guest.Target) {
+	wctx, cancel := context.WithTimeout(ctx, readyDaemonWait)
 	defer cancel()
-	for ctx.Err() == nil {
-		dctx, dcancel := context.WithTimeout(ctx, time.Second)
-		c, err := s.dialer.DialContext(dctx, guest.Target{Instance: name, Port: t.DaemonPort})
+	began := time.Now()
+	var err error
+	for wctx.Err() == nil {
+		dctx, dcancel := context.WithTimeout(wctx, time.Second)
+		var c net.Conn
+		c, err = s.dialer.DialContext(dctx, target)
 		dcancel()
 		if err == nil {
 			_ = c.Close()
 			return
 		}
-		if !clock.Sleep(ctx, 100*time.Millisecond) {
-			return
+		if !clock.Sleep(wctx, 100*time.Millisecond) {
+			break
 		}
+	}
+	if ctx.Err() == nil {
+		s.log.Info("a ready spare's daemon did not take a stream in time; the spare is readied anyway", zap.String("instance", target.Instance),
+			zap.Duration("waited", time.Since(began)), zap.Error(err))
 	}
 }
 
@@ -611,6 +620,13 @@ func (s *Service) awaitDaemon(ctx context.Context, name string, t *templates.Tem
 // adopted, since its maker may be alive after all and handing it out.
 // (replicaWordSurveys is how long a replica's word stands: several surveys.)
 const replicaWordSurveys = 4
+
+// readyAbandoned is how old another replica's spare must be before its
+// lapsed word gets it deleted: far beyond the longest a spare takes to be
+// made (an image unpacked on a busy member, and the wait for its daemon),
+// so that a word missed once (a project write that lost its race) never
+// deletes a spare its maker is still making.
+const readyAbandoned = 5 * time.Minute
 
 // readySurvey settles the ready spares and stand-ins of one listing: it
 // notes this replica's ready spares, deletes what no one can hand out or
@@ -686,8 +702,9 @@ func (s *Service) readySurvey(ctx context.Context, list []incus.Instance) {
 			}
 		case r.WarmMaker == s.cfg.Replica:
 			drop = append(drop, w.Name) // built from another recipe, or no longer offered
-		case alive != nil && !alive[r.WarmMaker] && now.Sub(w.CreatedAt) >= s.retireGrace():
+		case alive != nil && !alive[r.WarmMaker] && now.Sub(w.CreatedAt) >= readyAbandoned:
 			drop = append(drop, w.Name) // its maker's word lapsed
+			s.log.Info("deleting a ready spare whose maker's word has lapsed", zap.String("instance", w.Name), zap.String("maker", r.WarmMaker))
 		}
 	}
 	// Surplus: above this replica's share of the size wanted, the spares
