@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"maps"
 	"net"
 	"regexp"
@@ -559,6 +560,9 @@ func (s *Service) readyCreate(ctx context.Context, name string, t *templates.Tem
 	}
 	s.listingChanged()
 	if err == nil {
+		err = s.awaitRunning(ctx, name)
+	}
+	if err == nil {
 		location := ""
 		if inst, lerr := s.lookupIncus(ctx, name); lerr == nil && inst != nil && inst.Location != "" {
 			location, member = inst.Location, memberOf(inst.Location)
@@ -579,6 +583,38 @@ func (s *Service) readyCreate(ctx context.Context, name string, t *templates.Tem
 		return
 	}
 	ok = true
+}
+
+// awaitRunning waits, bounded, until a new spare runs with no operation
+// on it. LXD ends a create's operation before the start it asked for has
+// brought the container up (and refuses a freeze meanwhile: "The container
+// isn't running"); a spare found stopped with nothing on it is started.
+func (s *Service) awaitRunning(ctx context.Context, name string) error {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	for {
+		if _, err := s.settled(ctx, name); err != nil {
+			return err
+		}
+		inst, err := s.lookupIncus(ctx, name)
+		switch {
+		case err != nil:
+			return err
+		case inst == nil:
+			return fmt.Errorf("spare %s: %w", name, incus.ErrNotFound)
+		case inst.Status == incus.InstanceRunning:
+			if op, err := s.operationOn(ctx, name); err != nil || op == nil {
+				return err
+			}
+		case inst.Status == incus.InstanceStopped:
+			if err := s.act(ctx, name, incus.InstanceStatePut{Action: incus.ActionStart}, time.Minute); err != nil && !errors.Is(err, incus.ErrBusy) {
+				return err
+			}
+		}
+		if !clock.Sleep(ctx, 100*time.Millisecond) {
+			return ctx.Err()
+		}
+	}
 }
 
 // readyDaemonWait bounds how long a new spare's daemon may take to listen
