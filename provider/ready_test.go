@@ -159,19 +159,7 @@ func TestReadySparesOnIncus(t *testing.T) {
 	}
 	r.checkOneTargetEach(owners)
 
-	for _, o := range owners {
-		deadline := time.Now().Add(90 * time.Second)
-		for {
-			got, err := r.closeTarget(o)
-			if err == nil && got.Phase == controller.PhaseClosed {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s never closed: %+v %v", o.EnvironmentID, got, err)
-			}
-			time.Sleep(200 * time.Millisecond)
-		}
-	}
+	r.closeEach(owners...)
 	list, err := r.client.ListInstances(r.ctx())
 	if err != nil {
 		t.Fatal(err)

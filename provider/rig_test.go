@@ -481,9 +481,8 @@ func routeOf(owner controller.Owner, id string) routes.Route {
 	return routes.Route{Owner: owner, TargetID: id}
 }
 
-// closeAll closes every owner's target, as the runtime does (until closed),
-// and checks nothing is left in Incus.
-func (r *rig) closeAll(owners ...controller.Owner) {
+// closeEach closes every owner's target, as the runtime does: until closed.
+func (r *rig) closeEach(owners ...controller.Owner) {
 	r.t.Helper()
 	for _, o := range owners {
 		deadline := time.Now().Add(90 * time.Second)
@@ -498,6 +497,13 @@ func (r *rig) closeAll(owners ...controller.Owner) {
 			time.Sleep(200 * time.Millisecond)
 		}
 	}
+}
+
+// closeAll closes every owner's target, as the runtime does (until closed),
+// and checks nothing is left in Incus.
+func (r *rig) closeAll(owners ...controller.Owner) {
+	r.t.Helper()
+	r.closeEach(owners...)
 	list, err := r.client.ListInstances(r.ctx())
 	if err != nil {
 		r.t.Fatal(err)

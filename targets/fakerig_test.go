@@ -172,7 +172,6 @@ func fakeCatalog(t *testing.T) *templates.Catalog {
 // fakeCatalogOf is fakeCatalog with t1 deprecated or not.
 func fakeCatalogOf(t *testing.T, deprecated bool) *templates.Catalog {
 	t.Helper()
-	p := filepath.Join(t.TempDir(), "templates.yaml")
 	body := `templates:
   - templateId: t1
     displayName: test guest
@@ -181,6 +180,13 @@ func fakeCatalogOf(t *testing.T, deprecated bool) *templates.Catalog {
     ingressPort: 8080
     deprecated: ` + strconv.FormatBool(deprecated) + `
     imageFingerprint: ` + fakeFingerprint + "\n"
+	return loadFakeCatalog(t, body)
+}
+
+// loadFakeCatalog loads a templates file's body, its images vouched for.
+func loadFakeCatalog(t *testing.T, body string) *templates.Catalog {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "templates.yaml")
 	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}

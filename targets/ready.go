@@ -135,16 +135,21 @@ func (p *readyPool) take(t *templates.Template) (name string, sp readySpare, rel
 			continue
 		}
 		p.taken[n] = true
-		return n, sp, func(consumed bool) {
-			p.mu.Lock()
-			delete(p.taken, n)
-			if consumed {
-				p.consume(n)
-			}
-			p.mu.Unlock()
-		}, true
+		return n, sp, p.releaser(n), true
 	}
 	return "", readySpare{}, nil, false
+}
+
+// releaser gives a held spare back; consumed takes it out of the pool.
+func (p *readyPool) releaser(name string) func(consumed bool) {
+	return func(consumed bool) {
+		p.mu.Lock()
+		delete(p.taken, name)
+		if consumed {
+			p.consume(name)
+		}
+		p.mu.Unlock()
+	}
 }
 
 // count is how many spares of t are ready or being created.
@@ -441,14 +446,7 @@ func (p *readyPool) hold(name string) (release func(consumed bool), ok bool) {
 		return nil, false
 	}
 	p.taken[name] = true
-	return func(consumed bool) {
-		p.mu.Lock()
-		delete(p.taken, name)
-		if consumed {
-			p.consume(name)
-		}
-		p.mu.Unlock()
-	}, true
+	return p.releaser(name), true
 }
 
 // readyRequest is the create of a ready spare of t: the template's

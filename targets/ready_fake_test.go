@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -21,8 +19,7 @@ import (
 // fakeReadyCatalog is a catalog whose template r keeps ready spares.
 func fakeReadyCatalog(t *testing.T, warm, warmMax int, state string) *templates.Catalog {
 	t.Helper()
-	p := filepath.Join(t.TempDir(), "templates.yaml")
-	body := fmt.Sprintf(`templates:
+	return loadFakeCatalog(t, fmt.Sprintf(`templates:
   - templateId: r
     displayName: ready guest
     powerStates: [running, paused, stopped]
@@ -30,18 +27,7 @@ func fakeReadyCatalog(t *testing.T, warm, warmMax int, state string) *templates.
     warm: %d
     warmMax: %d
     warmState: %s
-`, fakeFingerprint, warm, warmMax, state)
-	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cat, err := templates.Load(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cat.Resolve(context.Background(), fakeImages{}); err != nil {
-		t.Fatal(err)
-	}
-	return cat
+`, fakeFingerprint, warm, warmMax, state))
 }
 
 // pipeDialer reaches a daemon that listens at once: a spare's wait for
@@ -61,6 +47,17 @@ func newReadyRig(t *testing.T, warm, warmMax int, cfg Config) *fakeRig {
 		cfg.ReconcileInterval = 300 * time.Millisecond
 	}
 	return newFakeRigOf(t, fakeDurations(seeded(t)), cfg, fakeReadyCatalog(t, warm, warmMax, templates.WarmFrozen), pipeDialer{})
+}
+
+// secondReplica starts another replica, named id, on the rig's project;
+// the test's cleanup stops it, and so may stop.
+func (r *fakeRig) secondReplica(id string) (*Service, func()) {
+	r.t.Helper()
+	cfg := r.cfg
+	cfg.Replica = id
+	svc, stop := r.process(cfg, nil)
+	r.t.Cleanup(stop)
+	return svc, stop
 }
 
 // readyCount is how many ready spares svc holds for its hand-outs.
@@ -238,10 +235,7 @@ func TestFakeReadyHandOutKilledAtEachStep(t *testing.T) {
 // one target, and no spare is ever claimed for two owners.
 func TestFakeReadyTwoReplicas(t *testing.T) {
 	r := newReadyRig(t, 4, 4, Config{Replica: "ra", Replicas: 2})
-	cfgB := r.cfg
-	cfgB.Replica = "rb"
-	b, stopB := r.process(cfgB, nil)
-	t.Cleanup(stopB)
+	b, stopB := r.secondReplica("rb")
 	r.awaitReady(r.svc, 2)
 	r.awaitReady(b, 2)
 	const owners = 16
@@ -324,10 +318,7 @@ func TestFakeReadyLeftoversAreRepaired(t *testing.T) {
 // stand-in last.
 func TestFakeReadyCloseRacesAClaim(t *testing.T) {
 	r := newReadyRig(t, 1, 1, Config{Replica: "ra", Replicas: 2})
-	cfgB := r.cfg
-	cfgB.Replica = "rb"
-	b, stopB := r.process(cfgB, nil)
-	t.Cleanup(stopB)
+	b, _ := r.secondReplica("rb")
 	r.awaitReady(r.svc, 1)
 	o := fakeOwner("raced")
 	at, release := make(chan struct{}), make(chan struct{})
