@@ -218,6 +218,9 @@ func (s *Service) handoutReadyOne(ctx context.Context, name, sn string, sp ready
 		to: record{Schema: schemaVersion, Owner: owner.to.Owner, Standin: sn, Template: t.Wire.TemplateID, WarmClaimAt: s.now()}}
 	req := incus.InstancesPost{Name: name, Type: t.InstanceType, Source: incus.InstanceSource{Type: "none"},
 		Config: lock.config(), Profiles: t.Profiles, Target: sp.member}
+	if s.warmHook != nil && s.warmHook("taken") {
+		return warmCrashed, false, nil
+	}
 	op, err := s.incus.CreateInstance(ctx, req)
 	if err == nil {
 		if s.warmHook != nil && s.warmHook("standin-sent") {

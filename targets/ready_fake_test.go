@@ -384,3 +384,47 @@ func TestFakeReadyCloseByIDIsIdempotent(t *testing.T) {
 		t.Fatalf("another owner's close naming a gone spare answered %+v, %v; want closed", got, err)
 	}
 }
+
+// TestFakeReadyHandOutLandingAfterClosed: another replica answers a close
+// closed while a hand-out has its spare and has not sent its stand-in yet
+// (nothing of the owner is in Incus). The hand-out then lands a target
+// under an owner answered closed, which no one would ever close: the
+// replica that answered closed closes it, stand-in and all.
+func TestFakeReadyHandOutLandingAfterClosed(t *testing.T) {
+	r := newReadyRig(t, 1, 1, Config{Replica: "ra", Replicas: 2})
+	b, _ := r.secondReplica("rb")
+	r.awaitReady(r.svc, 1)
+	o := fakeOwner("closed-first")
+	at, release := make(chan struct{}), make(chan struct{})
+	r.svc.warmHook = func(step string) bool {
+		if step == "taken" {
+			close(at)
+			<-release
+		}
+		return false
+	}
+	created := make(chan controller.Observation, 1)
+	go func() {
+		obs, err := r.svc.CreateTarget(context.Background(), readyParams(o))
+		if err != nil {
+			t.Error(err)
+		}
+		created <- obs
+	}()
+	<-at
+	if got, err := b.CloseTarget(context.Background(), controller.TargetRef{Owner: o}); err != nil || got.Phase != controller.PhaseClosed {
+		t.Fatalf("a close with nothing of the owner in Incus answered %+v, %v; want closed", got, err)
+	}
+	close(release)
+	if got := <-created; !isReadyName(got.TargetID) {
+		t.Fatalf("the hand-out answered %+v", got)
+	}
+	r.awaitFake("the target landed after closed, closed", 20*time.Second, func() bool {
+		for _, v := range r.fake.Instances(fakeProject) {
+			if v.Config[keyEnvironment] == o.EnvironmentID {
+				return false
+			}
+		}
+		return true
+	})
+}

@@ -79,7 +79,12 @@ func (s *Service) pass(ctx context.Context) error {
 // landedAfterClosed says inst stands under a name this process answered
 // closed, with no close recorded on it: it arrived after that answer.
 func (s *Service) landedAfterClosed(inst *incus.Instance) bool {
-	return !recordOf(inst.Config, fClosing).has(fClosing) && s.closed.has(inst.Name, s.now())
+	r := recordOf(inst.Config, fClosing|fWarmClaim)
+	name := inst.Name
+	if isReadyName(name) {
+		name = r.WarmClaim // a ready spare handed out: its owner's name
+	}
+	return !r.has(fClosing) && name != "" && s.closed.has(name, s.now())
 }
 
 func needsWork(inst *incus.Instance) bool {
