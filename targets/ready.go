@@ -277,7 +277,7 @@ func (s *Service) claimReady(ctx context.Context, name, sn string, owner change,
 	if w == nil {
 		w, etag, err = s.incus.GetInstance(ctx, sn)
 	}
-	if err != nil || !claimable(w, t, s.cfg.Replica) {
+	if err != nil || !s.claimable(w, t) {
 		s.dropStandin(ctx, name, sn)
 		return warmMiss, nil
 	}
@@ -324,14 +324,28 @@ func (s *Service) claimReady(ctx context.Context, name, sn string, owner change,
 
 // claimable says a spare can be claimed for a template's hand-out by this
 // replica: one of its ready spares, unclaimed, built from the template's
-// recipe, frozen or running.
-func claimable(w *incus.Instance, t *templates.Template, replica string) bool {
+// recipe with this process's guest devices, frozen or running.
+func (s *Service) claimable(w *incus.Instance, t *templates.Template) bool {
 	if !isReadyName(w.Name) || (w.Status != incus.InstanceFrozen && w.Status != incus.InstanceRunning) {
 		return false
 	}
 	r := recordOf(w.Config, fPool|fWarmClaim|fWarmMaker|fOwner)
-	return r.Warm == t.Wire.TemplateID && r.WarmRecipe == recipeOf(readyRequest("", t)) && r.has(fWarmReady) &&
-		r.WarmClaim == "" && r.WarmMaker == replica && !r.has(fOwner)
+	return r.Warm == t.Wire.TemplateID && r.WarmRecipe == s.readyRecipe(t) && r.has(fWarmReady) &&
+		r.WarmClaim == "" && r.WarmMaker == s.cfg.Replica && !r.has(fOwner)
+}
+
+// readyRecipe digests what a ready spare of t is built from: the
+// template's recipe and the guest dialer's devices. A spare is started
+// with its devices, which a claim does not change, so one built for
+// another dialer (or another socket directory) is rebuilt, never handed
+// out: its owner's data routes could not reach it (LXD's lane met one, a
+// spare made by a netns process handed out by a proxy one). The devices
+// are digested as they are for a placeholder name: each spare's own
+// devices are named for it.
+func (s *Service) readyRecipe(t *templates.Template) string {
+	req := readyRequest("", t)
+	maps.Copy(req.Devices, s.dialer.Devices(guest.Target{Instance: readyPrefix + "00000000000000000000", Port: t.DaemonPort}))
+	return recipeOf(req)
 }
 
 // dropStandin deletes the stand-in at name if it still names sn.
@@ -419,7 +433,7 @@ func (s *Service) resumeReady(ctx context.Context, name string, at *incus.Instan
 		}
 		defer release(true)
 		w, lerr := s.lookup(ctx, sn)
-		if lerr != nil || w == nil || !claimable(w, tmpl, s.cfg.Replica) {
+		if lerr != nil || w == nil || !s.claimable(w, tmpl) {
 			return nil, warmBusy // another replica's: its hand-out, or the stand-in's age, settles it
 		}
 		owner, err := s.ownerChange(p, tmpl)
@@ -553,7 +567,7 @@ func (s *Service) readyCreate(ctx context.Context, name string, t *templates.Tem
 	}()
 	req := readyRequest(name, t)
 	maps.Copy(req.Config, change{keys: fWarm | fWarmRecipe | fWarmMaker,
-		to: record{Warm: id, WarmRecipe: recipeOf(readyRequest("", t)), WarmMaker: s.cfg.Replica}}.config())
+		to: record{Warm: id, WarmRecipe: s.readyRecipe(t), WarmMaker: s.cfg.Replica}}.config())
 	maps.Copy(req.Devices, s.dialer.Devices(guest.Target{Instance: name, Port: t.DaemonPort}))
 	op, err := s.incus.CreateInstance(ctx, req)
 	if err == nil {
@@ -722,7 +736,7 @@ func (s *Service) readySurvey(ctx context.Context, list []incus.Instance) {
 			continue
 		}
 		t, ok := s.catalog.Load().Get(r.Warm)
-		current := ok && t.Ready() && !t.Wire.Deprecated && r.WarmRecipe == recipeOf(readyRequest("", t))
+		current := ok && t.Ready() && !t.Wire.Deprecated && r.WarmRecipe == s.readyRecipe(t)
 		_, left := s.ready.left[w.Name]
 		switch {
 		case left:

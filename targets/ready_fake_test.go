@@ -284,7 +284,7 @@ func TestFakeReadyLeftoversAreRepaired(t *testing.T) {
 		return incusfake.Seed{Name: Name(o), Config: map[string]string{keySchema: schemaVersion, keyUniverse: o.UniverseID,
 			keyEnvironment: o.EnvironmentID, keyStandin: spare, keyTemplate: "r", keyWarmClaimAt: msString(at)}}
 	}
-	recipe := recipeOf(readyRequest("", r.svc.catalog.Load().All()[0]))
+	recipe := r.svc.readyRecipe(r.svc.catalog.Load().All()[0])
 	gone, unlocked, resumed := fakeOwner("gone"), fakeOwner("unlocked"), fakeOwner("resumed")
 	spare := "lsr-00000000000000000001"
 	claimed := "lsr-00000000000000000002"
@@ -427,4 +427,47 @@ func TestFakeReadyHandOutLandingAfterClosed(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// deviceDialer is pipeDialer for a dialer that needs a device on each
+// guest, as the proxy dialer does.
+type deviceDialer struct{ pipeDialer }
+
+func (deviceDialer) Devices(t guest.Target) map[string]map[string]string {
+	return map[string]map[string]string{"lsguest": {"type": "proxy", "listen": "unix:/run/ls/" + t.Instance + ".sock"}}
+}
+
+// TestFakeReadySparesOfAnotherDialerAreRebuilt: spares made by a process
+// whose guest dialer needs no device are never handed out by one whose
+// dialer needs one (its owner's routes could not reach the guest): the
+// survey deletes them, and the spares handed out carry the device.
+func TestFakeReadySparesOfAnotherDialerAreRebuilt(t *testing.T) {
+	r := newReadyRig(t, 2, 2, Config{})
+	r.awaitReady(r.svc, 2)
+	before := map[string]bool{}
+	r.svc.ready.mu.Lock()
+	for n := range r.svc.ready.spares {
+		before[n] = true
+	}
+	r.svc.ready.mu.Unlock()
+	r.dialer = deviceDialer{}
+	r.restart(nil)
+	r.awaitFake("the spares of the other dialer deleted", 20*time.Second, func() bool {
+		for _, v := range r.fake.Instances(fakeProject) {
+			if before[v.Name] {
+				return false
+			}
+		}
+		return true
+	})
+	r.awaitReady(r.svc, 2)
+	o := fakeOwner("rebuilt")
+	r.expect(o)
+	obs, err := r.svc.CreateTarget(context.Background(), readyParams(o))
+	if err != nil || !isReadyName(obs.TargetID) || before[obs.TargetID] {
+		t.Fatalf("create answered %+v, %v; want a spare built for this dialer", obs, err)
+	}
+	if v := r.instance(obs.TargetID); v.Devices["lsguest"]["type"] != "proxy" {
+		t.Fatalf("the handed-out spare has devices %v, want the dialer's", v.Devices)
+	}
 }
