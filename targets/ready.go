@@ -182,14 +182,15 @@ func (s *Service) readyOffered() bool {
 
 // handoutReady gives the owner's name one ready spare of t: the stand-in,
 // the claim and the unfreeze. The caller holds the owner's lock and has
-// seen nothing at name. On warmHit, target is the spare now the owner's.
-func (s *Service) handoutReady(ctx context.Context, name string, p controller.CreateParams, t *templates.Template) (r handoutResult, target string, inst *incus.Instance) {
+// seen nothing at name. On warmHit, inst is the spare now the owner's
+// target, as the hand-out wrote it.
+func (s *Service) handoutReady(ctx context.Context, name string, p controller.CreateParams, t *templates.Template) (r handoutResult, inst *incus.Instance) {
 	if !t.Ready() {
-		return warmMiss, "", nil
+		return warmMiss, nil
 	}
 	owner, err := s.ownerChange(p, t)
 	if err != nil {
-		return warmMiss, "", nil
+		return warmMiss, nil
 	}
 	for tries := 0; tries < 3 && answerWait(ctx, time.Second) >= 200*time.Millisecond; tries++ {
 		sn, sp, release, ok := s.ready.take(t)
@@ -202,13 +203,13 @@ func (s *Service) handoutReady(ctx context.Context, name string, p controller.Cr
 		s.warm.kick()
 		if r == warmHit {
 			s.warmMetrics().handedOut(t.Wire.TemplateID, s.now().Sub(began))
-			return r, sn, inst
+			return r, inst
 		}
 		if r != warmMiss {
-			return r, "", nil
+			return r, nil
 		}
 	}
-	return warmMiss, "", nil
+	return warmMiss, nil
 }
 
 // handoutReadyOne tries one spare. consumed: the spare left the pool (it
@@ -309,16 +310,16 @@ func (s *Service) claimReady(ctx context.Context, name, sn string, owner change,
 	now := *w
 	now.Config = maps.Clone(w.Config)
 	claim.applyTo(now.Config)
+	s.log.Info("handed out a ready spare", zap.String("instance", name), zap.String("target", sn))
 	if w.Status == incus.InstanceFrozen {
 		if err := s.act(ctx, sn, incus.InstanceStatePut{Action: incus.ActionUnfreeze}, answerWait(ctx, 2*time.Second)); err != nil {
-			// Its intent is running: the reconciler unfreezes it.
+			// Still frozen, its intent running: the reconciler unfreezes it,
+			// and the answer says it is on its way there.
 			s.own.kick(sn)
-			s.log.Info("handed out a ready spare", zap.String("instance", name), zap.String("target", sn))
-			return warmHit, nil
+			return warmHit, &now
 		}
 		now.Status = incus.InstanceRunning
 	}
-	s.log.Info("handed out a ready spare", zap.String("instance", name), zap.String("target", sn))
 	return warmHit, &now
 }
 
@@ -410,6 +411,17 @@ func (s *Service) follow(ctx context.Context, owner controller.Owner, at *incus.
 	return nil, standinStale, nil
 }
 
+// atOwnersName reads the owner's name from Incus and follows a stand-in
+// there: at is what the name holds, target the owner's target when there
+// is one (the instance itself, or the spare its stand-in names).
+func (s *Service) atOwnersName(ctx context.Context, name string, owner controller.Owner) (at, target *incus.Instance, st standin, err error) {
+	if at, err = s.lookup(ctx, name); err != nil {
+		return nil, nil, noStandin, err
+	}
+	target, st, err = s.follow(ctx, owner, at, s.lookup)
+	return at, target, st, err
+}
+
 // resumeReady settles the stand-in found at the owner's name, under the
 // owner's lock: a spare of this replica's left unclaimed is claimed now; a
 // stale stand-in is deleted. It answers the owner's target when there is
@@ -441,12 +453,9 @@ func (s *Service) resumeReady(ctx context.Context, name string, at *incus.Instan
 			return nil, warmBusy
 		}
 		s.log.Info("resuming a hand-out an earlier claimant left", zap.String("instance", name), zap.String("spare", sn))
-		if r, _ := s.claimReady(ctx, name, sn, owner, tmpl); r != warmHit {
+		r, got := s.claimReady(ctx, name, sn, owner, tmpl)
+		if r != warmHit {
 			return nil, r
-		}
-		got, err := s.lookup(ctx, sn)
-		if err != nil || got == nil {
-			return nil, warmBusy
 		}
 		return got, warmHit
 	}
@@ -467,7 +476,8 @@ func (p *readyPool) hold(name string) (release func(consumed bool), ok bool) {
 }
 
 // readyRequest is the create of a ready spare of t: the template's
-// recipe, started, with the guest dialer's devices named for it.
+// recipe, started (readyCreate adds the guest dialer's devices, named for
+// the spare).
 func readyRequest(name string, t *templates.Template) incus.InstancesPost {
 	req := templateRequest(name, t)
 	req.Start = true
@@ -479,9 +489,9 @@ func readyRequest(name string, t *templates.Template) incus.InstancesPost {
 // ceiling.
 func (s *Service) readyFill(held map[string]int64, heldBack map[string]int) {
 	now := s.now()
-	// A burst of hand-outs is Incus writes the refill's creates and starts
-	// would slow: the refill waits while hand-outs run (each one's end
-	// kicks it), for readyRefillPatience at most.
+	// A refill's creates and starts would slow a burst of hand-outs (each
+	// is Incus writes too): the refill waits while hand-outs run (each
+	// one's end kicks it), for readyRefillPatience at most.
 	s.ready.mu.Lock()
 	busy := len(s.ready.taken) > 0
 	switch {
@@ -718,6 +728,16 @@ func (s *Service) readySurvey(ctx context.Context, list []incus.Instance) {
 		}
 	}
 	mine := map[string]readySpare{}
+	// Each template's recipe once per survey, not once per spare.
+	recipe := map[string]string{}
+	recipes := func(t *templates.Template) string {
+		r, ok := recipe[t.Wire.TemplateID]
+		if !ok {
+			r = s.readyRecipe(t)
+			recipe[t.Wire.TemplateID] = r
+		}
+		return r
+	}
 	var drop, unlocked []string
 	s.ready.mu.Lock()
 	for _, w := range spares {
@@ -736,7 +756,7 @@ func (s *Service) readySurvey(ctx context.Context, list []incus.Instance) {
 			continue
 		}
 		t, ok := s.catalog.Load().Get(r.Warm)
-		current := ok && t.Ready() && !t.Wire.Deprecated && r.WarmRecipe == s.readyRecipe(t)
+		current := ok && t.Ready() && !t.Wire.Deprecated && r.WarmRecipe == recipes(t)
 		_, left := s.ready.left[w.Name]
 		switch {
 		case left:
@@ -930,12 +950,8 @@ func (s *Service) closeStandin(ctx context.Context, name string, owner controlle
 	if !s.readyOffered() && !s.ready.seen() {
 		return false, nil
 	}
-	at, err := s.lookup(ctx, name)
-	if err != nil || at == nil || standinOf(at) == "" {
-		return false, err
-	}
-	_, st, err := s.follow(ctx, owner, at, s.lookup)
-	if err != nil || st == standinHeld {
+	at, _, st, err := s.atOwnersName(ctx, name, owner)
+	if err != nil || at == nil || st == noStandin || st == standinHeld {
 		return false, err
 	}
 	sn := standinOf(at)

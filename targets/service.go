@@ -462,27 +462,8 @@ func (s *Service) getNothing(ctx context.Context, ref controller.TargetRef, name
 	if s.warmHook != nil {
 		s.warmHook("get-absent")
 	}
-	if s.readyOffered() || s.ready.seen() {
-		at, err := s.lookup(ctx, name)
-		if err != nil {
-			return controller.Observation{}, s.incusError("looking up the owner's target", err)
-		}
-		if at != nil && standinOf(at) != "" {
-			target, st, err := s.follow(ctx, ref.Owner, at, s.lookup)
-			switch {
-			case err != nil:
-				return controller.Observation{}, s.incusError("looking up the owner's target", err)
-			case st == standinHeld:
-				return s.observe(target, ref.Owner), nil
-			case st == standinPending:
-				return controller.Observation{TargetID: ref.TargetID, Owner: ref.Owner, Phase: controller.PhaseProvisioning,
-					Message: "Handing out a ready spare."}, nil
-			}
-			return controller.Observation{}, notHeld()
-		}
-	}
 	pending := s.creates.following(name) || s.warm.renamingTo(name)
-	if !pending && !s.poolsOffered() {
+	if !pending && !s.poolsOffered() && !s.readyOffered() && !s.ready.seen() {
 		return controller.Observation{}, notHeld()
 	}
 	if !pending {
@@ -492,11 +473,16 @@ func (s *Service) getNothing(ctx context.Context, ref controller.TargetRef, name
 		}
 		pending = len(claimed) > 0
 	}
-	inst, err := s.lookup(ctx, name)
-	if err != nil {
+	_, inst, st, err := s.atOwnersName(ctx, name, ref.Owner)
+	switch {
+	case err != nil:
 		return controller.Observation{}, s.incusError("looking up the owner's target", err)
-	}
-	if inst != nil {
+	case st == standinPending:
+		return controller.Observation{TargetID: ref.TargetID, Owner: ref.Owner, Phase: controller.PhaseProvisioning,
+			Message: "Handing out a ready spare."}, nil
+	case st == standinStale:
+		return controller.Observation{}, notHeld()
+	case inst != nil:
 		if err := checkOwned(inst, ref.Owner); err != nil {
 			return controller.Observation{}, err
 		}
@@ -523,8 +509,9 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		return controller.Observation{}, err
 	}
 	defer unlock()
+	tmpl, ok := s.catalog.Load().Get(p.TemplateID)
 	read := s.lookup
-	if t, ok := s.catalog.Load().Get(p.TemplateID); ok && t.Ready() {
+	if ok && tmpl.Ready() {
 		// From the cache: a hand-out's first write is the stand-in's
 		// create, which Incus refuses while anything holds the name, and
 		// that refusal is answered from Incus (answerAt).
@@ -570,7 +557,6 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		}
 		return s.observe(inst, p.Owner), nil
 	}
-	tmpl, ok := s.catalog.Load().Get(p.TemplateID)
 	var refusal error
 	switch {
 	case !ok:
@@ -601,20 +587,10 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 		s.warm.kick()
 	}
 	if tmpl.Ready() {
-		switch r, target, inst := s.handoutReady(ctx, name, p, tmpl); r {
+		switch r, inst := s.handoutReady(ctx, name, p, tmpl); r {
 		case warmHit:
 			s.warmMetrics().handout(tmpl.Wire.TemplateID, true)
-			if inst != nil {
-				return s.observe(inst, p.Owner), nil
-			}
-			after, err := s.lookup(ctx, target)
-			if err != nil || after == nil {
-				// Claimed for the owner: the target is the owner's whatever
-				// this read says, and its id is known.
-				return controller.Observation{TargetID: target, Owner: p.Owner, Phase: controller.PhaseProvisioning,
-					Message: "Handing out a ready spare."}, nil
-			}
-			return s.observe(after, p.Owner), nil
+			return s.observe(inst, p.Owner), nil
 		case warmLost:
 			return s.answerAt(ctx, name, p.Owner)
 		case warmCrashed:
@@ -688,15 +664,11 @@ func (s *Service) CreateTarget(ctx context.Context, p controller.CreateParams) (
 // answerAt answers a create that lost the owner's name to another create:
 // what that one put there, the owner's target or a stand-in leading to it.
 func (s *Service) answerAt(ctx context.Context, name string, owner controller.Owner) (controller.Observation, error) {
-	at, err := s.lookup(ctx, name)
+	_, target, _, err := s.atOwnersName(ctx, name, owner)
 	if err != nil {
 		return controller.Observation{}, s.incusError("looking up the owner's target", err)
 	}
-	target, st, err := s.follow(ctx, owner, at, s.lookup)
-	if err != nil {
-		return controller.Observation{}, s.incusError("looking up the owner's target", err)
-	}
-	if target == nil || st == standinPending || st == standinStale {
+	if target == nil {
 		return handingOut(owner), nil
 	}
 	if err := checkOwned(target, owner); err != nil {
