@@ -107,12 +107,7 @@ func TestReadySparesOnIncus(t *testing.T) {
 			t.Fatalf("the owner's name holds %+v (%v), want a stopped stand-in naming %s", lock, err, obs.TargetID)
 		}
 		route := routeOf(owner, obs.TargetID)
-		d := r.dial(route)
-		if d.Conn == nil {
-			t.Fatalf("the handed-out target's route refused: %+v after %s", d.Refusal, d.Elapsed)
-		}
-		id := daemonInstanceID(t, d.Conn)
-		_ = d.Conn.Close()
+		id := r.daemonID(route)
 		if ids[id] {
 			t.Fatalf("two handed-out spares answer with one daemonInstanceId %q", id)
 		}
@@ -203,6 +198,17 @@ func (r *rig) checkOneTargetEach(owners []controller.Owner) {
 			r.t.Fatalf("spare %s is claimed for %s under no stand-in", inst.Name, claim)
 		}
 	}
+}
+
+// daemonID dials the route and answers its daemon's identity.
+func (r *rig) daemonID(route routes.Route) string {
+	r.t.Helper()
+	d := r.dial(route)
+	if d.Conn == nil {
+		r.t.Fatalf("the route of %s refused: %+v after %s", route.TargetID, d.Refusal, d.Elapsed)
+	}
+	defer func() { _ = d.Conn.Close() }()
+	return daemonInstanceID(r.t, d.Conn)
 }
 
 // daemonInstanceID runs the data-plane initialize and returns the daemon's

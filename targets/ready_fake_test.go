@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"sync"
 	"testing"
 	"time"
@@ -311,6 +312,30 @@ func TestFakeReadyLeftoversAreRepaired(t *testing.T) {
 	}
 }
 
+// holdHandOut starts the owner's create on the rig's process and holds
+// its hand-out at step until release is called; created gets its answer.
+func (r *fakeRig) holdHandOut(o controller.Owner, step string) (release func(), created <-chan controller.Observation) {
+	r.t.Helper()
+	at, held := make(chan struct{}), make(chan struct{})
+	r.svc.warmHook = func(s string) bool {
+		if s == step {
+			close(at)
+			<-held
+		}
+		return false
+	}
+	answered := make(chan controller.Observation, 1)
+	go func() {
+		obs, err := r.svc.CreateTarget(context.Background(), readyParams(o))
+		if err != nil {
+			r.t.Error(err)
+		}
+		answered <- obs
+	}()
+	<-at
+	return func() { close(held) }, answered
+}
+
 // TestFakeReadyCloseRacesAClaim: a close on another replica arrives while
 // a hand-out has its stand-in and not yet its claim. It must not answer
 // closed (the claim would then land a target no one closes): it answers
@@ -321,29 +346,13 @@ func TestFakeReadyCloseRacesAClaim(t *testing.T) {
 	b, _ := r.secondReplica("rb")
 	r.awaitReady(r.svc, 1)
 	o := fakeOwner("raced")
-	at, release := make(chan struct{}), make(chan struct{})
-	r.svc.warmHook = func(step string) bool {
-		if step == "standin" {
-			close(at)
-			<-release
-		}
-		return false
-	}
-	created := make(chan controller.Observation, 1)
-	go func() {
-		obs, err := r.svc.CreateTarget(context.Background(), readyParams(o))
-		if err != nil {
-			t.Error(err)
-		}
-		created <- obs
-	}()
-	<-at
+	release, created := r.holdHandOut(o, "standin")
 	obs, err := b.CloseTarget(context.Background(), controller.TargetRef{Owner: o})
 	var rpc *jsonrpc.Error
 	if err == nil || !errors.As(err, &rpc) || rpc.Kind != jsonrpc.KindUnavailable {
 		t.Fatalf("a close while the hand-out's claim is under way answered %+v, %v; want unavailable", obs, err)
 	}
-	close(release)
+	release()
 	if got := <-created; !isReadyName(got.TargetID) || got.Phase != controller.PhaseActive {
 		t.Fatalf("the hand-out answered %+v", got)
 	}
@@ -395,27 +404,11 @@ func TestFakeReadyHandOutLandingAfterClosed(t *testing.T) {
 	b, _ := r.secondReplica("rb")
 	r.awaitReady(r.svc, 1)
 	o := fakeOwner("closed-first")
-	at, release := make(chan struct{}), make(chan struct{})
-	r.svc.warmHook = func(step string) bool {
-		if step == "taken" {
-			close(at)
-			<-release
-		}
-		return false
-	}
-	created := make(chan controller.Observation, 1)
-	go func() {
-		obs, err := r.svc.CreateTarget(context.Background(), readyParams(o))
-		if err != nil {
-			t.Error(err)
-		}
-		created <- obs
-	}()
-	<-at
+	release, created := r.holdHandOut(o, "taken")
 	if got, err := b.CloseTarget(context.Background(), controller.TargetRef{Owner: o}); err != nil || got.Phase != controller.PhaseClosed {
 		t.Fatalf("a close with nothing of the owner in Incus answered %+v, %v; want closed", got, err)
 	}
-	close(release)
+	release()
 	if got := <-created; !isReadyName(got.TargetID) {
 		t.Fatalf("the hand-out answered %+v", got)
 	}
@@ -469,5 +462,50 @@ func TestFakeReadySparesOfAnotherDialerAreRebuilt(t *testing.T) {
 	}
 	if v := r.instance(obs.TargetID); v.Devices["lsguest"]["type"] != "proxy" {
 		t.Fatalf("the handed-out spare has devices %v, want the dialer's", v.Devices)
+	}
+}
+
+// TestFakeReadyHandOutAgainstAFaultyIncus: Incus refuses, drops the answer
+// to, or hangs one call of a hand-out. The owner's create still ends with
+// one target: another spare when the first could not be taken, the same
+// one when the write landed unseen, and a frozen one the reconciler
+// unfreezes when the unfreeze hangs. The rig's inventory check then finds
+// no stand-in left over and no spare claimed twice.
+func TestFakeReadyHandOutAgainstAFaultyIncus(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		fault incusfake.Fault
+	}{
+		{"stand-in refused", incusfake.Fault{Kind: incusfake.Refuse, Method: http.MethodPost, Path: "/1.0/instances", Times: 1}},
+		{"stand-in answer dropped", incusfake.Fault{Kind: incusfake.DropResponse, Method: http.MethodPost, Path: "/1.0/instances", Times: 1}},
+		{"claim refused", incusfake.Fault{Kind: incusfake.Refuse, Method: http.MethodPatch, Path: "/1.0/instances/*", Times: 1}},
+		{"claim answer dropped", incusfake.Fault{Kind: incusfake.DropResponse, Method: http.MethodPatch, Path: "/1.0/instances/*", Times: 1}},
+		{"unfreeze hangs", incusfake.Fault{Kind: incusfake.Hang, Method: http.MethodPut, Path: "/1.0/instances/*/state", Times: 1}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newReadyRig(t, 2, 2, Config{})
+			r.awaitReady(r.svc, 2)
+			o := fakeOwner("faulty")
+			r.expect(o)
+			f := r.fake.Inject(c.fault)
+			defer f.Release()
+			obs, err := r.svc.CreateTarget(context.Background(), readyParams(o))
+			if f.Hits() == 0 {
+				t.Fatalf("the fault met no call (answer %+v, %v)", obs, err)
+			}
+			if err != nil || !isReadyName(obs.TargetID) {
+				t.Fatalf("the create answered %+v, %v; want a handed-out spare", obs, err)
+			}
+			f.Release()
+			for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+				got, err := r.svc.GetTarget(context.Background(), controller.TargetRef{Owner: o})
+				if err == nil && got.TargetID == obs.TargetID && got.Phase == controller.PhaseActive && got.Power == controller.PowerRunning {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("the owner's target never ran: %+v, %v", got, err)
+				}
+			}
+		})
 	}
 }
