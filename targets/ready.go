@@ -561,19 +561,7 @@ func (s *Service) readyCreate(ctx context.Context, name string, t *templates.Tem
 			s.ready.spares[name] = readySpare{template: id, member: member}
 		}
 		s.ready.mu.Unlock()
-		s.warm.mu.Lock()
-		if ok {
-			delete(s.warm.delay, id)
-			delete(s.warm.retryAt, id)
-		} else if ctx.Err() == nil {
-			d := min(max(2*s.warm.delay[id], time.Second), time.Minute)
-			s.warm.delay[id], s.warm.retryAt[id] = d, s.now().Add(d)
-		}
-		s.warm.mu.Unlock()
-		<-s.warm.sem
-		s.warmMetrics().refill(id, ok, s.now().Sub(began))
-		s.warmGauge()
-		s.warm.kick() // the next refill, without waiting for a survey
+		s.refillDone(id, began, ok, ok, !ok && ctx.Err() == nil)
 	}()
 	req := readyRequest(name, t)
 	maps.Copy(req.Config, change{keys: fWarm | fWarmRecipe | fWarmMaker,

@@ -80,6 +80,21 @@ func (r *fakeRig) awaitReady(svc *Service, n int) {
 	}
 }
 
+// awaitRunningAs waits until a get of the owner answers id, active and
+// running.
+func (r *fakeRig) awaitRunningAs(o controller.Owner, id string) {
+	r.t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		got, err := r.svc.GetTarget(context.Background(), controller.TargetRef{Owner: o})
+		if err == nil && got.TargetID == id && got.Phase == controller.PhaseActive && got.Power == controller.PowerRunning {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("the owner's target never ran as %s: %+v, %v", id, got, err)
+		}
+	}
+}
+
 // readyParams is the owner's create of template r.
 func readyParams(o controller.Owner) controller.CreateParams {
 	return controller.CreateParams{Owner: o, TemplateID: "r"}
@@ -215,17 +230,7 @@ func TestFakeReadyHandOutKilledAtEachStep(t *testing.T) {
 			if !isReadyName(obs.TargetID) && obs.TargetID != Name(o) {
 				t.Fatalf("the next create answered %+v", obs)
 			}
-			deadline := time.Now().Add(20 * time.Second)
-			for {
-				got, err := r.svc.GetTarget(context.Background(), controller.TargetRef{Owner: o})
-				if err == nil && got.Phase == controller.PhaseActive && got.Power == controller.PowerRunning && got.TargetID == obs.TargetID {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("the owner's target never ran: %+v, %v", got, err)
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
+			r.awaitRunningAs(o, obs.TargetID)
 		})
 	}
 }
@@ -497,15 +502,7 @@ func TestFakeReadyHandOutAgainstAFaultyIncus(t *testing.T) {
 				t.Fatalf("the create answered %+v, %v; want a handed-out spare", obs, err)
 			}
 			f.Release()
-			for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-				got, err := r.svc.GetTarget(context.Background(), controller.TargetRef{Owner: o})
-				if err == nil && got.TargetID == obs.TargetID && got.Phase == controller.PhaseActive && got.Power == controller.PowerRunning {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("the owner's target never ran: %+v, %v", got, err)
-				}
-			}
+			r.awaitRunningAs(o, obs.TargetID)
 		})
 	}
 }

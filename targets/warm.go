@@ -1033,17 +1033,9 @@ func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Temp
 		delete(s.warm.filling, name)
 		if ok || exists {
 			s.warm.known[name] = ok
-			delete(s.warm.delay, id)
-			delete(s.warm.retryAt, id)
-		} else {
-			d := min(max(2*s.warm.delay[id], time.Second), time.Minute)
-			s.warm.delay[id], s.warm.retryAt[id] = d, s.now().Add(d)
 		}
 		s.warm.mu.Unlock()
-		<-s.warm.sem
-		s.warmMetrics().refill(id, ok, s.now().Sub(began))
-		s.warmGauge()
-		s.warm.kick()
+		s.refillDone(id, began, ok, ok || exists, !ok && !exists)
 	}()
 	req := templateRequest(name, t)
 	maps.Copy(req.Config, change{keys: fWarm | fWarmRecipe, to: record{Warm: id, WarmRecipe: recipeOf(templateRequest("", t))}}.config())
@@ -1074,6 +1066,27 @@ func (s *Service) warmCreate(ctx context.Context, name string, t *templates.Temp
 		return
 	}
 	ok = true
+}
+
+// refillDone ends one refill create of template id, begun at began
+// (ok: it made a spare): settled clears the template's backoff, backoff
+// doubles it (1 s to 1 min); then the create's place among those in
+// flight is freed, the refill counted, and the next one kicked.
+func (s *Service) refillDone(id string, began time.Time, ok, settled, backoff bool) {
+	s.warm.mu.Lock()
+	switch {
+	case settled:
+		delete(s.warm.delay, id)
+		delete(s.warm.retryAt, id)
+	case backoff:
+		d := min(max(2*s.warm.delay[id], time.Second), time.Minute)
+		s.warm.delay[id], s.warm.retryAt[id] = d, s.now().Add(d)
+	}
+	s.warm.mu.Unlock()
+	<-s.warm.sem
+	s.warmMetrics().refill(id, ok, s.now().Sub(began))
+	s.warmGauge()
+	s.warm.kick()
 }
 
 // warmGauge sets the pool size per template from what this process knows.
