@@ -357,6 +357,31 @@ func TestWarmRacesLeaveOneInstancePerOwner(t *testing.T) {
 	}
 }
 
+// awaitNoTasks waits, within d, until Incus runs no operation in the
+// harness's project.
+func (h *harness) awaitNoTasks(d time.Duration) {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	for {
+		ops, err := h.client.ListOperations(ctx)
+		running := 0
+		for _, op := range ops {
+			if !op.Final() {
+				running++
+			}
+		}
+		if err == nil && running == 0 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			h.t.Fatalf("Incus still runs %d operations after %s (%v)", running, d, err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
 // A provider that stops mid-hand-out, then a fresh one on the project: the
 // owner ends with exactly one instance, whichever step the first stopped at.
 func TestWarmCrashMidHandout(t *testing.T) {
@@ -373,6 +398,10 @@ func TestWarmCrashMidHandout(t *testing.T) {
 				t.Fatal("the hook did not stop the hand-out")
 			}
 			stop()
+			// Read once the rename the crash left (if any) has ended: a
+			// listing taken while Incus (LXD under CI's load) renames the
+			// instance can show it without its config, and the claim with it.
+			h.awaitNoTasks(30 * time.Second)
 			warm, at := 0, 0
 			for _, inst := range h.instances() {
 				switch {
